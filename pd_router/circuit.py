@@ -1,0 +1,97 @@
+"""Per-worker circuit breaker fed by request outcomes.
+
+Consecutive failures open the circuit; after a cool-down one trial request is let through
+(half-open); its success closes the circuit, its failure opens it again. A worker whose circuit
+is open is not selected, so a broken worker stops costing retries long before the health probe
+notices.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class CircuitState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True)
+class CircuitConfig:
+    failure_threshold: int = 5
+    cooldown_secs: float = 10.0
+
+
+class CircuitBreaker:
+    """Closed -> open after ``failure_threshold`` consecutive failures -> half-open after
+    ``cooldown_secs`` -> closed on one success, open again on one failure."""
+
+    def __init__(
+        self,
+        config: CircuitConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[CircuitState], None] | None = None,
+    ) -> None:
+        self.config = config or CircuitConfig()
+        self._clock = clock
+        self._on_change = on_change
+        self._state = CircuitState.CLOSED
+        self._failures = 0
+        self._opened_at = 0.0
+        self._trial_in_flight = False
+
+    @property
+    def state(self) -> CircuitState:
+        if self._state is CircuitState.OPEN and self._cooled_down():
+            self._set(CircuitState.HALF_OPEN)
+        return self._state
+
+    def allows(self) -> bool:
+        """Whether a new request may be sent (does not reserve the half-open trial)."""
+        state = self.state
+        if state is CircuitState.CLOSED:
+            return True
+        return state is CircuitState.HALF_OPEN and not self._trial_in_flight
+
+    def on_dispatch(self) -> None:
+        """A request was sent; in half-open it is the one trial."""
+        if self._state is CircuitState.HALF_OPEN:
+            self._trial_in_flight = True
+
+    def record_success(self) -> None:
+        self._failures = 0
+        self._trial_in_flight = False
+        if self._state is not CircuitState.CLOSED:
+            self._set(CircuitState.CLOSED)
+
+    def record_failure(self) -> None:
+        self._trial_in_flight = False
+        self._failures += 1
+        if self._state is CircuitState.HALF_OPEN or (
+            self._state is CircuitState.CLOSED and self._failures >= self.config.failure_threshold
+        ):
+            self._opened_at = self._clock()
+            self._set(CircuitState.OPEN)
+
+    def reset(self) -> None:
+        """Forget past failures (a worker re-added by an operator starts closed)."""
+        self._failures = 0
+        self._trial_in_flight = False
+        self._set(CircuitState.CLOSED)
+
+    def _cooled_down(self) -> bool:
+        return self._clock() - self._opened_at >= self.config.cooldown_secs
+
+    def _set(self, state: CircuitState) -> None:
+        if state is self._state:
+            return
+        self._state = state
+        if self._on_change is not None:
+            self._on_change(state)
+
+
+CIRCUIT_STATE_VALUES = {CircuitState.CLOSED: 0, CircuitState.OPEN: 1, CircuitState.HALF_OPEN: 2}

@@ -1,0 +1,100 @@
+"""Every Prometheus metric of the router, defined in one place.
+
+Names are stable: the Grafana dashboard and the alert rules in ``configs/`` are built on them.
+Each router owns its own ``CollectorRegistry`` (no module-level global), so several routers can
+live in one process, as they do in tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "pd_router_"
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)  # fmt: skip
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                 60.0, 120.0, 300.0, 600.0)  # fmt: skip
+
+
+class RouterMetrics:
+    """The router's metrics, registered on a registry of their own."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.requests_total = Counter(
+            PREFIX + "requests_total", "Client requests by endpoint and HTTP status.",
+            ["endpoint", "status"], registry=r,
+        )  # fmt: skip
+        self.request_duration_seconds = Histogram(
+            PREFIX + "request_duration_seconds", "End-to-end request latency seen by the router.",
+            ["endpoint"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ttft_seconds = Histogram(
+            PREFIX + "ttft_seconds", "Request arrival to first byte sent to the client.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.upstream_errors_total = Counter(
+            PREFIX + "upstream_errors_total", "Failed upstream legs by role and kind of failure.",
+            ["role", "kind"], registry=r,
+        )  # fmt: skip
+        self.retries_total = Counter(
+            PREFIX + "retries_total", "Requests retried with a new (prefill, decode) pair.",
+            registry=r,
+        )  # fmt: skip
+        self.worker_inflight = Gauge(
+            PREFIX + "worker_inflight", "Requests the router has in flight on a worker.",
+            ["worker", "role"], registry=r,
+        )  # fmt: skip
+        self.worker_healthy = Gauge(
+            PREFIX + "worker_healthy", "1 when the worker passes health checks.",
+            ["worker"], registry=r,
+        )  # fmt: skip
+        self.worker_state = Gauge(
+            PREFIX + "worker_state", "1 for the worker's current state, 0 for the others.",
+            ["worker", "state"], registry=r,
+        )  # fmt: skip
+        self.pool_size = Gauge(
+            PREFIX + "pool_size", "ACTIVE workers per role (healthy or not).",
+            ["role"], registry=r,
+        )  # fmt: skip
+        self.circuit_state = Gauge(
+            PREFIX + "circuit_state", "Circuit breaker state: 0 closed, 1 open, 2 half-open.",
+            ["worker"], registry=r,
+        )  # fmt: skip
+        self.conversions_total = Counter(
+            PREFIX + "conversions_total", "Role conversions by direction and outcome.",
+            ["from_role", "to_role", "outcome"], registry=r,
+        )  # fmt: skip
+        self.conversion_phase_seconds = Histogram(
+            PREFIX + "conversion_phase_seconds",
+            "Duration of conversion phases (drain, switch, verify, total).",
+            ["phase"], buckets=PHASE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.autopilot_decisions_total = Counter(
+            PREFIX + "autopilot_decisions_total", "Autopilot decisions by action.",
+            ["action"], registry=r,
+        )  # fmt: skip
+
+    def forget_worker(self, worker: str, role: str) -> None:
+        """Drop a removed worker's labelled series so dashboards stop showing it."""
+        for gauge, labels in (
+            (self.worker_inflight, (worker, role)),
+            (self.worker_healthy, (worker,)),
+            (self.circuit_state, (worker,)),
+        ):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
+        for state in ("active", "draining", "switching", "failed"):
+            with contextlib.suppress(KeyError):
+                self.worker_state.remove(worker, state)
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The text exposition of every metric and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
