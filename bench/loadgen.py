@@ -1,0 +1,197 @@
+"""Closed-loop load generator: N concurrent clients sending /generate to one router.
+
+Runs as its own process (aiohttp client on uvloop) so its CPU is never charged to the router
+or to the orchestrator. Each client sends a request, waits for the full answer (non-streaming
+JSON body, or the SSE stream up to `data: [DONE]`), and sends the next one. Only answers that
+complete inside the measurement window (after the warm-up) count toward throughput and
+latency; errors are counted over the whole run. The router's CPU time (its whole process tree)
+is read from /proc exactly at the window's edges. One JSON object is printed on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import resource
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+import uvloop
+from proc_cpu import tree_cpu_seconds
+
+MAX_ERROR_SAMPLES = 5
+DRAIN_GRACE_S = 10.0
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What to send, how hard and for how long."""
+
+    url: str
+    concurrency: int
+    warmup_s: float
+    duration_s: float
+    stream: bool
+    max_new_tokens: int
+    request_timeout_s: float
+    cpu_pids: tuple[int, ...]
+
+
+@dataclass
+class Tally:
+    """Outcomes collected by all clients of one run."""
+
+    latencies_ms: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    completed: int = 0
+    errors: int = 0
+    error_samples: list[str] = field(default_factory=list)
+
+    def error(self, message: str) -> None:
+        self.errors += 1
+        if len(self.error_samples) < MAX_ERROR_SAMPLES:
+            self.error_samples.append(message)
+
+
+class BadAnswer(Exception):
+    """The router answered, but not with a complete, successful generation."""
+
+
+def _body(client: int, cfg: LoadConfig) -> bytes:
+    """A small distinct prompt per client, so no peer benefits from identical requests."""
+    return orjson.dumps(
+        {
+            "text": f"Client {client} asks: what is the capital of France? Answer briefly.",
+            "sampling_params": {"max_new_tokens": cfg.max_new_tokens, "temperature": 0},
+            "stream": cfg.stream,
+        }
+    )
+
+
+async def _exchange(session: aiohttp.ClientSession, cfg: LoadConfig, body: bytes) -> float | None:
+    """Send one request and read the full answer; return the time to first byte if streaming."""
+    started = time.perf_counter()
+    headers = {"Content-Type": "application/json"}
+    async with session.post(cfg.url, data=body, headers=headers) as resp:
+        if resp.status != 200:
+            raise BadAnswer(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
+        if not cfg.stream:
+            answer = orjson.loads(await resp.read())
+            if not isinstance(answer, dict) or "text" not in answer:
+                raise BadAnswer(f"no text in answer: {str(answer)[:200]}")
+            return None
+        first: float | None = None
+        tail = b""
+        async for chunk in resp.content.iter_any():
+            if first is None:
+                first = time.perf_counter() - started
+            tail = (tail + chunk)[-64:]
+        if b"[DONE]" not in tail:
+            raise BadAnswer(f"stream ended without [DONE]: {tail!r}")
+        return first
+
+
+async def _client(
+    session: aiohttp.ClientSession,
+    cfg: LoadConfig,
+    body: bytes,
+    window: tuple[float, float],
+    tally: Tally,
+) -> None:
+    """Send requests back to back until the window closes, recording those that end in it."""
+    window_start, window_end = window
+    while time.perf_counter() < window_end:
+        started = time.perf_counter()
+        try:
+            ttft = await _exchange(session, cfg, body)
+        except (aiohttp.ClientError, TimeoutError, BadAnswer, orjson.JSONDecodeError) as exc:
+            tally.error(f"{type(exc).__name__}: {exc}")
+            continue
+        ended = time.perf_counter()
+        if window_start <= ended <= window_end:
+            tally.completed += 1
+            tally.latencies_ms.append((ended - started) * 1000.0)
+            if ttft is not None:
+                tally.ttft_ms.append(ttft * 1000.0)
+
+
+def _own_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _cpu_snapshot(cfg: LoadConfig) -> tuple[float, float]:
+    """(router tree CPU seconds, this process's CPU seconds) right now."""
+    return sum(tree_cpu_seconds(pid) for pid in cfg.cpu_pids), _own_cpu_seconds()
+
+
+async def run(cfg: LoadConfig) -> dict[str, object]:
+    """Drive the load and return the tally with the CPU used inside the window."""
+    tally = Tally()
+    connector = aiohttp.TCPConnector(limit=cfg.concurrency, limit_per_host=cfg.concurrency)
+    timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        now = time.perf_counter()
+        window = (now + cfg.warmup_s, now + cfg.warmup_s + cfg.duration_s)
+        clients = [
+            asyncio.create_task(_client(session, cfg, _body(i, cfg), window, tally))
+            for i in range(cfg.concurrency)
+        ]
+        await asyncio.sleep(max(0.0, window[0] - time.perf_counter()))
+        cpu_start = _cpu_snapshot(cfg)
+        measured_from = time.perf_counter()
+        await asyncio.sleep(max(0.0, window[1] - time.perf_counter()))
+        cpu_end = _cpu_snapshot(cfg)
+        measured_s = time.perf_counter() - measured_from
+        _, pending = await asyncio.wait(clients, timeout=cfg.request_timeout_s + DRAIN_GRACE_S)
+        for task in pending:
+            task.cancel()
+    return {
+        "completed": tally.completed,
+        "errors": tally.errors,
+        "error_samples": tally.error_samples,
+        "window_s": measured_s,
+        "latencies_ms": tally.latencies_ms,
+        "ttft_ms": tally.ttft_ms,
+        "router_cpu_s": cpu_end[0] - cpu_start[0],
+        "loadgen_cpu_s": cpu_end[1] - cpu_start[1],
+    }
+
+
+def parse_args(argv: Sequence[str] | None) -> LoadConfig:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--url", required=True, help="e.g. http://127.0.0.1:30000/generate")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--warmup", type=float, default=2.0)
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--request-timeout", type=float, default=30.0)
+    parser.add_argument("--cpu-pid", type=int, action="append", default=[])
+    args = parser.parse_args(argv)
+    if args.concurrency < 1 or args.duration <= 0 or args.warmup < 0:
+        parser.error("need --concurrency >= 1, --duration > 0, --warmup >= 0")
+    return LoadConfig(
+        url=args.url,
+        concurrency=args.concurrency,
+        warmup_s=args.warmup,
+        duration_s=args.duration,
+        stream=args.stream,
+        max_new_tokens=args.max_new_tokens,
+        request_timeout_s=args.request_timeout,
+        cpu_pids=tuple(args.cpu_pid),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    result = uvloop.run(run(parse_args(argv)))
+    sys.stdout.buffer.write(orjson.dumps(result) + b"\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
