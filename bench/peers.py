@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -33,6 +34,13 @@ class Topology:
 
     prefills: tuple[tuple[str, int], ...]
     decodes: tuple[str, ...]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A loopback port nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 ArgvBuilder = Callable[[Path, Topology, str, int], list[str]]
@@ -102,7 +110,10 @@ def _mini_lb_argv(bin_dir: Path, topology: Topology, host: str, port: int) -> li
 
 
 def _smg_argv(bin_dir: Path, topology: Topology, host: str, port: int) -> list[str]:
-    """smg (Rust) in PD mode; round_robin keeps its policy as cheap as ours."""
+    """smg (Rust) in PD mode; round_robin keeps its policy as cheap as ours.
+
+    Its metrics listener defaults to 0.0.0.0:29000; it is moved to a free loopback port.
+    """
     return [
         str(bin_dir / "smg"),
         "launch",
@@ -115,6 +126,10 @@ def _smg_argv(bin_dir: Path, topology: Topology, host: str, port: int) -> list[s
         "--policy",
         "round_robin",
         "--disable-tokenizer-autoload",
+        "--prometheus-host",
+        host,
+        "--prometheus-port",
+        str(free_port(host)),
         "--log-level",
         "warn",
     ]
