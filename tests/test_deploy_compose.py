@@ -1,0 +1,237 @@
+"""The deployment files fit together: compose services, ports, mounted files, the Prometheus
+targets and the Grafana provisioning describe one and the same cluster."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+yaml = pytest.importorskip("yaml", reason="PyYAML (test extra) parses the compose files")
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCKER = ROOT / "docker"
+CONFIGS = ROOT / "configs"
+WORKER_SERVICES = {
+    "prefill-0": "prefill",
+    "prefill-1": "prefill",
+    "decode-0": "decode",
+    "decode-1": "decode",
+}
+EXPECTED_SERVICES = {*WORKER_SERVICES, "router", "prometheus", "grafana"}
+
+
+def load_yaml(path: Path) -> Any:
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+@pytest.fixture(scope="module", params=["compose.demo.yml", "compose.gpu.yml"])
+def compose(request: pytest.FixtureRequest) -> dict[str, Any]:
+    return load_yaml(DOCKER / request.param)
+
+
+def tokens(command: list[str] | str) -> list[str]:
+    """A compose command as separate tokens, ``--flag=value`` split into flag and value."""
+    parts = command.split() if isinstance(command, str) else [str(c) for c in command]
+    out: list[str] = []
+    for part in parts:
+        if part.startswith("--") and "=" in part:
+            out.extend(part.split("=", 1))
+        else:
+            out.append(part)
+    return out
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def host_path(compose_file_dir: Path, volume: str) -> Path:
+    source = volume.split(":", 1)[0]
+    return (compose_file_dir / source).resolve()
+
+
+def published_host_ports(service: dict[str, Any]) -> list[int]:
+    return [int(str(p).split(":")[0]) for p in service.get("ports", [])]
+
+
+def worker_url_port(service: dict[str, Any]) -> int:
+    args = tokens(service["command"])
+    return int(flag(args, "--port"))
+
+
+def scrape_targets(path: Path) -> dict[str, list[str]]:
+    config = load_yaml(path)
+    return {
+        job["job_name"]: [t for sc in job["static_configs"] for t in sc["targets"]]
+        for job in config["scrape_configs"]
+    }
+
+
+def test_each_compose_file_runs_router_two_prefill_two_decode_prometheus_grafana(compose):
+    assert set(compose["services"]) == EXPECTED_SERVICES
+
+
+def test_every_built_image_uses_a_dockerfile_that_exists(compose):
+    for name, service in compose["services"].items():
+        build = service.get("build")
+        if build is None:
+            assert "image" in service, f"{name} has neither build nor image"
+            continue
+        context = (DOCKER / build["context"]).resolve()
+        assert (context / build["dockerfile"]).is_file(), f"{name}: {build['dockerfile']} missing"
+
+
+def test_every_mounted_config_file_exists(compose):
+    for name, service in compose["services"].items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith((".", "/")) and "$" not in source:
+                assert host_path(DOCKER, volume).exists(), f"{name}: {source} does not exist"
+
+
+def test_published_host_ports_are_distinct(compose):
+    ports = [p for s in compose["services"].values() for p in published_host_ports(s)]
+    assert len(ports) == len(set(ports))
+
+
+def test_prometheus_and_grafana_are_published_on_their_usual_ports(compose):
+    assert published_host_ports(compose["services"]["prometheus"]) == [9090]
+    assert published_host_ports(compose["services"]["grafana"]) == [3000]
+
+
+def test_prometheus_loads_the_alert_rules_next_to_its_config(compose):
+    prometheus = compose["services"]["prometheus"]
+    mounts = {v.split(":")[1]: host_path(DOCKER, v) for v in prometheus["volumes"]}
+    config = load_yaml(mounts["/etc/prometheus/prometheus.yml"])
+    for rule_file in config["rule_files"]:
+        mounted = mounts[str(Path("/etc/prometheus") / rule_file)]
+        assert mounted == (CONFIGS / "alerts.yml").resolve()
+
+
+def test_grafana_mounts_the_provisioning_and_the_dashboard_folder_it_names(compose):
+    grafana = compose["services"]["grafana"]
+    mounts = {v.split(":")[1]: host_path(DOCKER, v) for v in grafana["volumes"]}
+    provisioning = mounts["/etc/grafana/provisioning"]
+    provider = load_yaml(provisioning / "dashboards" / "pd-router.yml")["providers"][0]
+    dashboards = mounts[provider["options"]["path"]]
+    assert (dashboards / "pd-router.json").is_file()
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home == provider["options"]["path"] + "/pd-router.json"
+
+
+def test_grafana_datasource_is_the_compose_prometheus(compose):
+    datasource = load_yaml(CONFIGS / "grafana" / "provisioning" / "datasources" / "prometheus.yml")[
+        "datasources"
+    ][0]
+    assert datasource["type"] == "prometheus"
+    assert datasource["url"] == "http://prometheus:9090"
+    assert "prometheus" in compose["services"]
+    assert "network_mode" not in compose["services"]["prometheus"]
+
+
+def test_dashboard_json_asks_for_a_prometheus_datasource():
+    dashboard = json.loads((CONFIGS / "grafana" / "dashboards" / "pd-router.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource"
+    assert variables["datasource"]["query"] == "prometheus"
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            assert target["datasource"]["uid"] == "${datasource}", panel["title"]
+
+
+def test_demo_workers_are_reference_workers_with_role_switch_on_port_30000():
+    services = load_yaml(DOCKER / "compose.demo.yml")["services"]
+    for name, role in WORKER_SERVICES.items():
+        service = services[name]
+        args = tokens(service["command"])
+        assert service["entrypoint"] == ["pd-worker"]
+        assert args[0] == "serve"
+        assert flag(args, "--role") == role
+        assert flag(args, "--host") == "0.0.0.0"
+        assert worker_url_port(service) == 30000
+        assert "--enable-pd-role-switch" in args
+
+
+def test_demo_router_lists_every_worker_in_its_pool_and_is_published():
+    services = load_yaml(DOCKER / "compose.demo.yml")["services"]
+    args = tokens(services["router"]["command"])
+    for name, role in WORKER_SERVICES.items():
+        url = f"http://{name}:30000"
+        assert args[args.index(url) - 1] == f"--{role}", url
+    port = int(flag(args, "--port"))
+    assert published_host_ports(services["router"]) == [port]
+
+
+def test_demo_prometheus_scrapes_the_router_and_every_worker_service():
+    services = load_yaml(DOCKER / "compose.demo.yml")["services"]
+    targets = scrape_targets(CONFIGS / "prometheus.yml")
+    router_port = flag(tokens(services["router"]["command"]), "--port")
+    assert targets["pd-router"] == [f"router:{router_port}"]
+    assert sorted(targets["pd-workers"]) == sorted(f"{name}:30000" for name in WORKER_SERVICES)
+
+
+def test_gpu_workers_launch_sglang_through_server_patch_with_mooncake():
+    services = load_yaml(DOCKER / "compose.gpu.yml")["services"]
+    for name, role in WORKER_SERVICES.items():
+        service = services[name]
+        args = tokens(service["command"])
+        assert service["entrypoint"] == ["python3", "-m", "server_patch.launch_server"]
+        assert service["build"]["dockerfile"] == "docker/Dockerfile.sglang"
+        assert flag(args, "--disaggregation-mode") == role
+        assert flag(args, "--disaggregation-transfer-backend") == "mooncake"
+        assert "--enable-pd-role-switch" in args
+        assert "--enable-metrics" in args
+        assert service["network_mode"] == "host"
+
+
+def test_gpu_workers_have_distinct_ports_bootstrap_ports_and_gpus():
+    services = load_yaml(DOCKER / "compose.gpu.yml")["services"]
+    ports, bootstrap_ports, gpus = set(), set(), set()
+    for name in WORKER_SERVICES:
+        service = services[name]
+        args = tokens(service["command"])
+        ports.add(int(flag(args, "--port")))
+        bootstrap_ports.add(int(flag(args, "--disaggregation-bootstrap-port")))
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"]
+        gpus.update(device["device_ids"])
+    assert len(ports) == len(bootstrap_ports) == len(gpus) == len(WORKER_SERVICES)
+    assert not ports & bootstrap_ports
+
+
+def test_gpu_router_lists_every_worker_on_its_host_port():
+    services = load_yaml(DOCKER / "compose.gpu.yml")["services"]
+    args = tokens(services["router"]["command"])
+    for name, role in WORKER_SERVICES.items():
+        port = worker_url_port(services[name])
+        url = f"http://127.0.0.1:{port}"
+        assert args[args.index(url) - 1] == f"--{role}", url
+
+
+def test_gpu_prometheus_scrapes_the_host_network_services_through_the_host_gateway():
+    services = load_yaml(DOCKER / "compose.gpu.yml")["services"]
+    targets = scrape_targets(CONFIGS / "prometheus.gpu.yml")
+    router_port = flag(tokens(services["router"]["command"]), "--port")
+    assert targets["pd-router"] == [f"host.docker.internal:{router_port}"]
+    worker_ports = sorted(worker_url_port(services[name]) for name in WORKER_SERVICES)
+    assert sorted(int(t.rsplit(":", 1)[1]) for t in targets["pd-workers"]) == worker_ports
+    assert "host.docker.internal:host-gateway" in services["prometheus"]["extra_hosts"]
+
+
+def test_router_dockerfile_copies_only_files_that_exist():
+    dockerfile = (DOCKER / "Dockerfile.router").read_text()
+    sources = [
+        source
+        for line in dockerfile.splitlines()
+        if line.startswith("COPY ")
+        for source in line.split()[1:-1]
+    ]
+    assert sources
+    for source in sources:
+        assert (ROOT / source).exists(), source
+    assert re.search(r'^ENTRYPOINT \["pd-router"\]$', dockerfile, re.MULTILINE)
