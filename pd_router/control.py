@@ -1,0 +1,251 @@
+"""Worker control adapters: how the router asks a worker about its role and makes it switch.
+
+Two protocols exist. Native SGLang (>= 0.5.21 with ``--enable-pd-role-switch``) offers
+``POST /pd_role_switch`` (refused unless the server is fully idle), ``GET /server_info`` (the live
+role in ``internal_states[0].disaggregation_mode``) and ``GET /v1/loads``. Workers with the
+extension endpoints (server_patch on SGLang, pd_worker) add ``GET /pd_role``, ``POST /pd_drain``
+(close admission so a second router cannot slip traffic in) and ``POST /convert_pd_role`` (drain
+on the server side, then switch). The router uses the extension when a worker has it and falls
+back to the native protocol otherwise; this module hides the difference from the conversion
+manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from pd_router.workers import Role, Worker
+
+DEFAULT_TIMEOUT_SECS = 10.0
+DEFAULT_SWITCH_TIMEOUT_SECS = 600.0
+
+# Body fields of the router's /convert_pd_role that only the extension's /convert_pd_role takes
+# (SGLang PR #9325 knobs); the native /pd_role_switch takes none of them.
+NATIVE_SWITCH_FIELDS = frozenset(
+    {"new_role", "decode_cuda_graph_bs", "decode_cuda_graph_memory_gb"}
+)
+
+
+class ControlError(Exception):
+    """The worker could not be reached or answered something that is not its protocol."""
+
+    def __init__(self, url: str, path: str, reason: str) -> None:
+        super().__init__(f"{url}{path}: {reason}")
+        self.url = url
+        self.path = path
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class SwitchReply:
+    """A worker's answer to /pd_role_switch or /convert_pd_role, kept verbatim in ``body``."""
+
+    status: int
+    body: dict[str, Any]
+
+    @property
+    def success(self) -> bool:
+        return self.status == 200 and bool(self.body.get("success"))
+
+    @property
+    def safe_to_restore(self) -> bool:
+        return bool(self.body.get("safe_to_restore"))
+
+    @property
+    def message(self) -> str:
+        return str(self.body.get("message", ""))
+
+
+@dataclass(frozen=True)
+class RoleReading:
+    """What a worker says about itself: live role, bootstrap port, load."""
+
+    role: Role | None
+    bootstrap_port: int | None
+    idle: bool
+    num_running: int
+    num_waiting: int
+
+
+class WorkerControl:
+    """Control calls on the router's one shared client session."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+        switch_timeout_secs: float = DEFAULT_SWITCH_TIMEOUT_SECS,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_secs)
+        self._switch_timeout = aiohttp.ClientTimeout(total=switch_timeout_secs)
+        self._headers = headers or {}
+
+    # --- discovery --------------------------------------------------------------------------
+
+    async def detect_extensions(self, worker: Worker) -> bool:
+        """Whether the worker serves ``GET /pd_role``; remembered on the worker."""
+        if worker.has_extensions is None:
+            status, body = await self._get(worker.url, "/pd_role")
+            worker.has_extensions = status == 200 and isinstance(body, dict) and "role" in body
+        return worker.has_extensions
+
+    # --- readings ---------------------------------------------------------------------------
+
+    async def read_role(self, worker: Worker) -> RoleReading:
+        """The worker's live role and load (``/pd_role``, else ``/server_info`` + ``/v1/loads``)."""
+        if await self.detect_extensions(worker):
+            body = await self._get_ok(worker.url, "/pd_role")
+            return RoleReading(
+                role=_role(body.get("role")),
+                bootstrap_port=_port(body.get("bootstrap_port")),
+                idle=bool(body.get("idle")),
+                num_running=_int(body.get("num_running")),
+                num_waiting=_int(body.get("num_waiting")),
+            )
+        info, (running, waiting) = await asyncio.gather(
+            self.server_info(worker.url), self._native_load(worker.url)
+        )
+        return RoleReading(
+            role=_role(_live_state(info).get("disaggregation_mode")),
+            bootstrap_port=_port(info.get("disaggregation_bootstrap_port")),
+            idle=running == 0 and waiting == 0,
+            num_running=running,
+            num_waiting=waiting,
+        )
+
+    async def is_idle(self, worker: Worker) -> RoleReading:
+        """A load reading; ``idle`` is what the native switch will accept."""
+        if await self.detect_extensions(worker):
+            return await self.read_role(worker)
+        running, waiting = await self._native_load(worker.url)
+        return RoleReading(
+            role=None,
+            bootstrap_port=None,
+            idle=running == 0 and waiting == 0,
+            num_running=running,
+            num_waiting=waiting,
+        )
+
+    async def server_info(self, url: str) -> dict[str, Any]:
+        return await self._get_ok(url, "/server_info")
+
+    async def decode_graph_params(self, url: str) -> dict[str, Any]:
+        """``decode_cuda_graph_bs`` / ``decode_cuda_graph_memory_gb`` of a decode peer, for a
+        native switch to decode (SGLang captures its decode graphs to fit the peer's)."""
+        state = _live_state(await self.server_info(url))
+        return {
+            name: state[name]
+            for name in ("decode_cuda_graph_bs", "decode_cuda_graph_memory_gb")
+            if state.get(name) is not None
+        }
+
+    # --- actions ----------------------------------------------------------------------------
+
+    async def set_admission(self, worker: Worker, *, open_: bool) -> None:
+        """``POST /pd_drain``: close (``open_`` false) or reopen the worker's admission."""
+        status, body = await self._post(
+            worker.url, "/pd_drain", {"drain": not open_}, self._timeout
+        )
+        if status != 200:
+            raise ControlError(worker.url, "/pd_drain", f"HTTP {status}: {_short(body)}")
+
+    async def switch(self, worker: Worker, body: dict[str, Any]) -> SwitchReply:
+        """Native ``POST /pd_role_switch`` (HTTP 200 on success, 400 on any failure)."""
+        return await self._switch_call(worker, "/pd_role_switch", body)
+
+    async def convert(self, worker: Worker, body: dict[str, Any]) -> SwitchReply:
+        """Extension ``POST /convert_pd_role``: the worker drains itself, then switches."""
+        return await self._switch_call(worker, "/convert_pd_role", body)
+
+    async def _switch_call(self, worker: Worker, path: str, body: dict[str, Any]) -> SwitchReply:
+        status, reply = await self._post(worker.url, path, body, self._switch_timeout)
+        if not isinstance(reply, dict):
+            raise ControlError(worker.url, path, f"HTTP {status}: reply is not a JSON object")
+        return SwitchReply(status=status, body=reply)
+
+    # --- HTTP -------------------------------------------------------------------------------
+
+    async def _native_load(self, url: str) -> tuple[int, int]:
+        body = await self._get_ok(url, "/v1/loads")
+        ranks = body.get("loads") if isinstance(body.get("loads"), list) else [body]
+        running = sum(_int(r.get("num_running_reqs")) for r in ranks if isinstance(r, dict))
+        waiting = sum(_int(r.get("num_waiting_reqs")) for r in ranks if isinstance(r, dict))
+        return running, waiting
+
+    async def _get_ok(self, url: str, path: str) -> dict[str, Any]:
+        status, body = await self._get(url, path)
+        if status != 200 or not isinstance(body, dict):
+            raise ControlError(url, path, f"HTTP {status}: {_short(body)}")
+        return body
+
+    async def _get(self, url: str, path: str) -> tuple[int, Any]:
+        try:
+            async with self._session.get(
+                url + path, timeout=self._timeout, headers=self._headers
+            ) as resp:
+                return resp.status, _parse(await resp.read())
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ControlError(url, path, _describe(exc)) from exc
+
+    async def _post(
+        self, url: str, path: str, body: dict[str, Any], limit: aiohttp.ClientTimeout
+    ) -> tuple[int, Any]:
+        try:
+            async with self._session.post(
+                url + path,
+                data=orjson.dumps(body),
+                headers={"Content-Type": "application/json", **self._headers},
+                timeout=limit,
+            ) as resp:
+                return resp.status, _parse(await resp.read())
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise ControlError(url, path, _describe(exc)) from exc
+
+
+def _parse(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        return raw[:200].decode("utf-8", "replace")
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _short(body: Any) -> str:
+    text = body if isinstance(body, str) else orjson.dumps(body).decode()
+    return text[:200]
+
+
+def _live_state(info: dict[str, Any]) -> dict[str, Any]:
+    """``internal_states[0]``: the live scheduler state (the top level holds launch args)."""
+    states = info.get("internal_states")
+    if isinstance(states, list) and states and isinstance(states[0], dict):
+        return states[0]
+    return {}
+
+
+def _role(value: Any) -> Role | None:
+    try:
+        return Role(str(value).lower())
+    except ValueError:
+        return None
+
+
+def _port(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
