@@ -1,0 +1,204 @@
+"""``pd-router status`` and ``pd-router convert``: the admin API from the command line.
+
+Both talk to a running router over HTTP (httpx). The admin key comes from ``--admin-key`` or the
+``PD_ROUTER_ADMIN_KEY`` environment variable and is only ever sent in the Authorization header,
+never printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+import httpx
+
+DEFAULT_ROUTER_URL = "http://127.0.0.1:30000"
+ROUTER_URL_ENV = "PD_ROUTER_URL"
+ADMIN_KEY_ENV = "PD_ROUTER_ADMIN_KEY"
+RECENT_CONVERSIONS = 10
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_UNREACHABLE = 2
+
+
+def status(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+    """Print the pools, every worker and the recent conversions as tables."""
+    parser = _parser("pd-router status", "Show pools, workers and recent conversions.")
+    args = parser.parse_args(list(argv))
+    try:
+        with _client(args) as client:
+            workers = _get_json(client, "/workers")
+            conversions = _get_json(client, f"/conversions?limit={RECENT_CONVERSIONS}")
+    except _Failure as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    worker_list = _worker_list(workers)
+    out.write(render_status(worker_list, conversions.get("conversions", [])))
+    return EXIT_OK
+
+
+def convert(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+    """Convert one worker through the router and print how it went."""
+    parser = _parser("pd-router convert", "Move a worker to the other pool (drain, switch).")
+    parser.add_argument("worker", help="worker url (or id, e.g. w3) as the router knows it")
+    parser.add_argument("--to", choices=("prefill", "decode"), help="default: the other role")
+    parser.add_argument("--drain-timeout", type=float, help="seconds to wait for the drain")
+    parser.add_argument(
+        "--no-wait", action="store_true", help="return at once with the conversion id"
+    )
+    args = parser.parse_args(list(argv))
+    body: dict[str, Any] = {"server_url": args.worker, "wait": not args.no_wait}
+    if args.to:
+        body["new_role"] = args.to
+    if args.drain_timeout is not None:
+        body["drain_timeout_secs"] = args.drain_timeout
+    try:
+        with _client(args, timeout=None) as client:
+            response = client.post("/convert_pd_role", json=body)
+    except httpx.HTTPError as exc:
+        print(f"error: router not reachable: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    reply = _body(response)
+    if response.status_code == 202:
+        out.write(f"conversion {reply.get('id')} started: {reply.get('location')}\n")
+        return EXIT_OK
+    if "error" in reply:
+        error = reply["error"]
+        print(f"refused ({response.status_code}): {error.get('message')}", file=sys.stderr)
+        return EXIT_FAILED
+    out.write(render_conversion(reply))
+    return EXIT_OK if reply.get("success") else EXIT_FAILED
+
+
+# --- rendering ------------------------------------------------------------------------------
+
+
+def render_status(workers: list[dict[str, Any]], conversions: list[dict[str, Any]]) -> str:
+    pools = []
+    for role in ("prefill", "decode"):
+        members = [w for w in workers if w.get("role") == role]
+        active = [w for w in members if w.get("state") == "active"]
+        healthy = [w for w in active if w.get("healthy")]
+        pools.append([role, str(len(active)), str(len(healthy)), str(len(members))])
+    parts = [
+        "Pools\n",
+        _table(["pool", "active", "active+healthy", "workers"], pools),
+        "\nWorkers\n",
+        _table(
+            ["id", "url", "role", "state", "epoch", "healthy", "in-flight", "circuit"],
+            [
+                [
+                    str(w.get("id", "")),
+                    str(w.get("url", "")),
+                    str(w.get("role", "")),
+                    str(w.get("state", "")),
+                    str(w.get("epoch", "")),
+                    "yes" if w.get("healthy") else "no",
+                    str(w.get("inflight", "")),
+                    str(w.get("circuit", "")),
+                ]
+                for w in workers
+            ],
+        ),
+        "\nRecent conversions\n",
+        _table(
+            ["id", "worker", "from", "to", "status", "total_s", "message"],
+            [
+                [
+                    str(c.get("id", "")),
+                    str(c.get("worker_url", "")),
+                    str(c.get("from_role", "")),
+                    str(c.get("to_role", "")),
+                    str(c.get("status", "")),
+                    _seconds(c.get("timings", {}).get("total_s")),
+                    str(c.get("message", "")),
+                ]
+                for c in conversions
+            ],
+        )
+        if conversions
+        else "(none)\n",
+    ]
+    return "".join(parts)
+
+
+def render_conversion(record: dict[str, Any]) -> str:
+    timings = record.get("timings", {})
+    lines = [
+        f"conversion {record.get('id')}: {record.get('worker_url')} "
+        f"{record.get('from_role')} -> {record.get('to_role')}: {record.get('status')}",
+        f"  {record.get('message', '')}",
+        "  "
+        + "  ".join(
+            f"{name}={_seconds(timings.get(name))}s"
+            for name in ("drain_s", "switch_s", "verify_s", "total_s")
+            if timings.get(name) is not None
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+             for row in [header, *rows]]  # fmt: skip
+    return "\n".join(line.rstrip() for line in lines) + "\n"
+
+
+def _seconds(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, int | float) else "-"
+
+
+# --- HTTP -----------------------------------------------------------------------------------
+
+
+class _Failure(Exception):
+    """The router could not be reached or refused the call."""
+
+
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument(
+        "--router",
+        default=os.environ.get(ROUTER_URL_ENV, DEFAULT_ROUTER_URL),
+        help=f"router url (default: ${ROUTER_URL_ENV} or {DEFAULT_ROUTER_URL})",
+    )
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get(ADMIN_KEY_ENV),
+        help=f"admin API key (default: ${ADMIN_KEY_ENV})",
+    )
+    return parser
+
+
+def _client(args: argparse.Namespace, timeout: float | None = 10.0) -> httpx.Client:
+    headers = {"Authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
+    return httpx.Client(base_url=args.router.rstrip("/"), headers=headers, timeout=timeout)
+
+
+def _get_json(client: httpx.Client, path: str) -> dict[str, Any]:
+    try:
+        response = client.get(path)
+    except httpx.HTTPError as exc:
+        raise _Failure(f"router not reachable: {exc}") from exc
+    body = _body(response)
+    if response.status_code != 200:
+        message = body.get("error", {}).get("message", response.text[:200])
+        raise _Failure(f"GET {path}: HTTP {response.status_code}: {message}")
+    return body
+
+
+def _body(response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        return {"error": {"message": response.text[:200]}}
+    return body if isinstance(body, dict) else {"value": body}
+
+
+def _worker_list(reply: dict[str, Any]) -> list[dict[str, Any]]:
+    workers = reply.get("workers", [])
+    return [w for w in workers if isinstance(w, dict)] if isinstance(workers, list) else []
