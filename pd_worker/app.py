@@ -1,0 +1,482 @@
+"""aiohttp application of the reference worker: SGLang's HTTP routes plus the PD extension routes.
+
+Errors are raised as :mod:`pd_worker.errors` classes (or the extension's ``ExtensionError``) and
+mapped to responses in one place, :func:`error_middleware`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+
+from pd_worker import metrics, openai_api
+from pd_worker.config import WorkerConfig
+from pd_worker.control import EngineBackend
+from pd_worker.engine import Engine
+from pd_worker.errors import (
+    BadRequest,
+    InjectedFault,
+    NotAdmitting,
+    NotFound,
+    RequestAborted,
+    Unauthorized,
+    Unhealthy,
+    WorkerError,
+)
+from pd_worker.faults import Faults
+from pd_worker.protocol import abort_progress, parse_generate, response_dict
+from pd_worker.requests import GenItem, Progress
+from pd_worker.streams import final_results, merged
+from server_patch.extension import ExtensionError, PDExtension
+
+log = logging.getLogger(__name__)
+
+SGLANG_VERSION = "0.5.23"
+EXIT_DELAY_SECS = 0.05
+
+
+@dataclass
+class WorkerState:
+    """Everything the routes need; one per application (no module-level state)."""
+
+    config: WorkerConfig
+    engine: Engine
+    faults: Faults
+    extension: PDExtension
+    registry: CollectorRegistry
+    started: float = field(default_factory=time.time)
+
+
+WORKER = web.AppKey("worker", WorkerState)
+
+
+def build_app(config: WorkerConfig) -> web.Application:
+    """The worker application; the engine starts and stops with the app."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+    faults = Faults()
+    engine = Engine(config, faults)
+    extension = PDExtension(EngineBackend(engine))
+    engine.add_listener(extension.load_changed)
+    app[WORKER] = WorkerState(config, engine, faults, extension, metrics.build_registry(engine))
+    app.on_startup.append(_start)
+    app.on_cleanup.append(_stop)
+    _add_routes(app)
+    return app
+
+
+async def _start(app: web.Application) -> None:
+    await app[WORKER].engine.start()
+
+
+async def _stop(app: web.Application) -> None:
+    await app[WORKER].engine.stop()
+
+
+def _add_routes(app: web.Application) -> None:
+    r = app.router
+    for path in ("/health", "/health_generate"):
+        r.add_get(path, health)
+    for path in ("/server_info", "/get_server_info"):
+        r.add_get(path, server_info)
+    r.add_get("/model_info", model_info)
+    r.add_get("/get_model_info", model_info)
+    r.add_get("/v1/models", list_models)
+    r.add_route("POST", "/generate", generate)
+    r.add_route("PUT", "/generate", generate)
+    r.add_post("/v1/completions", completions)
+    r.add_post("/v1/chat/completions", completions)
+    r.add_get("/v1/loads", v1_loads)
+    r.add_get("/get_load", get_load)
+    r.add_get("/metrics", prometheus_metrics)
+    r.add_route("*", "/flush_cache", flush_cache)
+    r.add_post("/abort_request", abort_request)
+    r.add_post("/pd_role_switch", pd_role_switch)
+    r.add_get("/pd_role", pd_role)
+    r.add_post("/pd_drain", pd_drain)
+    r.add_post("/convert_pd_role", convert_pd_role)
+    r.add_post("/fault", fault)
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """The one place where error classes become HTTP responses."""
+    try:
+        return await handler(request)
+    except WorkerError as exc:
+        openai_route = request.path.startswith("/v1/")
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after is not None else None
+        return _json(exc.body(openai_route), int(exc.status), headers)
+    except ExtensionError as exc:
+        return _json(exc.body, exc.status)
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(body), status=status, content_type="application/json", headers=headers
+    )
+
+
+async def _body(request: web.Request) -> Any:
+    raw = await request.read()
+    if not raw:
+        return {}
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"invalid JSON body: {exc}") from None
+
+
+def _require_admin(request: web.Request) -> None:
+    """SGLang's ADMIN_OPTIONAL: when an admin key is configured, admin routes need it."""
+    key = request.app[WORKER].config.admin_api_key
+    if key is not None and request.headers.get("Authorization") != f"Bearer {key}":
+        raise Unauthorized("Unauthorized")
+
+
+# ---------------------------------------------------------------------------- info routes
+
+
+def _serving(state: WorkerState) -> bool:
+    return (
+        state.engine.serving
+        and not state.engine.unhealthy_after_switch
+        and not state.extension.failed
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[WORKER]
+    healthy = _serving(state) and not state.faults.unhealthy
+    return web.Response(status=200 if healthy else 503)
+
+
+async def server_info(request: web.Request) -> web.Response:
+    state = request.app[WORKER]
+    config, timing = state.config, state.config.timing
+    return _json(
+        {
+            "model_path": config.model_path,
+            "tokenizer_path": config.model_path,
+            "served_model_name": config.model_name,
+            "host": config.host,
+            "port": config.port,
+            "disaggregation_mode": config.role,
+            "disaggregation_bootstrap_port": config.bootstrap_port,
+            "disaggregation_transfer_backend": "mooncake",
+            "enable_pd_role_switch": config.enable_pd_role_switch,
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "max_running_requests": timing.max_running_requests,
+            "max_total_tokens": timing.max_total_num_tokens,
+            "max_total_num_tokens": timing.max_total_num_tokens,
+            "chunked_prefill_size": timing.max_prefill_tokens,
+            "max_prefill_tokens": timing.max_prefill_tokens,
+            "startup_time": state.started,
+            "internal_states": [state.engine.internal_state()],
+            "version": SGLANG_VERSION,
+            "frontend": "pd_worker",
+        }
+    )
+
+
+async def model_info(request: web.Request) -> web.Response:
+    state = request.app[WORKER]
+    return _json(
+        {
+            "model_path": state.config.model_path,
+            "served_model_name": state.config.model_name,
+            "tokenizer_path": state.config.model_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "disaggregation_mode": state.engine.role_name,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": "toy",
+            "architectures": ["ToyForCausalLM"],
+        }
+    )
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[WORKER]
+    name = state.config.model_name
+    model = {
+        "id": name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "sglang",
+        "root": name,
+        "max_model_len": state.config.timing.max_total_num_tokens,
+    }
+    return _json({"object": "list", "data": [model]})
+
+
+async def v1_loads(request: web.Request) -> web.Response:
+    state = request.app[WORKER]
+    load = state.engine.loads()
+    aggregate = {
+        "total_running_reqs": load["num_running_reqs"],
+        "total_waiting_reqs": load["num_waiting_reqs"],
+        "total_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+        "avg_token_usage": load["token_usage"],
+        "avg_throughput": load["gen_throughput"],
+        "avg_utilization": load["utilization"],
+    }
+    return _json(
+        {
+            "timestamp": datetime.now(UTC).isoformat(),
+            "version": SGLANG_VERSION,
+            "dp_rank_count": 1,
+            "loads": [load],
+            "aggregate": aggregate,
+        }
+    )
+
+
+async def get_load(request: web.Request) -> web.Response:
+    load = request.app[WORKER].engine.loads()
+    return _json(
+        [
+            {
+                "dp_rank": 0,
+                "num_reqs": load["num_running_reqs"] + load["num_waiting_reqs"],
+                "num_waiting_reqs": load["num_waiting_reqs"],
+                "num_tokens": load["num_used_tokens"],
+            }
+        ]
+    )
+
+
+async def prometheus_metrics(request: web.Request) -> web.Response:
+    body = metrics.render(request.app[WORKER].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    engine = request.app[WORKER].engine
+    if not engine.is_fully_idle():
+        return web.Response(
+            status=400,
+            text="Cache not flushed. There are running or waiting requests.",
+        )
+    engine.kv_pool.clear()
+    return web.Response(
+        text="Cache flushed.\nPlease check backend logs for more details. "
+        "(When there are running or waiting requests, the operation will not be performed.)"
+    )
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    body = await _body(request)
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    rid = body.get("rid")
+    request.app[WORKER].engine.abort(
+        rid if isinstance(rid, str) else None, bool(body.get("abort_all"))
+    )
+    return web.Response(status=200)
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+async def _admit(state: WorkerState) -> None:
+    """Refuse a generation request before any work when the worker cannot take it."""
+    if not _serving(state):
+        raise Unhealthy("server is not healthy")
+    if not state.extension.admits():
+        raise NotAdmitting("server is draining; retry on another server")
+    status = state.faults.take_failure()
+    if status is not None:
+        raise InjectedFault(status)
+    if state.faults.delay_secs > 0:
+        await asyncio.sleep(state.faults.delay_secs)
+
+
+def _validate(engine: Engine, items: list[GenItem]) -> None:
+    for item in items:
+        reserve = len(item.prompt_ids)
+        if engine.role_name == "decode":
+            reserve += item.max_new_tokens
+        engine.check_fits(reserve)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    state = request.app[WORKER]
+    await _admit(state)
+    items, batch, stream = parse_generate(await _body(request))
+    _validate(state.engine, items)
+    started = time.monotonic()
+    if stream:
+        return await _stream_generate(request, state, items, batch, started)
+    results = await final_results(state.engine.generate, items)
+    outs = [
+        response_dict(item, p, time.monotonic() - started)
+        for item, p in zip(items, results, strict=True)
+    ]
+    return _json(outs if batch else outs[0])
+
+
+async def _open_sse(request: web.Request) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    return response
+
+
+async def _send(response: web.StreamResponse, payload: Any) -> None:
+    await response.write(b"data: " + orjson.dumps(payload) + b"\n\n")
+
+
+async def _stream_generate(
+    request: web.Request, state: WorkerState, items: list[GenItem], batch: bool, started: float
+) -> web.StreamResponse:
+    response = await _open_sse(request)
+    latest: dict[int, Progress] = {}
+    try:
+        async for index, progress in merged(state.engine.generate, items):
+            latest[index] = progress
+            await _send(response, _event(items, index, progress, batch, started))
+    except RequestAborted as exc:
+        index = next((i for i in range(len(items)) if i not in latest or not latest[i].finished), 0)
+        aborted = abort_progress(latest.get(index, Progress()), exc.message, int(exc.status))
+        await _send(response, _event(items, index, aborted, batch, started))
+    except BadRequest as exc:
+        error = {
+            "message": exc.message,
+            "type": "invalid_request_error",
+            "code": 400,
+            "retryable": False,
+        }
+        await _send(response, {"error": error})
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _event(
+    items: list[GenItem], index: int, progress: Progress, batch: bool, started: float
+) -> dict[str, Any]:
+    out = response_dict(items[index], progress, time.monotonic() - started)
+    if batch:
+        out["index"] = index
+    return out
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[WORKER]
+    await _admit(state)
+    body = await _body(request)
+    model = state.config.model_name
+    if request.path.endswith("/chat/completions"):
+        parsed = openai_api.parse_chat(body, model)
+    else:
+        parsed = openai_api.parse_completion(body, model)
+    _validate(state.engine, parsed.items)
+    if parsed.stream:
+        return await _stream_openai(request, state, parsed)
+    results = await final_results(state.engine.generate, parsed.items)
+    return _json(openai_api.response(parsed, results))
+
+
+async def _stream_openai(
+    request: web.Request, state: WorkerState, parsed: openai_api.OpenAIRequest
+) -> web.StreamResponse:
+    response = await _open_sse(request)
+    sent: dict[int, int] = {}
+    latest: dict[int, Progress] = {}
+    try:
+        async for index, progress in merged(state.engine.generate, parsed.items):
+            if index not in sent and parsed.kind == "chat":
+                await _send(response, openai_api.chunk(parsed, index, "", None, first=True))
+            delta = progress.text[sent.get(index, 0) :]
+            sent[index] = len(progress.text)
+            latest[index] = progress
+            await _send(response, openai_api.chunk(parsed, index, delta, progress, first=False))
+        if parsed.include_usage:
+            results = [latest.get(i, Progress()) for i in range(len(parsed.items))]
+            await _send(response, openai_api.usage_chunk(parsed, results))
+    except RequestAborted as exc:
+        await _send(
+            response, openai_api.stream_error(exc.message, int(exc.status), "INTERNAL_SERVER_ERROR")
+        )
+    except BadRequest as exc:
+        await _send(response, openai_api.stream_error(exc.message, 400, "BadRequestError"))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+# ---------------------------------------------------------------------------- PD control
+
+
+async def pd_role_switch(request: web.Request) -> web.Response:
+    """Native switch, routed through the extension so its epoch counts the change.
+
+    Bodies the extension refuses for their role (missing or invalid ``new_role``), and calls
+    during a running switch, get the native reply so the messages stay SGLang's.
+    """
+    _require_admin(request)
+    state = request.app[WORKER]
+    body = await _body(request)
+    if state.engine.switch_in_progress:
+        return _native_switch_reply(
+            await state.engine.switch_role(body if isinstance(body, dict) else {})
+        )
+    try:
+        status, reply = await state.extension.switch(body)
+    except ExtensionError as exc:
+        if exc.body.get("field") != "new_role" or not isinstance(body, dict):
+            raise
+        return _native_switch_reply(await state.engine.switch_role(body))
+    return _json(reply, status)
+
+
+def _native_switch_reply(reply: dict[str, Any]) -> web.Response:
+    return _json(reply, 200 if reply["success"] else 400)
+
+
+async def pd_role(request: web.Request) -> web.Response:
+    return _json(await request.app[WORKER].extension.status())
+
+
+async def pd_drain(request: web.Request) -> web.Response:
+    _require_admin(request)
+    return _json(await request.app[WORKER].extension.set_drain(await _body(request)))
+
+
+async def convert_pd_role(request: web.Request) -> web.Response:
+    _require_admin(request)
+    status, reply = await request.app[WORKER].extension.convert(await _body(request))
+    return _json(reply, status)
+
+
+async def fault(request: web.Request) -> web.Response:
+    """Fault injection (see pd_worker.faults); 404 unless the worker runs with --enable-faults."""
+    state = request.app[WORKER]
+    if not state.config.enable_faults:
+        raise NotFound("fault injection is disabled (start the worker with --enable-faults)")
+    _require_admin(request)
+    body = await _body(request)
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    exit_code = state.faults.apply(body)
+    if exit_code is not None:
+        log.warning("fault: exiting with code %d", exit_code)
+        asyncio.get_running_loop().call_later(EXIT_DELAY_SECS, os._exit, exit_code)
+    return _json({"success": True, "faults": state.faults.snapshot()})

@@ -1,0 +1,201 @@
+"""``pd-worker`` command line: ``serve`` one worker, or start a whole ``cluster`` of processes.
+
+    pd-worker serve --role prefill --port 30000 --bootstrap-port 8998 [--enable-pd-role-switch]
+                    [--speed 0.1] [--prefill-secs-per-token ...] [other timing knobs]
+    pd-worker cluster --prefill 2 --decode 2 [--base-port 30000] [--speed 1.0]
+
+Bad arguments print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import fields
+from typing import NoReturn
+
+from pd_worker.config import ROLES, WorkerConfig
+from pd_worker.timing import TimingModel
+
+USAGE_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error on one line (no usage dump) and exits 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def _add_timing_flags(parser: argparse.ArgumentParser) -> None:
+    defaults = TimingModel()
+    for f in fields(TimingModel):
+        kind = int if isinstance(getattr(defaults, f.name), int) else float
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=kind,
+            default=None,
+            help=f"timing model knob (default {getattr(defaults, f.name)})",
+        )
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pd-worker", description="Reference SGLang PD worker (no GPU).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    serve = sub.add_parser("serve", help="run one worker")
+    serve.add_argument(
+        "--role", "--disaggregation-mode", dest="role", choices=ROLES, default="prefill"
+    )
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument(
+        "--bootstrap-port",
+        "--disaggregation-bootstrap-port",
+        dest="bootstrap_port",
+        type=int,
+        default=8998,
+    )
+    serve.add_argument("--enable-pd-role-switch", action="store_true")
+    serve.add_argument("--enable-faults", action="store_true", help="serve POST /fault (tests)")
+    serve.add_argument("--admin-api-key", default=None)
+    serve.add_argument("--model-path", default="pd-worker/toy-model")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--decode-cuda-graph-memory-gb", type=float, default=0.6)
+    serve.add_argument("--gpu-free-memory-gb", type=float, default=8.0)
+    serve.add_argument("--log-level", default="info")
+    _add_timing_flags(serve)
+    cluster = sub.add_parser("cluster", help="start a cluster of worker processes")
+    cluster.add_argument("--prefill", type=int, default=2)
+    cluster.add_argument("--decode", type=int, default=2)
+    cluster.add_argument(
+        "--base-port",
+        type=int,
+        default=None,
+        help="HTTP ports from here; bootstrap ports from here + 1000",
+    )
+    cluster.add_argument("--host", default="127.0.0.1")
+    cluster.add_argument("--speed", type=float, default=1.0)
+    cluster.add_argument(
+        "--no-role-switch", action="store_true", help="launch without --enable-pd-role-switch"
+    )
+    return parser
+
+
+def _config(args: argparse.Namespace) -> WorkerConfig:
+    knobs = {
+        f.name: getattr(args, f.name)
+        for f in fields(TimingModel)
+        if getattr(args, f.name) is not None
+    }
+    return WorkerConfig(
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        bootstrap_port=args.bootstrap_port,
+        enable_pd_role_switch=args.enable_pd_role_switch,
+        model_path=args.model_path,
+        served_model_name=args.served_model_name,
+        admin_api_key=args.admin_api_key,
+        enable_faults=args.enable_faults,
+        decode_cuda_graph_memory_gb=args.decode_cuda_graph_memory_gb,
+        gpu_free_memory_gb=args.gpu_free_memory_gb,
+        timing=TimingModel(**knobs),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "cluster":
+        return _run_cluster(parser, args)
+    config = _config(args)
+    try:
+        config.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        _run(serve(config))
+    except OSError as exc:
+        print(f"pd-worker: error: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run(coro: object) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)  # type: ignore[arg-type]
+        return
+    uvloop.run(coro)  # type: ignore[arg-type]
+
+
+async def serve(config: WorkerConfig) -> None:
+    """Serve until SIGINT or SIGTERM."""
+    from aiohttp import web
+
+    from pd_worker.app import build_app
+
+    runner = web.AppRunner(build_app(config), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+        logging.getLogger("pd_worker").info(
+            "%s worker on %s, bootstrap port %d", config.role, config.url, config.bootstrap_port
+        )
+        await _wait_for_signal()
+    finally:
+        await runner.cleanup()
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def _run_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from pd_worker.cluster import WorkerCluster, WorkerStartError
+
+    if args.prefill < 0 or args.decode < 0 or args.prefill + args.decode == 0:
+        parser.error("--prefill and --decode must be >= 0 and start at least one worker")
+    if args.speed < 0:
+        parser.error("--speed must be >= 0")
+    if args.base_port is not None and not 0 < args.base_port < 64000:
+        parser.error("--base-port must be in 1..63999")
+    cluster = WorkerCluster(
+        prefill=args.prefill,
+        decode=args.decode,
+        speed=args.speed,
+        base_port=args.base_port,
+        host=args.host,
+        enable_pd_role_switch=not args.no_role_switch,
+    )
+    try:
+        cluster.start()
+    except WorkerStartError as exc:
+        print(f"pd-worker: error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        for worker in cluster.workers:
+            print(
+                f"{worker.role:8s} {worker.url}  bootstrap_port={worker.bootstrap_port}", flush=True
+            )
+        _block_until_signal()
+    finally:
+        cluster.stop()
+    return 0
+
+
+def _block_until_signal() -> None:
+    """Wait for SIGINT or SIGTERM without a handler racing the cluster shutdown."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.sigwait({signal.SIGINT, signal.SIGTERM})

@@ -1,0 +1,272 @@
+"""Start, inspect, kill and stop reference worker processes on free loopback ports.
+
+Used by the test fixtures (``tests/conftest.py``), ``pd-worker cluster``, the demo and benchmarks.
+Every worker is a real ``python -m pd_worker serve`` process with its own HTTP port and bootstrap
+port on 127.0.0.1.
+
+Synchronous use::
+
+    with WorkerCluster(prefill=2, decode=2, speed=0.0) as c:
+        c.prefill_urls          # ["http://127.0.0.1:41234", ...]
+        c.decode_urls
+        c.bootstrap_ports       # {url: bootstrap_port} for every worker
+        c.bootstrap_port(url)   # one worker's bootstrap port
+        c.kill(url)             # SIGKILL one worker (crash); c.terminate(url) for SIGTERM
+        c.add("decode")         # start one more worker, returns its WorkerProcess
+
+Asynchronous use (process start and health polling run in a thread)::
+
+    async with WorkerCluster(prefill=1, decode=1, speed=0.0, max_running_requests=4) as c:
+        ...
+
+Keyword arguments besides the documented ones are timing knobs of
+:class:`pd_worker.timing.TimingModel` (``speed``, ``max_total_num_tokens``,
+``bootstrap_timeout_secs``, ...). Workers start with ``--enable-pd-role-switch`` and
+``--enable-faults`` unless told otherwise; ``admin_api_key`` guards their admin routes.
+:func:`free_port` returns a free loopback TCP port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import httpx
+
+from pd_worker.timing import TimingModel
+
+LOOPBACK = "127.0.0.1"
+HEALTH_POLL_SECS = 0.05
+STOP_TIMEOUT_SECS = 5.0
+_KNOBS = {f.name for f in fields(TimingModel)}
+
+
+class WorkerStartError(RuntimeError):
+    """A worker process exited or did not become healthy in time."""
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port that is free on ``host`` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class WorkerProcess:
+    """One worker process and where to reach it."""
+
+    role: str
+    url: str
+    port: int
+    bootstrap_port: int
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 20) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class WorkerCluster:
+    """A set of worker processes (see the module docstring for the API)."""
+
+    def __init__(
+        self,
+        prefill: int = 1,
+        decode: int = 1,
+        *,
+        speed: float = 0.0,
+        base_port: int | None = None,
+        host: str = LOOPBACK,
+        enable_pd_role_switch: bool = True,
+        enable_faults: bool = True,
+        admin_api_key: str | None = None,
+        startup_timeout: float = 30.0,
+        extra_args: tuple[str, ...] = (),
+        **knobs: Any,
+    ) -> None:
+        unknown = set(knobs) - _KNOBS
+        if unknown:
+            raise TypeError(f"unknown timing knob(s): {', '.join(sorted(unknown))}")
+        self._initial = ("prefill",) * prefill + ("decode",) * decode
+        self._knobs = dict(knobs, speed=speed)
+        self._host = host
+        self._base_port = base_port
+        self._next_index = itertools.count()
+        self._flags = (
+            (("--enable-pd-role-switch",) if enable_pd_role_switch else ())
+            + (("--enable-faults",) if enable_faults else ())
+            + (("--admin-api-key", admin_api_key) if admin_api_key else ())
+            + tuple(extra_args)
+        )
+        self.admin_api_key = admin_api_key
+        self._startup_timeout = startup_timeout
+        self._log_dir = Path(tempfile.mkdtemp(prefix="pd-worker-cluster-"))
+        self._used_ports: set[int] = set()
+        self.workers: list[WorkerProcess] = []
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> WorkerCluster:
+        """Start the initial workers and wait until all are healthy."""
+        try:
+            started = [self._spawn(role) for role in self._initial]
+            for worker in started:
+                self._wait_healthy(worker)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Terminate every worker (SIGTERM, then SIGKILL after a grace period)."""
+        for worker in self.workers:
+            if worker.alive:
+                worker.process.send_signal(signal.SIGTERM)
+        for worker in self.workers:
+            try:
+                worker.process.wait(STOP_TIMEOUT_SECS)
+            except subprocess.TimeoutExpired:
+                worker.process.kill()
+                worker.process.wait(STOP_TIMEOUT_SECS)
+        shutil.rmtree(self._log_dir, ignore_errors=True)
+
+    def __enter__(self) -> WorkerCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def __aenter__(self) -> WorkerCluster:
+        return await asyncio.to_thread(self.start)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.to_thread(self.stop)
+
+    # ---------------------------------------------------------------- workers
+
+    def add(self, role: str, **extra_knobs: Any) -> WorkerProcess:
+        """Start one more worker of ``role`` and wait until it is healthy."""
+        worker = self._spawn(role, extra_knobs)
+        self._wait_healthy(worker)
+        return worker
+
+    def worker(self, url: str) -> WorkerProcess:
+        for worker in self.workers:
+            if worker.url == url:
+                return worker
+        raise KeyError(url)
+
+    def kill(self, url: str) -> None:
+        """SIGKILL one worker and reap it (a crash, as seen by the router)."""
+        process = self.worker(url).process
+        process.kill()
+        process.wait(STOP_TIMEOUT_SECS)
+
+    def terminate(self, url: str) -> None:
+        """SIGTERM one worker and wait for it to exit (a graceful shutdown)."""
+        process = self.worker(url).process
+        process.terminate()
+        process.wait(STOP_TIMEOUT_SECS)
+
+    @property
+    def urls(self) -> list[str]:
+        return [w.url for w in self.workers]
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        """URLs of the workers launched as prefill (a role switch does not move them)."""
+        return [w.url for w in self.workers if w.role == "prefill"]
+
+    @property
+    def decode_urls(self) -> list[str]:
+        """URLs of the workers launched as decode."""
+        return [w.url for w in self.workers if w.role == "decode"]
+
+    @property
+    def bootstrap_ports(self) -> dict[str, int]:
+        return {w.url: w.bootstrap_port for w in self.workers}
+
+    def bootstrap_port(self, url: str) -> int:
+        return self.worker(url).bootstrap_port
+
+    # ---------------------------------------------------------------- internals
+
+    def _port(self, offset: int) -> int:
+        if self._base_port is not None:
+            return self._base_port + offset
+        while True:
+            port = free_port(self._host)
+            if port not in self._used_ports:
+                self._used_ports.add(port)
+                return port
+
+    def _spawn(self, role: str, extra_knobs: dict[str, Any] | None = None) -> WorkerProcess:
+        index = next(self._next_index)
+        port, bootstrap_port = self._port(index), self._port(1000 + index)
+        knobs = dict(self._knobs, **(extra_knobs or {}))
+        argv = [
+            sys.executable, "-m", "pd_worker", "serve", "--role", role, "--host", self._host,
+            "--port", str(port), "--bootstrap-port", str(bootstrap_port), "--log-level", "warning",
+            *self._flags,
+        ]  # fmt: skip
+        for name, value in knobs.items():
+            argv += ["--" + name.replace("_", "-"), str(value)]
+        log_path = self._log_dir / f"{role}-{index}.log"
+        with log_path.open("wb") as log_file:
+            process = subprocess.Popen(
+                argv, stdout=log_file, stderr=subprocess.STDOUT, env=_child_env()
+            )
+        worker = WorkerProcess(
+            role, f"http://{self._host}:{port}", port, bootstrap_port, process, log_path
+        )
+        self.workers.append(worker)
+        return worker
+
+    def _wait_healthy(self, worker: WorkerProcess) -> None:
+        deadline = time.monotonic() + self._startup_timeout
+        with httpx.Client(timeout=1.0) as client:
+            while time.monotonic() < deadline:
+                if not worker.alive:
+                    raise WorkerStartError(
+                        f"{worker.role} worker {worker.url} exited with "
+                        f"{worker.process.returncode}: {worker.log_tail()}"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(worker.url + "/health").status_code == 200:
+                        return
+                time.sleep(HEALTH_POLL_SECS)
+        raise WorkerStartError(
+            f"{worker.role} worker {worker.url} not healthy after {self._startup_timeout}s"
+        )
+
+
+def _child_env() -> dict[str, str]:
+    """The parent's environment, with this source tree importable even without an install."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env

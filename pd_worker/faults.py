@@ -1,0 +1,97 @@
+"""Fault injection state behind ``POST /fault`` (tests only; enabled with ``--enable-faults``).
+
+Body fields, all optional and combinable:
+
+- ``fail_next``: int, ``fail_status``: int (default 500) -- the next N generation requests fail
+  with that status before doing anything.
+- ``delay_secs``: float -- every generation request waits this long (wall clock) before starting.
+- ``hang_bootstrap``: bool -- the bootstrap server accepts connections but never answers.
+- ``fail_next_switch``: bool -- the next role change fails during teardown, leaving the worker
+  unhealthy (``safe_to_restore`` false), as SGLang does.
+- ``unhealthy``: bool -- ``/health`` and ``/health_generate`` answer 503.
+- ``exit``: int -- the process exits with this code right after replying.
+- ``clear``: bool -- reset every fault first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from pd_worker.errors import BadRequest
+
+_FIELDS = {
+    "fail_next": int,
+    "fail_status": int,
+    "delay_secs": float,
+    "hang_bootstrap": bool,
+    "fail_next_switch": bool,
+    "unhealthy": bool,
+    "exit": int,
+    "clear": bool,
+}
+
+
+@dataclass
+class Faults:
+    """Current faults of one worker process."""
+
+    fail_next: int = 0
+    fail_status: int = 500
+    delay_secs: float = 0.0
+    hang_bootstrap: bool = False
+    fail_next_switch: bool = False
+    unhealthy: bool = False
+
+    def apply(self, body: dict[str, Any]) -> int | None:
+        """Update from a ``POST /fault`` body; returns the requested exit code, if any."""
+        for key, value in body.items():
+            expected = _FIELDS.get(key)
+            if expected is None:
+                raise BadRequest(f"unknown fault field {key!r}")
+            if not _is_type(value, expected):
+                raise BadRequest(f"fault field {key!r} must be {expected.__name__}")
+        if body.get("clear"):
+            self.reset()
+        for key in (
+            "fail_next",
+            "fail_status",
+            "delay_secs",
+            "hang_bootstrap",
+            "fail_next_switch",
+            "unhealthy",
+        ):
+            if key in body:
+                setattr(self, key, body[key])
+        if not 400 <= self.fail_status < 600:
+            raise BadRequest("fail_status must be an HTTP error status (400-599)")
+        return body.get("exit")
+
+    def reset(self) -> None:
+        """Clear every fault."""
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+    def take_failure(self) -> int | None:
+        """Status to fail the current generation request with, consuming one ``fail_next``."""
+        if self.fail_next <= 0:
+            return None
+        self.fail_next -= 1
+        return self.fail_status
+
+    def take_switch_failure(self) -> bool:
+        """Whether this role change must fail (consumes the fault)."""
+        failing = self.fail_next_switch
+        self.fail_next_switch = False
+        return failing
+
+    def snapshot(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _is_type(value: Any, expected: type) -> bool:
+    if expected is bool:
+        return isinstance(value, bool)
+    if expected is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, expected) and not isinstance(value, bool)

@@ -1,0 +1,72 @@
+"""``GET /metrics``: SGLang's ``sglang:`` gauges and counters, read from the engine when scraped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pd_worker.engine import Engine
+
+LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank")
+
+
+class EngineCollector(Collector):
+    """Builds every metric family from the engine's live state (no module-level registry)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def _labels(self) -> list[str]:
+        return [self._engine.config.model_name, "unified", "0", "0"]
+
+    def collect(self) -> Iterator[Metric]:
+        engine = self._engine
+        loads = engine.loads()
+        disagg = loads["disaggregation"]
+        gauges = {
+            "num_running_reqs": loads["num_running_reqs"],
+            "num_queue_reqs": loads["num_waiting_reqs"],
+            "num_used_tokens": loads["num_used_tokens"],
+            "max_total_num_tokens": loads["max_total_num_tokens"],
+            "token_usage": loads["token_usage"],
+            "gen_throughput": loads["gen_throughput"],
+            "cache_hit_rate": 0.0,
+            "utilization": loads["utilization"],
+            "num_prefill_prealloc_queue_reqs": disagg["prefill_bootstrap_queue_reqs"],
+            "num_prefill_inflight_queue_reqs": disagg["prefill_inflight_queue_reqs"],
+            "num_decode_prealloc_queue_reqs": disagg["decode_prealloc_queue_reqs"],
+            "num_decode_transfer_queue_reqs": disagg["decode_transfer_queue_reqs"],
+            "kv_transfer_speed_gb_s": disagg["kv_transfer_speed_gb_s"],
+            "is_prefill": 1 if engine.role_name == "prefill" else 0,
+        }
+        for name, value in gauges.items():
+            family = GaugeMetricFamily(f"sglang:{name}", f"SGLang {name}", labels=LABELS)
+            family.add_metric(self._labels(), float(value))
+            yield family
+        stats = engine.stats
+        counters = {
+            "num_requests": stats.num_requests,
+            "num_aborted_requests": stats.num_aborted_requests,
+            "num_bootstrap_failed_reqs": stats.num_bootstrap_failed_reqs,
+            "prompt_tokens": stats.prompt_tokens,
+            "generation_tokens": stats.generation_tokens,
+        }
+        for name, value in counters.items():
+            family = CounterMetricFamily(f"sglang:{name}", f"SGLang {name}", labels=LABELS)
+            family.add_metric(self._labels(), float(value))
+            yield family
+
+
+def build_registry(engine: Engine) -> CollectorRegistry:
+    """A registry holding only this engine's collector (one per worker app)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(engine))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text exposition."""
+    return generate_latest(registry)

@@ -1,0 +1,169 @@
+"""SGLang's native ``/generate`` protocol: request bodies to items, progress to response dicts."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from pd_worker.errors import BadRequest
+from pd_worker.requests import GenItem, Progress
+from pd_worker.tokens import tokenize
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request, before parallel-sampling expansion."""
+
+    ids: list[int]
+    sampling: dict[str, Any]
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+def parse_generate(body: Any) -> tuple[list[GenItem], bool, bool]:
+    """Items of a ``/generate`` body, whether it is a batch, and whether it streams."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    prompts, batch = _prompts(body)
+    n = _sampling_n(prompts)
+    batch = batch or n > 1
+    rids = _per_item(body.get("rid"), len(prompts) * n, "rid", broadcast=False)
+    items = build_items(body, prompts, n, rids)
+    return items, batch, bool(body.get("stream", False))
+
+
+def build_items(
+    body: dict[str, Any], prompts: list[Prompt], n: int, rids: list[Any]
+) -> list[GenItem]:
+    """Expand prompts by ``n`` and attach per-item bootstrap fields (scalar or one per item)."""
+    total = len(prompts) * n
+    hosts = _per_item(body.get("bootstrap_host"), total, "bootstrap_host")
+    ports = _per_item(body.get("bootstrap_port"), total, "bootstrap_port")
+    rooms = _per_item(body.get("bootstrap_room"), total, "bootstrap_room", broadcast=total == 1)
+    logprob = _per_item(body.get("return_logprob", False), total, "return_logprob")
+    items = []
+    for index in range(total):
+        prompt = prompts[index // n]
+        items.append(
+            _item(prompt, rids[index], hosts[index], ports[index], rooms[index], logprob[index])
+        )
+    return items
+
+
+def _item(prompt: Prompt, rid: Any, host: Any, port: Any, room: Any, logprob: Any) -> GenItem:
+    if host is not None and not isinstance(host, str):
+        raise BadRequest("bootstrap_host must be a string")
+    for name, value in (("bootstrap_port", port), ("bootstrap_room", room)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise BadRequest(f"{name} must be an integer")
+    sampling = prompt.sampling
+    stop = sampling.get("stop") or ()
+    stop = (stop,) if isinstance(stop, str) else stop
+    stop_ids = sampling.get("stop_token_ids") or ()
+    if not all(isinstance(s, str) for s in stop):
+        raise BadRequest("stop must be a string or a list of strings")
+    if not all(isinstance(t, int) for t in stop_ids):
+        raise BadRequest("stop_token_ids must be a list of integers")
+    return GenItem(
+        rid=str(rid) if rid is not None else new_rid(),
+        prompt_ids=prompt.ids,
+        max_new_tokens=_max_new_tokens(sampling),
+        stop=tuple(stop),
+        stop_token_ids=frozenset(stop_ids),
+        return_logprob=bool(logprob),
+        bootstrap_host=host.strip("[]") if isinstance(host, str) else None,
+        bootstrap_port=port,
+        bootstrap_room=room,
+    )
+
+
+def _max_new_tokens(sampling: dict[str, Any]) -> int:
+    value = sampling.get("max_new_tokens")
+    if value is None:
+        return DEFAULT_MAX_NEW_TOKENS
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise BadRequest("max_new_tokens must be a non-negative integer")
+    return value
+
+
+def _prompts(body: dict[str, Any]) -> tuple[list[Prompt], bool]:
+    text, input_ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (input_ids is None):
+        raise BadRequest("Either text or input_ids should be provided.")
+    if text is not None:
+        batch = isinstance(text, list)
+        texts = text if batch else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a non-empty list of strings")
+        ids_list = [tokenize(t) for t in texts]
+    else:
+        batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
+        ids_list = input_ids if batch else [input_ids]
+        if not all(_is_id_list(ids) for ids in ids_list):
+            raise BadRequest("input_ids must be a list of integers or a list of such lists")
+    sampling = _per_item(body.get("sampling_params") or {}, len(ids_list), "sampling_params")
+    if not all(isinstance(s, dict) for s in sampling):
+        raise BadRequest("sampling_params must be an object or a list of objects")
+    return [Prompt(list(ids), s) for ids, s in zip(ids_list, sampling, strict=True)], batch
+
+
+def _is_id_list(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+    )
+
+
+def _sampling_n(prompts: list[Prompt]) -> int:
+    values = {p.sampling.get("n", 1) for p in prompts}
+    if len(values) != 1:
+        raise BadRequest("sampling_params.n must be the same for every prompt")
+    n = values.pop()
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise BadRequest("sampling_params.n must be a positive integer")
+    return n
+
+
+def _per_item(value: Any, total: int, name: str, *, broadcast: bool = True) -> list[Any]:
+    """A scalar broadcast to every item, or a list with exactly one entry per item."""
+    if isinstance(value, list):
+        if len(value) != total:
+            raise BadRequest(f"{name} has {len(value)} entries for {total} items")
+        return value
+    if value is not None and not broadcast and total > 1:
+        raise BadRequest(f"{name} must be a list with one entry per item ({total} items)")
+    return [value] * total
+
+
+def response_dict(item: GenItem, progress: Progress, e2e_latency: float) -> dict[str, Any]:
+    """One item's ``/generate`` output: text, output_ids and meta_info as SGLang builds them."""
+    meta: dict[str, Any] = {
+        "id": item.rid,
+        "finish_reason": progress.finish_reason,
+        "prompt_tokens": len(item.prompt_ids),
+        "weight_version": "default",
+        "num_retractions": 0,
+        "reasoning_tokens": 0,
+        "completion_tokens": len(progress.output_ids),
+        "cached_tokens": 0,
+    }
+    if progress.finished:
+        meta["e2e_latency"] = round(e2e_latency, 6)
+    if progress.kv_source is not None:
+        meta["kv_source"] = progress.kv_source
+    if item.return_logprob:
+        meta["input_token_logprobs"] = progress.input_token_logprobs or []
+        meta["output_token_logprobs"] = progress.output_token_logprobs or []
+    return {"text": progress.text, "output_ids": list(progress.output_ids), "meta_info": meta}
+
+
+def abort_progress(progress: Progress, message: str, status: int) -> Progress:
+    """The last progress of an item aborted with a status (streams report it, then [DONE])."""
+    finish = {"type": "abort", "message": message, "status_code": status, "err_type": None}
+    return Progress(progress.output_ids, progress.text, finish, progress.kv_source)

@@ -1,0 +1,240 @@
+"""The role-specific halves of a worker, torn down and rebuilt on every role switch.
+
+A role object owns what SGLang's ``init_disaggregation`` builds for one mode (the prefill
+batcher and its rooms, or the decode's transfer path). The :class:`~pd_worker.engine.Engine`,
+its KV pool and its bootstrap listener outlive it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pd_worker.bootstrap import pull_kv
+from pd_worker.errors import BadRequest, KVTransferError, RequestAborted
+from pd_worker.requests import GenItem, Progress, token_logprob
+from pd_worker.tokens import WORDS, detokenize, output_ids_from_payload, pack_prompt
+
+if TYPE_CHECKING:
+    from pd_worker.engine import Engine, Req
+
+Emit = Callable[[Progress], None]
+
+
+class PrefillRole:
+    """Prefill: batch forwards under a token budget, then hold the KV until a decode pulls it."""
+
+    name = "prefill"
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._pending: collections.deque[tuple[Req, int, asyncio.Future[None]]] = (
+            collections.deque()
+        )
+        self._wakeup = asyncio.Event()
+        self._batcher: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._batcher = asyncio.create_task(self._batch_loop())
+
+    async def teardown(self) -> None:
+        if self._batcher is not None:
+            self._batcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._batcher
+
+    async def run(self, item: GenItem, req: Req, emit: Emit) -> None:
+        engine = self._engine
+        num_tokens = len(item.prompt_ids)
+        engine.check_fits(num_tokens)
+        room = None
+        deadline = time.monotonic() + engine.timing.room_timeout_secs
+        if not item.fake_transfer:
+            if item.bootstrap_room in engine.rooms:
+                raise BadRequest(f"bootstrap_room {item.bootstrap_room} is already in use")
+            room = engine.rooms.open(item.bootstrap_room, num_tokens)
+        try:
+            engine.set_stage(req, "waiting")
+            await engine.kv_pool.acquire(num_tokens)
+            try:
+                await self._forward(req, num_tokens)
+                payload = pack_prompt(item.prompt_ids)
+                if room is not None:
+                    engine.set_stage(req, "inflight")
+                    room.payload.set_result(payload)
+                    await self._wait_pulled(item, room.pulled, deadline)
+            finally:
+                engine.kv_pool.release(num_tokens)
+        finally:
+            if room is not None:
+                engine.rooms.close(room.room_id)
+        first = output_ids_from_payload(payload, 1)
+        progress = Progress(first, detokenize(first), {"type": "length", "length": 0})
+        if item.return_logprob:
+            progress.input_token_logprobs = _input_logprobs(item.prompt_ids)
+            progress.output_token_logprobs = []
+        emit(progress)
+
+    async def _wait_pulled(
+        self, item: GenItem, pulled: asyncio.Future[None], deadline: float
+    ) -> None:
+        """Hold the KV until the decode pulled it; free the room after the room timeout."""
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout_at(_loop_time(deadline)):
+                await pulled
+        except TimeoutError:
+            self._engine.stats.num_bootstrap_failed_reqs += 1
+            elapsed = time.monotonic() - started
+            error = KVTransferError(
+                item.bootstrap_room,
+                f"Request {item.bootstrap_room} timed out after {elapsed:.1f}s "
+                "in KVPoll.Bootstrapping",
+            )
+            raise RequestAborted(
+                f"Prefill bootstrap failed for request rank=0 req.rid={item.rid!r} "
+                f"req.bootstrap_room={item.bootstrap_room} with exception {error}"
+            ) from None
+
+    async def _forward(self, req: Req, num_tokens: int) -> None:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.append((req, num_tokens, future))
+        self._wakeup.set()
+        await future
+
+    async def _batch_loop(self) -> None:
+        """One simulated GPU: forwards run one batch at a time, each under the token budget."""
+        timing = self._engine.timing
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._pending:
+                batch = self._take_batch()
+                for queued, _, _ in batch:
+                    self._engine.set_stage(queued, "running")
+                await timing.wait(timing.prefill_secs(sum(n for _, n, _ in batch)))
+                for _, _, future in batch:
+                    if not future.done():
+                        future.set_result(None)
+
+    def _take_batch(self) -> list[tuple[Req, int, asyncio.Future[None]]]:
+        timing = self._engine.timing
+        batch: list[tuple[Req, int, asyncio.Future[None]]] = []
+        tokens = 0
+        while self._pending and len(batch) < timing.max_running_requests:
+            _, num_tokens, future = self._pending[0]
+            if future.done():
+                self._pending.popleft()
+                continue
+            if batch and tokens + num_tokens > timing.max_prefill_tokens:
+                break
+            batch.append(self._pending.popleft())
+            tokens += num_tokens
+        return batch
+
+
+class DecodeRole:
+    """Decode: reserve KV, pull it from the prefill's bootstrap server, then generate tokens."""
+
+    name = "decode"
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def start(self) -> None:
+        """Nothing to start: decode work runs inside each request."""
+
+    async def teardown(self) -> None:
+        """Nothing to release: an idle decode holds no connections."""
+
+    async def run(self, item: GenItem, req: Req, emit: Emit) -> None:
+        engine = self._engine
+        reserve = len(item.prompt_ids) + item.max_new_tokens
+        engine.check_fits(reserve)
+        engine.set_stage(req, "prealloc")
+        await engine.kv_pool.acquire(reserve)
+        try:
+            payload, source = await self._receive(item, req)
+            engine.set_stage(req, "waiting")
+            async with engine.running_slots:
+                engine.set_stage(req, "running")
+                await self._decode(item, payload, source, emit)
+        finally:
+            engine.kv_pool.release(reserve)
+
+    async def _receive(self, item: GenItem, req: Req) -> tuple[bytes, str | None]:
+        """The KV payload (from the prefill, or the decode's own prompt for a fake transfer)."""
+        if item.fake_transfer:
+            return pack_prompt(item.prompt_ids), None
+        engine = self._engine
+        engine.set_stage(req, "transfer")
+        started = time.monotonic()
+        try:
+            pulled = await pull_kv(
+                item.bootstrap_host or "",
+                item.bootstrap_port or 0,
+                item.bootstrap_room or 0,
+                engine.timing.bootstrap_timeout_secs,
+            )
+        except KVTransferError as exc:
+            engine.stats.num_bootstrap_failed_reqs += 1
+            raise RequestAborted(
+                f"Decode handshake failed for request rank=0 decode_req.req.rid={item.rid!r} "
+                f"decode_req.req.bootstrap_room={item.bootstrap_room} with exception {exc}"
+            ) from None
+        modeled_bytes = len(item.prompt_ids) * engine.timing.kv_bytes_per_token
+        engine.stats.count_transfer(modeled_bytes, time.monotonic() - started)
+        return pulled.payload, pulled.source
+
+    async def _decode(self, item: GenItem, payload: bytes, source: str | None, emit: Emit) -> None:
+        engine = self._engine
+        timing = engine.timing
+        planned = output_ids_from_payload(payload, item.max_new_tokens)
+        ids: list[int] = []
+        text = ""
+        if not planned:
+            emit(Progress([], "", {"type": "length", "length": 0}, source))
+            return
+        for token_id in planned:
+            await timing.wait(timing.decode_step_secs(engine.num_running))
+            ids.append(token_id)
+            engine.stats.count_generated(1)
+            finish = None
+            if token_id in item.stop_token_ids:
+                finish = {"type": "stop", "matched": token_id}
+            else:
+                text += " " + WORDS[token_id % len(WORDS)]
+                text, finish = _apply_stop(text, item.stop)
+            if finish is None and len(ids) == item.max_new_tokens:
+                finish = {"type": "length", "length": item.max_new_tokens}
+            progress = Progress(list(ids), text, finish, source)
+            if item.return_logprob:
+                progress.input_token_logprobs = []
+                progress.output_token_logprobs = [[token_logprob(t), t, None] for t in ids]
+            emit(progress)
+            if finish is not None:
+                return
+
+
+def _apply_stop(text: str, stop: tuple[str, ...]) -> tuple[str, dict[str, object] | None]:
+    """Cut the text before the first stop string it contains (SGLang trims the stop string)."""
+    for stop_str in stop:
+        index = text.find(stop_str)
+        if index >= 0:
+            return text[:index], {"type": "stop", "matched": stop_str}
+    return text, None
+
+
+def _input_logprobs(prompt_ids: list[int]) -> list[list[object]]:
+    """SGLang's shape: ``[logprob, token_id, text]`` per prompt token, the first logprob None."""
+    return [[None if i == 0 else token_logprob(t), t, None] for i, t in enumerate(prompt_ids)]
+
+
+def _loop_time(monotonic_deadline: float) -> float:
+    """Convert a time.monotonic() deadline to the event loop's clock."""
+    loop = asyncio.get_running_loop()
+    return loop.time() + (monotonic_deadline - time.monotonic())

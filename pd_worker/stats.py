@@ -1,0 +1,46 @@
+"""Cumulative counters and the generation-throughput window, read by /v1/loads and /metrics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+THROUGHPUT_WINDOW_SECS = 5
+
+
+@dataclass
+class EngineStats:
+    """Counters that only grow, like SGLang's ``sglang:*_total`` metrics."""
+
+    num_requests: int = 0
+    num_aborted_requests: int = 0
+    num_bootstrap_failed_reqs: int = 0
+    num_transfer_failed_reqs: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_secs: float = 0.0
+    _buckets: dict[int, int] = field(default_factory=dict)
+
+    def count_generated(self, tokens: int) -> None:
+        self.generation_tokens += tokens
+        second = int(time.monotonic())
+        self._buckets[second] = self._buckets.get(second, 0) + tokens
+        if len(self._buckets) > THROUGHPUT_WINDOW_SECS + 1:
+            for old in [s for s in self._buckets if s < second - THROUGHPUT_WINDOW_SECS]:
+                del self._buckets[old]
+
+    def gen_throughput(self) -> float:
+        """Generated tokens per second over the last few whole seconds."""
+        now = int(time.monotonic())
+        recent = sum(n for s, n in self._buckets.items() if now - THROUGHPUT_WINDOW_SECS <= s < now)
+        return recent / THROUGHPUT_WINDOW_SECS
+
+    def count_transfer(self, nbytes: int, secs: float) -> None:
+        self.kv_transfer_bytes += nbytes
+        self.kv_transfer_secs += secs
+
+    def kv_transfer_speed_gb_s(self) -> float:
+        if self.kv_transfer_secs <= 0:
+            return 0.0
+        return self.kv_transfer_bytes / self.kv_transfer_secs / 1e9

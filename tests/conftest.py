@@ -1,0 +1,59 @@
+"""Shared fixtures: reference worker clusters on free loopback ports (see pd_worker.cluster).
+
+- ``pd_cluster`` (module scope): 1 prefill + 1 decode at speed 0, role switch and faults enabled.
+- ``cluster_factory`` (function scope) / ``module_cluster_factory`` (module scope):
+  ``cluster_factory(prefill=2, decode=2, speed=0.0, **timing_knobs)`` starts a
+  :class:`~pd_worker.cluster.WorkerCluster` and returns it; all are stopped at teardown.
+- ``free_port``: a function returning a free loopback port.
+
+Clusters are synchronous objects; use them from async tests as well (only their ``kill``,
+``add`` and ``terminate`` calls block, briefly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from pd_worker.cluster import WorkerCluster
+from pd_worker.cluster import free_port as _free_port
+
+ClusterFactory = Callable[..., WorkerCluster]
+
+
+def _factory() -> Iterator[ClusterFactory]:
+    clusters: list[WorkerCluster] = []
+
+    def make(prefill: int = 1, decode: int = 1, **kwargs: Any) -> WorkerCluster:
+        cluster = WorkerCluster(prefill=prefill, decode=decode, **kwargs)
+        clusters.append(cluster)
+        return cluster.start()
+
+    try:
+        yield make
+    finally:
+        for cluster in clusters:
+            cluster.stop()
+
+
+@pytest.fixture
+def cluster_factory() -> Iterator[ClusterFactory]:
+    yield from _factory()
+
+
+@pytest.fixture(scope="module")
+def module_cluster_factory() -> Iterator[ClusterFactory]:
+    yield from _factory()
+
+
+@pytest.fixture(scope="module")
+def pd_cluster() -> Iterator[WorkerCluster]:
+    with WorkerCluster(prefill=1, decode=1, speed=0.0) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def free_port() -> Callable[[], int]:
+    return _free_port
