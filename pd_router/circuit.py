@@ -68,6 +68,11 @@ class CircuitBreaker:
         if self._state is not CircuitState.CLOSED:
             self._set(CircuitState.CLOSED)
 
+    def release_trial(self) -> None:
+        """A dispatched request ended with no verdict on this worker (it was cancelled because
+        the other leg failed or the client left): a half-open circuit may try again."""
+        self._trial_in_flight = False
+
     def record_failure(self) -> None:
         self._trial_in_flight = False
         self._failures += 1

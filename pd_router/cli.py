@@ -1,0 +1,171 @@
+"""The ``pd-router`` command: ``serve`` (the default), ``demo``, ``status`` and ``convert``.
+
+``serve`` takes the flags of ``python -m sglang_router.launch_router --pd-disaggregation`` that
+make sense for this router, so an existing mini_lb command line works unchanged:
+
+    pd-router --pd-disaggregation --prefill http://p1:30000 8998 --decode http://d1:30001 \\
+        --host 0.0.0.0 --port 8000 --policy random
+
+``--config router.toml`` supplies everything else; flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pd_router.config import ConfigError, RouterConfig, load_config
+
+SUBCOMMANDS = ("serve", "demo", "status", "convert")
+POLICY_CHOICES = ("random", "round_robin", "least_inflight", "power_of_two", "cache_aware")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pd-router",
+        description="Router for SGLang prefill/decode disaggregation "
+        "(subcommands: serve [default], demo, status, convert).",
+    )
+    p.add_argument("--config", help="TOML config file (see configs/router.toml)")
+    p.add_argument("--host", help="address to listen on (default 0.0.0.0)")
+    p.add_argument("--port", type=int, help="port to listen on (default 30000)")
+    p.add_argument(
+        "--prefill", nargs="+", action="append", metavar="URL [BOOTSTRAP_PORT]",
+        help="prefill server URL and optional bootstrap port (a number or 'none'; without it "
+        "the port is read from the server's /server_info); repeat for each prefill",
+    )  # fmt: skip
+    p.add_argument(
+        "--decode", nargs=1, action="append", metavar="URL",
+        help="decode server URL; repeat for each decode",
+    )  # fmt: skip
+    p.add_argument("--pd-disaggregation", action="store_true", help="accepted; always on")
+    p.add_argument("--mini-lb", action="store_true", help="accepted for compatibility; ignored")
+    p.add_argument("--policy", choices=POLICY_CHOICES, help="policy for both pools")
+    p.add_argument("--prefill-policy", choices=POLICY_CHOICES)
+    p.add_argument("--decode-policy", choices=POLICY_CHOICES)
+    p.add_argument("--request-timeout-secs", type=float)
+    p.add_argument("--max-payload-size", type=int, help="largest request body in bytes")
+    p.add_argument("--log-level", choices=("debug", "info", "warn", "warning", "error"))
+    p.add_argument("--log-format", choices=("json", "text"))
+    p.add_argument("--admin-api-key", help="key guarding the admin API (Authorization: Bearer)")
+    p.add_argument("--health-check-interval-secs", type=float)
+    p.add_argument("--health-check-timeout-secs", type=float)
+    p.add_argument("--health-failure-threshold", type=int)
+    p.add_argument("--health-success-threshold", type=int)
+    p.add_argument("--health-check-endpoint")
+    p.add_argument("--cb-failure-threshold", type=int)
+    p.add_argument("--cb-timeout-duration-secs", type=float)
+    p.add_argument("--retry-max-retries", type=int, help="retries after the first attempt")
+    p.add_argument("--retry-initial-backoff-ms", type=float)
+    p.add_argument("--retry-max-backoff-ms", type=float)
+    return p
+
+
+def parse_prefill(values: list[str]) -> dict[str, Any]:
+    if len(values) > 2:
+        raise ConfigError("--prefill", f"takes URL [BOOTSTRAP_PORT], got {' '.join(values)}")
+    spec: dict[str, Any] = {"url": values[0]}
+    if len(values) == 2 and values[1].lower() != "none":
+        try:
+            spec["bootstrap_port"] = int(values[1])
+        except ValueError:
+            raise ConfigError(
+                "--prefill", f"bootstrap port must be a number or 'none', got {values[1]!r}"
+            ) from None
+    return spec
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The config keys set on the command line (unset flags leave the file's values alone)."""
+    out: dict[str, Any] = {}
+    if args.prefill:
+        out["prefill"] = [parse_prefill(v) for v in args.prefill]
+    if args.decode:
+        out["decode"] = [{"url": v[0]} for v in args.decode]
+    if args.policy:
+        out["prefill_policy"] = out["decode_policy"] = args.policy
+    flat = {
+        "host": args.host,
+        "port": args.port,
+        "prefill_policy": args.prefill_policy,
+        "decode_policy": args.decode_policy,
+        "request_timeout_secs": args.request_timeout_secs,
+        "max_payload_size": args.max_payload_size,
+        "log_level": args.log_level,
+        "log_format": args.log_format,
+        "admin_api_key": args.admin_api_key,
+    }
+    out.update({k: v for k, v in flat.items() if v is not None})
+    sections = {
+        "health": {
+            "interval_secs": args.health_check_interval_secs,
+            "timeout_secs": args.health_check_timeout_secs,
+            "failure_threshold": args.health_failure_threshold,
+            "success_threshold": args.health_success_threshold,
+            "endpoint": args.health_check_endpoint,
+        },
+        "circuit": {
+            "failure_threshold": args.cb_failure_threshold,
+            "cooldown_secs": args.cb_timeout_duration_secs,
+        },
+        "retry": {
+            "max_attempts": None if args.retry_max_retries is None else args.retry_max_retries + 1,
+            "backoff_base_secs": ms_to_secs(args.retry_initial_backoff_ms),
+            "backoff_max_secs": ms_to_secs(args.retry_max_backoff_ms),
+        },
+    }
+    for name, values in sections.items():
+        given = {k: v for k, v in values.items() if v is not None}
+        if given:
+            out[name] = given
+    return out
+
+
+def ms_to_secs(value: float | None) -> float | None:
+    return None if value is None else value / 1000.0
+
+
+def config_from_argv(argv: Sequence[str]) -> RouterConfig:
+    """Parse ``serve`` arguments into a validated config (ConfigError on a bad value)."""
+    args = build_parser().parse_args(list(argv))
+    config = load_config(args.config, overrides_from_args(args))
+    if not config.prefill or not config.decode:
+        raise ConfigError(
+            "prefill/decode", "at least one --prefill and one --decode (or [[prefill]]/[[decode]])"
+        )
+    return config
+
+
+def serve(argv: Sequence[str]) -> int:
+    from pd_router.logs import configure_logging
+    from pd_router.server import run_server
+
+    try:
+        config = config_from_argv(argv)
+    except ConfigError as exc:
+        print(f"pd-router: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level, config.log_format)
+    run_server(config)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else "serve"
+    rest = argv[1:] if argv and argv[0] in SUBCOMMANDS else argv
+    if command == "demo":
+        from pd_router.demo import main as demo_main
+
+        return demo_main(rest)
+    if command == "status":
+        from pd_router.admin_client import status
+
+        return status(rest)
+    if command == "convert":
+        from pd_router.admin_client import convert
+
+        return convert(rest)
+    return serve(rest)

@@ -1,0 +1,247 @@
+"""Router configuration: dataclasses, a TOML file, command-line overrides, validation.
+
+Everything is built from one nested dict (the TOML file with the command-line overrides merged
+on top), so a value means the same whether it came from the file or a flag. Validation names the
+offending key and what is allowed, and start-up stops there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pd_router.circuit import CircuitConfig
+from pd_router.policies import POLICIES, POLICY_ALIASES, canonical_policy_name
+from pd_router.workers import normalize_url
+
+LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
+LOG_FORMATS = ("json", "text")
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"config error: {key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    url: str
+    bootstrap_port: int | None = None
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    interval_secs: float = 5.0
+    timeout_secs: float = 2.0
+    failure_threshold: int = 3
+    success_threshold: int = 2
+    endpoint: str = "/health"
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    max_attempts: int = 3
+    backoff_base_secs: float = 0.02
+    backoff_max_secs: float = 0.5
+
+
+@dataclass(frozen=True)
+class ConversionConfig:
+    min_prefill: int = 1
+    min_decode: int = 1
+    max_concurrent: int = 1
+    drain_timeout_secs: float = 300.0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "0.0.0.0"
+    port: int = 30000
+    prefill: tuple[WorkerSpec, ...] = ()
+    decode: tuple[WorkerSpec, ...] = ()
+    prefill_policy: str = "least_inflight"
+    decode_policy: str = "least_inflight"
+    request_timeout_secs: float = 1800.0
+    connect_timeout_secs: float = 5.0
+    max_connections: int = 2048
+    max_payload_size: int = 512 * 1024 * 1024
+    worker_removal_timeout_secs: float = 300.0
+    admin_api_key: str | None = None
+    log_level: str = "info"
+    log_format: str = "json"
+    health: HealthConfig = field(default_factory=HealthConfig)
+    circuit: CircuitConfig = field(default_factory=CircuitConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    conversion: ConversionConfig = field(default_factory=ConversionConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "health": HealthConfig,
+    "circuit": CircuitConfig,
+    "retry": RetryConfig,
+    "conversion": ConversionConfig,
+}
+
+
+def load_config(
+    path: str | Path | None = None, overrides: dict[str, Any] | None = None
+) -> RouterConfig:
+    """Read ``path`` (TOML, optional), merge ``overrides`` on top and validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError("--config", f"cannot read {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("--config", f"{path} is not valid TOML: {exc}") from exc
+    return build_config(merge(data, overrides or {}))
+
+
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with ``overrides`` on top; tables merge key by key, everything else replaces."""
+    out = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def build_config(data: dict[str, Any]) -> RouterConfig:
+    """Validate a nested dict (TOML shape) into a RouterConfig."""
+    data = dict(data)
+    policy = data.pop("policy", None)
+    if policy is not None:
+        data.setdefault("prefill_policy", policy)
+        data.setdefault("decode_policy", policy)
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in ("prefill", "decode"):
+            kwargs[key] = parse_workers(key, value)
+        elif key in SECTIONS:
+            kwargs[key] = parse_section(key, SECTIONS[key], value)
+        else:
+            kwargs[key] = value
+    config = parse_section("", RouterConfig, kwargs, skip=("prefill", "decode", *SECTIONS))
+    validate(config)
+    return config
+
+
+def parse_workers(key: str, value: Any) -> tuple[WorkerSpec, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(key, "must be a list of {url, bootstrap_port?} tables")
+    specs = []
+    for i, item in enumerate(value):
+        item_key = f"{key}[{i}]"
+        if isinstance(item, str):
+            item = {"url": item}
+        if not isinstance(item, dict):
+            raise ConfigError(item_key, "must be a table with 'url' and optional 'bootstrap_port'")
+        spec = parse_section(item_key, WorkerSpec, item)
+        try:
+            url = normalize_url(spec.url)
+        except ValueError as exc:
+            raise ConfigError(f"{item_key}.url", str(exc)) from exc
+        if key == "decode" and spec.bootstrap_port is not None:
+            raise ConfigError(f"{item_key}.bootstrap_port", "only prefill workers have one")
+        check_port(f"{item_key}.bootstrap_port", spec.bootstrap_port)
+        specs.append(dataclasses.replace(spec, url=url))
+    return tuple(specs)
+
+
+def parse_section(prefix: str, cls: type, value: Any, skip: tuple[str, ...] = ()) -> Any:
+    """Build dataclass ``cls`` from a dict, checking names and types of every key."""
+    if not isinstance(value, dict):
+        raise ConfigError(prefix or "config", "must be a table")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, item in value.items():
+        full = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            raise ConfigError(full, f"unknown key (known: {', '.join(sorted(names))})")
+        kwargs[key] = item if key in skip else coerce(full, hints[key], item)
+    return cls(**kwargs)
+
+
+def coerce(key: str, hint: Any, value: Any) -> Any:
+    """Check ``value`` against a field type (int, float, str, bool, optional of these)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(key, "must not be empty")
+    for option in options:
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if option is str and isinstance(value, str):
+            return value
+    wanted = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
+    raise ConfigError(key, f"must be {wanted}, got {type(value).__name__} {value!r}")
+
+
+def check_port(key: str, port: int | None) -> None:
+    if port is not None and not 0 < port < 65536:
+        raise ConfigError(key, f"must be a port number 1..65535, got {port}")
+
+
+def check_positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate(config: RouterConfig) -> None:
+    """Range and choice checks that types alone do not express."""
+    allowed = ", ".join([*POLICIES, *POLICY_ALIASES])
+    for key in ("prefill_policy", "decode_policy"):
+        try:
+            canonical_policy_name(getattr(config, key))
+        except KeyError:
+            raise ConfigError(
+                key, f"unknown policy {getattr(config, key)!r} (allowed: {allowed})"
+            ) from None
+    check_port("port", config.port if config.port != 0 else None)
+    for key in ("request_timeout_secs", "connect_timeout_secs", "worker_removal_timeout_secs"):
+        check_positive(key, getattr(config, key))
+    for key in ("max_connections", "max_payload_size"):
+        check_positive(key, getattr(config, key))
+    if config.log_level.lower() not in LOG_LEVELS:
+        raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
+    if config.log_format not in LOG_FORMATS:
+        raise ConfigError("log_format", f"must be one of {', '.join(LOG_FORMATS)}")
+    h = config.health
+    check_positive("health.interval_secs", h.interval_secs)
+    check_positive("health.timeout_secs", h.timeout_secs)
+    check_positive("health.failure_threshold", h.failure_threshold)
+    check_positive("health.success_threshold", h.success_threshold)
+    if not h.endpoint.startswith("/"):
+        raise ConfigError("health.endpoint", "must be a path starting with '/'")
+    check_positive("circuit.failure_threshold", config.circuit.failure_threshold)
+    check_positive("circuit.cooldown_secs", config.circuit.cooldown_secs, allow_zero=True)
+    check_positive("retry.max_attempts", config.retry.max_attempts)
+    check_positive("retry.backoff_base_secs", config.retry.backoff_base_secs, allow_zero=True)
+    check_positive("retry.backoff_max_secs", config.retry.backoff_max_secs, allow_zero=True)
+    c = config.conversion
+    check_positive("conversion.min_prefill", c.min_prefill, allow_zero=True)
+    check_positive("conversion.min_decode", c.min_decode, allow_zero=True)
+    check_positive("conversion.max_concurrent", c.max_concurrent)
+    check_positive("conversion.drain_timeout_secs", c.drain_timeout_secs)
+    urls = [w.url for w in (*config.prefill, *config.decode)]
+    duplicates = sorted({u for u in urls if urls.count(u) > 1})
+    if duplicates:
+        raise ConfigError("prefill/decode", f"worker listed twice: {', '.join(duplicates)}")

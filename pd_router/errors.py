@@ -1,0 +1,124 @@
+"""The router's error classes and the one place that turns an error into an HTTP response.
+
+Handlers raise; the error middleware in ``server.py`` calls :func:`error_response`. Every error
+body has the same shape, ``{"error": {"message", "type", "code"}}`` (the OpenAI shape, which
+SGLang clients already parse), so a client never sees a stack trace or an HTML page.
+"""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+from pd_router.workers import DuplicateWorker, InvalidTransition, RegistryError, UnknownWorker
+
+
+class RouterError(Exception):
+    """An error with a status code, an error type and a message meant for the client."""
+
+    status = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.headers = headers
+
+
+class BadRequest(RouterError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class Unauthorized(RouterError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class NotFound(RouterError):
+    status = 404
+    error_type = "not_found"
+
+
+class Conflict(RouterError):
+    status = 409
+    error_type = "conflict"
+
+
+class PayloadTooLarge(RouterError):
+    status = 413
+    error_type = "payload_too_large"
+
+
+class NoWorkers(RouterError):
+    """No selectable prefill or decode: the client should come back shortly."""
+
+    status = 503
+    error_type = "no_available_workers"
+
+    def __init__(self, message: str, retry_after_secs: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_secs)})
+
+
+class UpstreamError(RouterError):
+    """A worker failed (transport error or 5xx) and the router could not recover."""
+
+    status = 502
+    error_type = "upstream_error"
+
+
+class UpstreamUnavailable(RouterError):
+    """Every worker tried answered 503 (draining, overloaded): the client should come back."""
+
+    status = 503
+    error_type = "upstream_unavailable"
+
+    def __init__(self, message: str, retry_after_secs: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_secs)})
+
+
+class UpstreamTimeout(RouterError):
+    status = 504
+    error_type = "upstream_timeout"
+
+
+REGISTRY_STATUS: dict[type[RegistryError], tuple[int, str]] = {
+    UnknownWorker: (404, "not_found"),
+    DuplicateWorker: (409, "conflict"),
+    InvalidTransition: (409, "conflict"),
+}
+
+
+def error_body(status: int, error_type: str, message: str) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": error_type, "code": status}})
+
+
+def json_error(
+    status: int, error_type: str, message: str, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=error_body(status, error_type, message),
+        status=status,
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def error_response(exc: Exception) -> web.Response:
+    """The HTTP response for any error a handler may raise (the one mapping)."""
+    if isinstance(exc, RouterError):
+        return json_error(exc.status, exc.error_type, exc.message, exc.headers)
+    if isinstance(exc, RegistryError):
+        status, error_type = REGISTRY_STATUS.get(type(exc), (409, "conflict"))
+        return json_error(status, error_type, str(exc))
+    if isinstance(exc, web.HTTPException):
+        return json_error(exc.status, http_error_type(exc.status), exc.reason or exc.text or "")
+    return json_error(500, "internal_error", "internal router error")
+
+
+def http_error_type(status: int) -> str:
+    return {
+        404: "not_found",
+        405: "method_not_allowed",
+        413: "payload_too_large",
+    }.get(status, "invalid_request_error" if status < 500 else "internal_error")

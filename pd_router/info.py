@@ -1,0 +1,190 @@
+"""Router-level endpoints that are not the PD request path: liveness, readiness, metrics, model
+and server info (aggregated per pool), and the fan-out operations (flush_cache, abort_request,
+health_generate) that SGLang clients and benchmark scripts call on a router as on a server."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from pd_router.errors import NoWorkers, UpstreamError
+from pd_router.requests import parse_body
+from pd_router.state import Router, router_of
+from pd_router.workers import Role, Worker, WorkerState
+
+FAN_OUT_TIMEOUT = aiohttp.ClientTimeout(total=30.0)
+INFO_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+
+
+@dataclass(slots=True)
+class Reply:
+    worker: Worker
+    status: int | None
+    body: bytes
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+    def summary(self) -> dict:
+        entry: dict = {
+            "url": self.worker.url,
+            "role": self.worker.role.value,
+            "status": self.status,
+        }
+        if self.error is not None:
+            entry["error"] = self.error
+        elif not self.ok:
+            entry["message"] = self.body[:500].decode("utf-8", "replace")
+        return entry
+
+
+def json_response(data: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+async def call(
+    session: aiohttp.ClientSession,
+    worker: Worker,
+    method: str,
+    path: str,
+    *,
+    data: bytes | None = None,
+    params: dict[str, str] | None = None,
+    limit: aiohttp.ClientTimeout = FAN_OUT_TIMEOUT,
+) -> Reply:
+    headers = {"Content-Type": "application/json"} if data is not None else None
+    try:
+        async with session.request(
+            method, worker.url + path, data=data, params=params, headers=headers, timeout=limit
+        ) as resp:
+            return Reply(worker, resp.status, await resp.read())
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return Reply(worker, None, b"", f"{type(exc).__name__}: {exc}")
+
+
+async def fan_out(
+    router: Router, workers: list[Worker], method: str, path: str, **kwargs
+) -> list[Reply]:
+    return list(
+        await asyncio.gather(*(call(router.session, w, method, path, **kwargs) for w in workers))
+    )
+
+
+def active_workers(router: Router) -> list[Worker]:
+    return [w for w in router.registry if w.state is WorkerState.ACTIVE]
+
+
+async def handle_health(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+async def handle_readiness(request: web.Request) -> web.Response:
+    registry = router_of(request).registry
+    counts = {role.value: registry.active_healthy_count(role) for role in Role}
+    ready = all(counts.values())
+    return json_response({"ready": ready, "healthy": counts}, 200 if ready else 503)
+
+
+async def handle_metrics(request: web.Request) -> web.Response:
+    body, content_type = router_of(request).metrics.exposition()
+    response = web.Response(body=body)
+    response.headers["Content-Type"] = content_type
+    return response
+
+
+async def handle_health_generate(request: web.Request) -> web.Response:
+    """200 when every active worker passes its own /health_generate."""
+    router = router_of(request)
+    workers = active_workers(router)
+    if not workers:
+        raise NoWorkers("no active workers")
+    replies = await fan_out(router, workers, "GET", "/health_generate")
+    healthy = all(r.ok for r in replies)
+    return json_response(
+        {"healthy": healthy, "workers": [r.summary() for r in replies]}, 200 if healthy else 503
+    )
+
+
+async def first_answer(request: web.Request, path: str) -> web.Response:
+    """A selectable worker's answer to ``GET path`` (prefill first: both serve the same model)."""
+    router = router_of(request)
+    candidates = router.registry.selectable(Role.PREFILL) + router.registry.selectable(Role.DECODE)
+    if not candidates:
+        raise NoWorkers("no available worker to ask")
+    errors = []
+    for worker in candidates[:3]:
+        reply = await call(router.session, worker, "GET", path, limit=INFO_TIMEOUT)
+        if reply.ok:
+            return web.Response(body=reply.body, status=200, content_type="application/json")
+        errors.append(reply.error or f"{worker.url} answered {reply.status}")
+    raise UpstreamError(f"GET {path} failed: " + "; ".join(errors))
+
+
+async def handle_models(request: web.Request) -> web.Response:
+    return await first_answer(request, "/v1/models")
+
+
+async def handle_model_info(request: web.Request) -> web.Response:
+    return await first_answer(request, "/model_info")
+
+
+async def handle_server_info(request: web.Request) -> web.Response:
+    """Every worker's /server_info grouped by pool; the decodes' ``internal_states`` at the top
+    (where SGLang's benchmark scripts look for them), as mini_lb does."""
+    router = router_of(request)
+    workers = list(router.registry)
+    replies = await fan_out(router, workers, "GET", "/server_info", limit=INFO_TIMEOUT)
+    pools: dict[str, list] = {role.value: [] for role in Role}
+    internal_states: list = []
+    for reply in replies:
+        entry = parse_info(reply)
+        pools[reply.worker.role.value].append(entry)
+        states = entry.get("internal_states")
+        if reply.worker.role is Role.DECODE and isinstance(states, list):
+            internal_states.extend(states)
+    return json_response({**pools, "internal_states": internal_states})
+
+
+def parse_info(reply: Reply) -> dict:
+    if not reply.ok:
+        return reply.summary()
+    try:
+        info = orjson.loads(reply.body)
+    except orjson.JSONDecodeError:
+        return {**reply.summary(), "error": "server_info is not JSON"}
+    if not isinstance(info, dict):
+        return {**reply.summary(), "error": "server_info is not an object"}
+    return {**info, "url": reply.worker.url}
+
+
+async def handle_flush_cache(request: web.Request) -> web.Response:
+    """Fan out /flush_cache (with its ``timeout``) to every active worker."""
+    router = router_of(request)
+    params = {"timeout": request.query["timeout"]} if "timeout" in request.query else None
+    replies = await fan_out(router, active_workers(router), "POST", "/flush_cache", params=params)
+    return summarize(replies)
+
+
+async def handle_abort_request(request: web.Request) -> web.Response:
+    """Fan out /abort_request to every active worker (the rid lives on one P and one D)."""
+    router = router_of(request)
+    body = orjson.dumps(parse_body(await request.read()))
+    replies = await fan_out(router, active_workers(router), "POST", "/abort_request", data=body)
+    return summarize(replies)
+
+
+def summarize(replies: list[Reply]) -> web.Response:
+    """200 when every worker succeeded; else a worker's own 4xx, or 502 for transport errors."""
+    success = all(r.ok for r in replies)
+    if success:
+        status = 200
+    else:
+        failed = [r.status for r in replies if not r.ok]
+        status = next((s for s in failed if s is not None and 400 <= s < 500), 502)
+    return json_response({"success": success, "workers": [r.summary() for r in replies]}, status)

@@ -1,0 +1,385 @@
+"""The PD request path: pair selection, bootstrap injection, fan-out, streaming relay, merges,
+retries.
+
+Each client request becomes one or more attempts. An attempt picks a prefill and a decode, points
+the decode at the prefill (bootstrap host, port, fresh rooms), and sends the same body to both at
+once. Both legs count as in flight until both ended: the prefill is not idle before the decode
+pulled its KV. If a leg fails before the client got a byte, the other leg is cancelled (and told
+to abort) and, for transport errors and 502/503/504, the request is retried on a new pair with
+new rooms. After the first byte a failure ends the stream with an SSE error event. A client that
+goes away cancels both legs and both workers get ``/abort_request``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, TypeVar
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from pd_router.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from pd_router.logprobs import merge_body, merged_events, prefill_logprobs
+from pd_router.requests import (
+    CHAT,
+    COMPLETIONS,
+    GENERATE,
+    Endpoint,
+    inject_bootstrap,
+    item_rids,
+    parse_body,
+)
+from pd_router.state import Router, router_of
+from pd_router.upstream import (
+    LegFailed,
+    LegResult,
+    abort,
+    fetch,
+    open_stream,
+    record_outcome,
+    transport_failure,
+)
+from pd_router.workers import Role, Worker
+
+log = logging.getLogger("pd_router.proxy")
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    return await serve(request, GENERATE)
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    return await serve(request, COMPLETIONS)
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    return await serve(request, CHAT)
+
+
+async def serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    router = router_of(request)
+    started = asyncio.get_running_loop().time()
+    body = parse_body(await request.read())
+    items = endpoint.count_items(body)
+    exchange = Exchange(router, request, endpoint, body, items, started)
+    return await exchange.run()
+
+
+async def guarded(main: asyncio.Task[T], guard: asyncio.Task) -> T:
+    """``main``'s result, unless ``guard`` fails first: then ``main`` is cancelled and the
+    guard's error raised (the prefill failing while the decode waits for its KV)."""
+    if not main.done() and not guard.done():
+        await asyncio.wait((main, guard), return_when=asyncio.FIRST_COMPLETED)
+    if not main.done():
+        error = guard.exception()
+        if error is not None:
+            main.cancel()
+            raise error
+        return await main
+    return main.result()
+
+
+def retrieve(task: asyncio.Task) -> None:
+    """Mark a finished task's exception as seen (it was already handled or recorded)."""
+    if task.done() and not task.cancelled():
+        task.exception()
+
+
+class Exchange:
+    """One client request across its attempts."""
+
+    def __init__(
+        self,
+        router: Router,
+        request: web.Request,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        items: int | None,
+        started: float,
+    ) -> None:
+        self.router = router
+        self.request = request
+        self.endpoint = endpoint
+        self.body = body
+        self.items = items
+        self.started = started
+        self.request_id: str = request["request_id"]
+        self.client_rid = body.get("rid")
+        self.headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
+        self.stream = bool(body.get("stream"))
+        self.merge = endpoint.merges_logprobs and bool(body.get("return_logprob"))
+
+    async def run(self) -> web.StreamResponse:
+        retry = self.router.config.retry
+        avoid: list[Worker] = []
+        attempt = 0
+        while True:
+            prefill = self.router.pick(Role.PREFILL, avoid)
+            decode = self.router.pick(Role.DECODE, avoid)
+            payload, rids = self.prepare(attempt, prefill)
+            try:
+                if self.stream:
+                    return await self.stream_attempt(prefill, decode, payload, rids)
+                return await self.unary_attempt(prefill, decode, payload, rids)
+            except LegFailed as failure:
+                log.warning(
+                    "upstream leg failed",
+                    extra={
+                        "request_id": self.request_id,
+                        "attempt": attempt,
+                        "role": failure.role.value,
+                        "worker": failure.worker.url,
+                        "kind": failure.kind,
+                        "error": failure.message,
+                    },
+                )
+                attempt += 1
+                if not failure.retryable or attempt >= retry.max_attempts:
+                    return failure_response(failure)
+                avoid.append(failure.worker)
+            self.router.metrics.retries_total.inc()
+            await asyncio.sleep(
+                min(retry.backoff_max_secs, retry.backoff_base_secs * 2 ** (attempt - 1))
+            )
+
+    def prepare(self, attempt: int, prefill: Worker) -> tuple[bytes, list[str]]:
+        """The body for this attempt (new rooms, the rid workers know it by) and its rids."""
+        inject_bootstrap(self.body, prefill, self.items)
+        if self.client_rid is not None:
+            rid = self.client_rid
+        else:
+            rid = self.request_id if attempt == 0 else f"{self.request_id}-{attempt}"
+            self.body["rid"] = rid
+        return orjson.dumps(self.body), item_rids(rid, self.items)
+
+    def cleanup(
+        self,
+        legs: list[tuple[asyncio.Task, Worker, bool]],
+        rids: list[str],
+    ) -> list[asyncio.Task]:
+        """Cancel unfinished legs and send ``/abort_request`` to each worker flagged for it;
+        returns the tasks to wait for."""
+        pending = []
+        session = self.router.session
+        for task, worker, must_abort in legs:
+            if not task.done():
+                task.cancel()
+                pending.append(task)
+            else:
+                retrieve(task)
+            if must_abort or not task.done():
+                self.router.spawn(abort(session, worker, rids))
+        return pending
+
+    def observe_ttft(self) -> None:
+        self.router.metrics.ttft_seconds.observe(asyncio.get_running_loop().time() - self.started)
+
+    # --- non-streaming ----------------------------------------------------------------------
+
+    async def unary_attempt(
+        self, prefill: Worker, decode: Worker, payload: bytes, rids: list[str]
+    ) -> web.Response:
+        router = self.router
+        registry = router.registry
+        session = router.session
+        path = self.endpoint.path
+        registry.acquire(prefill)
+        registry.acquire(decode)
+        p_task = asyncio.create_task(
+            fetch(session, Role.PREFILL, prefill, prefill.url + path, payload, self.headers,
+                  router.count_upstream_error)
+        )  # fmt: skip
+        d_task = asyncio.create_task(
+            fetch(session, Role.DECODE, decode, decode.url + path, payload, self.headers,
+                  router.count_upstream_error)
+        )  # fmt: skip
+        client_gone = False
+        try:
+            p_result, d_result = await join_unary(p_task, d_task)
+        except asyncio.CancelledError:
+            client_gone = True
+            raise
+        finally:
+            pending = self.cleanup(
+                [(p_task, prefill, client_gone), (d_task, decode, client_gone)], rids
+            )
+            if pending:
+                await asyncio.wait(pending)
+            registry.release(prefill)
+            registry.release(decode)
+        body = d_result.body
+        if self.merge and p_result is not None:
+            body = merge_body(body, prefill_logprobs(p_result.body))
+        self.observe_ttft()
+        return web.Response(body=body, status=d_result.status, content_type=d_result.content_type)
+
+    # --- streaming --------------------------------------------------------------------------
+
+    async def stream_attempt(
+        self, prefill: Worker, decode: Worker, payload: bytes, rids: list[str]
+    ) -> web.StreamResponse:
+        router = self.router
+        registry = router.registry
+        session = router.session
+        path = self.endpoint.path
+        registry.acquire(prefill)
+        registry.acquire(decode)
+        p_task = asyncio.create_task(
+            fetch(session, Role.PREFILL, prefill, prefill.url + path, payload, self.headers,
+                  router.count_upstream_error)
+        )  # fmt: skip
+        d_task = asyncio.create_task(
+            open_stream(session, Role.DECODE, decode, decode.url + path, payload, self.headers,
+                        router.count_upstream_error)
+        )  # fmt: skip
+        first_task: asyncio.Task | None = None
+        d_resp: aiohttp.ClientResponse | None = None
+        decode_done = False
+        client_gone = False
+        try:
+            d_resp = await guarded(d_task, p_task)
+            pieces: AsyncIterator[bytes] = d_resp.content.iter_any()
+            if self.merge:
+                p_result = await p_task
+                pieces = merged_events(pieces, prefill_logprobs(p_result.body))
+            first_task = asyncio.create_task(first_piece(pieces, decode, router))
+            first = await guarded(first_task, p_task)
+            response = await self.start_stream(d_resp)
+            decode_done, client_gone = await self.relay(response, first, pieces, decode)
+            if not client_gone:
+                try:
+                    await response.write_eof()
+                except ConnectionResetError:
+                    client_gone = True
+            if not client_gone:
+                await asyncio.wait((p_task,))
+            return response
+        except asyncio.CancelledError:
+            client_gone = True
+            raise
+        finally:
+            pending = self.cleanup(
+                [(p_task, prefill, client_gone), (d_task, decode, not decode_done)], rids
+            )
+            if first_task is not None and not first_task.done():
+                first_task.cancel()
+                pending.append(first_task)
+            if d_resp is not None:
+                if decode_done:
+                    d_resp.release()
+                else:
+                    d_resp.close()
+            if pending:
+                await asyncio.wait(pending)
+            registry.release(prefill)
+            registry.release(decode)
+
+    async def start_stream(self, d_resp: aiohttp.ClientResponse) -> web.StreamResponse:
+        response = web.StreamResponse(status=d_resp.status, headers=SSE_HEADERS)
+        response.content_type = d_resp.content_type or "text/event-stream"
+        response.headers["X-Request-Id"] = self.request_id
+        await response.prepare(self.request)
+        self.observe_ttft()
+        return response
+
+    async def relay(
+        self,
+        response: web.StreamResponse,
+        first: bytes,
+        pieces: AsyncIterator[bytes],
+        decode: Worker,
+    ) -> tuple[bool, bool]:
+        """Copy the decode's stream to the client; returns (decode finished, client gone)."""
+        try:
+            await response.write(first)
+            async for piece in pieces:
+                try:
+                    await response.write(piece)
+                except ConnectionResetError:
+                    return False, True
+        except ConnectionResetError:
+            return False, True
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            failure = transport_failure(Role.DECODE, decode, exc)
+            record_outcome(decode, failure, self.router.count_upstream_error)
+            log.warning(
+                "decode stream broke after the first byte",
+                extra={
+                    "request_id": self.request_id,
+                    "worker": decode.url,
+                    "error": failure.message,
+                },
+            )
+            try:
+                await response.write(sse_error(failure.message))
+            except ConnectionResetError:
+                return False, True
+            return False, False
+        record_outcome(decode, None, self.router.count_upstream_error)
+        return True, False
+
+
+async def join_unary(
+    p_task: asyncio.Task[LegResult], d_task: asyncio.Task[LegResult]
+) -> tuple[LegResult | None, LegResult]:
+    """Both legs' results. A prefill that fails while the decode still waits ends the attempt
+    at once; a prefill that fails after the decode answered does not spoil the answer."""
+    await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
+    if not d_task.done():
+        p_result = p_task.result()
+        return p_result, await d_task
+    d_result = d_task.result()
+    try:
+        p_result = await p_task
+    except LegFailed:
+        return None, d_result
+    return p_result, d_result
+
+
+async def first_piece(pieces: AsyncIterator[bytes], decode: Worker, router: Router) -> bytes:
+    """The decode's first bytes; a stream that breaks or ends before them is a retryable
+    decode failure (nothing reached the client yet)."""
+    try:
+        piece = await anext(pieces)
+    except StopAsyncIteration:
+        piece = b""
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        failure = transport_failure(Role.DECODE, decode, exc)
+        record_outcome(decode, failure, router.count_upstream_error)
+        raise failure from exc
+    if not piece:
+        failure = LegFailed(
+            Role.DECODE, decode, "disconnect",
+            f"decode worker {decode.url} ended its stream without data", retryable=True,
+        )  # fmt: skip
+        record_outcome(decode, failure, router.count_upstream_error)
+        raise failure
+    return piece
+
+
+def sse_error(message: str, status: int = 502) -> bytes:
+    """The event that ends a stream broken after its first byte (SGLang's error shape)."""
+    error = {"error": {"message": message, "type": "upstream_error", "code": status}}
+    return b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
+
+
+def failure_response(failure: LegFailed) -> web.Response:
+    """What the client gets when the last attempt failed: a worker's own 4xx answer as is,
+    otherwise a router error naming the leg that failed."""
+    result = failure.result
+    if result is not None and 400 <= result.status < 500:
+        return web.Response(
+            body=result.body, status=result.status, content_type=result.content_type
+        )
+    if failure.status == 503:
+        raise UpstreamUnavailable(failure.message)
+    if failure.status == 504 or failure.kind == "timeout":
+        raise UpstreamTimeout(failure.message)
+    raise UpstreamError(failure.message)

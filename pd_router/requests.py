@@ -1,0 +1,194 @@
+"""Client request bodies: parsing once, checking the fields the router relies on, counting the
+items of a batch, and injecting the bootstrap fields.
+
+The router only checks what it must understand to route (the inputs that decide the batch size,
+``n``, ``stream``, ``return_logprob``, ``rid``); everything else is the worker's business and is
+passed through untouched. Counting follows SGLang's ``GenerateReqInput`` normalisation: a list of
+texts, a 2-D ``input_ids`` or a 3-D ``input_embeds`` is a batch, ``n > 1`` multiplies it, and a
+batch gets one bootstrap room per item.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from pd_router.errors import BadRequest
+from pd_router.workers import DEFAULT_BOOTSTRAP_PORT, Worker
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The JSON object of a request body; BadRequest for anything else."""
+    if not raw:
+        raise BadRequest("request body is empty; expected a JSON object")
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_optional(body: dict[str, Any], key: str, kind: type, what: str) -> None:
+    """``body[key]``, when present and not null, must be of ``kind`` (a bool is not an int)."""
+    value = body.get(key)
+    if value is None:
+        return
+    ok = (
+        isinstance(value, bool)
+        if kind is bool
+        else (isinstance(value, kind) and not isinstance(value, bool))
+    )
+    if not ok:
+        raise BadRequest(f"'{key}' must be {what}, got {type(value).__name__}")
+
+
+def check_common(body: dict[str, Any]) -> None:
+    """Fields every generation endpoint shares."""
+    check_optional(body, "stream", bool, "a boolean")
+    rid = body.get("rid")
+    if rid is not None and not (
+        isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
+    ):
+        raise BadRequest("'rid' must be a string or a list of strings")
+
+
+def check_n(value: Any) -> int:
+    if value is None:
+        return 1
+    if not is_int(value) or value < 1:
+        raise BadRequest(f"'n' must be an integer >= 1, got {value!r}")
+    return value
+
+
+def token_list_kind(value: Any, key: str) -> int | None:
+    """None for a flat list of token ids, the row count for a list of such lists."""
+    if not isinstance(value, list) or not value:
+        raise BadRequest(f"'{key}' must be a non-empty list of token ids or of such lists")
+    first = value[0]
+    if is_int(first):
+        return None
+    if isinstance(first, list) and all(isinstance(row, list) and row for row in value):
+        if not is_int(first[0]):
+            raise BadRequest(f"'{key}' rows must hold integer token ids")
+        return len(value)
+    raise BadRequest(f"'{key}' must be a non-empty list of token ids or of such lists")
+
+
+def string_list_kind(value: Any, key: str) -> int | None:
+    """None for a string, the length for a non-empty list of strings."""
+    if isinstance(value, str):
+        return None
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return len(value)
+    raise BadRequest(f"'{key}' must be a string or a non-empty list of strings")
+
+
+def scaled(batch: int | None, n: int) -> int | None:
+    """Items of a batch of ``batch`` prompts with ``n`` samples each (None: a single item)."""
+    if n > 1:
+        return (batch or 1) * n
+    return batch
+
+
+def generate_items(body: dict[str, Any]) -> int | None:
+    """Item count of a native /generate request (None: single)."""
+    check_common(body)
+    check_optional(body, "return_logprob", bool, "a boolean")
+    if body.get("text") is not None:
+        batch = string_list_kind(body["text"], "text")
+    elif body.get("input_ids") is not None:
+        batch = token_list_kind(body["input_ids"], "input_ids")
+    elif body.get("input_embeds") is not None:
+        embeds = body["input_embeds"]
+        if not isinstance(embeds, list) or not embeds or not isinstance(embeds[0], list):
+            raise BadRequest("'input_embeds' must be a non-empty list of embedding vectors")
+        batch = len(embeds) if embeds[0] and isinstance(embeds[0][0], list) else None
+    else:
+        raise BadRequest("one of 'text', 'input_ids' or 'input_embeds' is required")
+    params = body.get("sampling_params")
+    if params is None:
+        n = 1
+    elif isinstance(params, dict):
+        n = check_n(params.get("n"))
+    elif isinstance(params, list) and all(isinstance(p, dict) for p in params):
+        n = check_n(params[0].get("n")) if params else 1
+    else:
+        raise BadRequest("'sampling_params' must be an object or a list of objects")
+    return scaled(batch, n)
+
+
+def completion_items(body: dict[str, Any]) -> int | None:
+    """Item count of an OpenAI /v1/completions request."""
+    check_common(body)
+    check_optional(body, "model", str, "a string")
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise BadRequest("'prompt' is required")
+    if isinstance(prompt, str):
+        batch = None
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        batch = string_list_kind(prompt, "prompt")
+    else:
+        batch = token_list_kind(prompt, "prompt")
+    return scaled(batch, check_n(body.get("n")))
+
+
+def chat_items(body: dict[str, Any]) -> int | None:
+    """Item count of an OpenAI /v1/chat/completions request."""
+    check_common(body)
+    check_optional(body, "model", str, "a string")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of message objects")
+    if not all(isinstance(m, dict) for m in messages):
+        raise BadRequest("each entry of 'messages' must be an object")
+    return scaled(None, check_n(body.get("n")))
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A generation endpoint: its route, how to count its items, whether logprobs merge."""
+
+    name: str
+    path: str
+    count_items: Callable[[dict[str, Any]], int | None]
+    merges_logprobs: bool
+
+
+GENERATE = Endpoint("generate", "/generate", generate_items, merges_logprobs=True)
+COMPLETIONS = Endpoint("completions", "/v1/completions", completion_items, merges_logprobs=False)
+CHAT = Endpoint("chat_completions", "/v1/chat/completions", chat_items, merges_logprobs=False)
+
+
+def inject_bootstrap(body: dict[str, Any], prefill: Worker, items: int | None) -> None:
+    """Point the decode at ``prefill`` with fresh random 63-bit rooms (one per item)."""
+    host = prefill.bootstrap_host
+    port = prefill.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
+    if items is None:
+        body["bootstrap_host"] = host
+        body["bootstrap_port"] = port
+        body["bootstrap_room"] = random.getrandbits(63)
+    else:
+        body["bootstrap_host"] = [host] * items
+        body["bootstrap_port"] = [port] * items
+        body["bootstrap_room"] = [random.getrandbits(63) for _ in range(items)]
+
+
+def item_rids(rid: str | list[str], items: int | None) -> list[str]:
+    """The rids a worker knows this request by: SGLang expands a string rid to ``rid_i`` for
+    each item of a batch."""
+    if isinstance(rid, list):
+        return rid
+    if items is None:
+        return [rid]
+    return [f"{rid}_{i}" for i in range(items)]

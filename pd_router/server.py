@@ -1,0 +1,180 @@
+"""The aiohttp application: routes, the middleware (request id, admin auth, error mapping,
+request metrics) and the lifecycle of the shared state.
+
+``build_app(config)`` returns an Application holding one :class:`~pd_router.state.Router` under
+:data:`ROUTER`; other modules add their routes to that app (``add_conversion_routes(app)``,
+``add_dashboard_routes(app)``). Run it with :func:`start_server` (tests, demo) or
+:func:`run_server` (the CLI); both enable handler cancellation so a client that goes away
+cancels its request and the workers get ``/abort_request``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from pd_router import info, proxy, workers_api
+from pd_router.config import RouterConfig
+from pd_router.errors import RouterError, Unauthorized, error_response
+from pd_router.metrics import RouterMetrics
+from pd_router.state import ROUTER, Router
+from pd_router.workers import RegistryError
+
+log = logging.getLogger("pd_router.server")
+
+ADMIN_PREFIXES = ("/workers", "/convert_pd_role", "/pd_role_switch", "/conversions")
+MAX_REQUEST_ID_LENGTH = 128
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+__all__ = ["ROUTER", "Router", "RunningServer", "build_app", "run_server", "start_server"]
+
+
+def request_id_of(request: web.Request) -> str:
+    """The client's X-Request-Id when it is sane, else a fresh one."""
+    given = request.headers.get("X-Request-Id")
+    if given and len(given) <= MAX_REQUEST_ID_LENGTH and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+def check_admin(request: web.Request, key: str) -> None:
+    supplied = request.headers.get("Authorization", "")
+    token = (
+        supplied[7:] if supplied[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
+    )
+    if not hmac.compare_digest(token.encode(), key.encode()):
+        raise Unauthorized(
+            "admin API key required (Authorization: Bearer <key>)",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def endpoint_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def core_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Request id in and out, admin auth, one mapping from errors to JSON responses, and the
+    request metrics for every endpoint."""
+    router = request.app[ROUTER]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    request_id = request_id_of(request)
+    request["request_id"] = request_id
+    try:
+        key = router.config.admin_api_key
+        if key and request.path.startswith(ADMIN_PREFIXES):
+            check_admin(request, key)
+        response = await handler(request)
+    except (RouterError, RegistryError, web.HTTPException) as exc:
+        response = error_response(exc)
+    except Exception:
+        log.exception("unhandled error", extra={"request_id": request_id, "path": request.path})
+        response = error_response(RouterError("internal router error"))
+    if not response.prepared:
+        response.headers["X-Request-Id"] = request_id
+    router.observe_request(endpoint_label(request), response.status, loop.time() - started)
+    return response
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/generate", proxy.handle_generate)
+    r.add_post("/v1/completions", proxy.handle_completions)
+    r.add_post("/v1/chat/completions", proxy.handle_chat)
+    r.add_get("/health", info.handle_health)
+    r.add_get("/readiness", info.handle_readiness)
+    r.add_get("/health_generate", info.handle_health_generate)
+    r.add_get("/metrics", info.handle_metrics)
+    r.add_get("/v1/models", info.handle_models)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, info.handle_model_info)
+    for path in ("/server_info", "/get_server_info"):
+        r.add_get(path, info.handle_server_info)
+    r.add_route("GET", "/flush_cache", info.handle_flush_cache)
+    r.add_post("/flush_cache", info.handle_flush_cache)
+    r.add_post("/abort_request", info.handle_abort_request)
+    r.add_get("/workers", workers_api.handle_list_workers)
+    r.add_post("/workers", workers_api.handle_add_worker)
+    r.add_delete("/workers", workers_api.handle_remove_worker)
+    r.add_delete("/workers/{key:.+}", workers_api.handle_remove_worker)
+
+
+async def _on_startup(app: web.Application) -> None:
+    await app[ROUTER].start()
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    await app[ROUTER].stop()
+
+
+def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web.Application:
+    """The router application for ``config`` (workers registered, not yet probed)."""
+    app = web.Application(middlewares=[core_middleware], client_max_size=config.max_payload_size)
+    app[ROUTER] = Router(config, metrics)
+    add_routes(app)
+    app.on_startup.append(_on_startup)
+    app.on_cleanup.append(_on_cleanup)
+    return app
+
+
+@dataclass
+class RunningServer:
+    """An application serving on a port; ``url`` is where to reach it."""
+
+    app: web.Application
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def router(self) -> Router:
+        return self.app[ROUTER]
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_server(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0
+) -> RunningServer:
+    """Serve ``app`` in the running loop (port 0: a free port); stop with ``.stop()``."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=1024)
+    await site.start()
+    server = runner.addresses[0]
+    return RunningServer(app, runner, host, server[1])
+
+
+def run_server(config: RouterConfig) -> None:
+    """Serve until interrupted (the CLI's ``serve``), on uvloop when available."""
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    app = build_app(config)
+    web.run_app(
+        app,
+        host=config.host,
+        port=config.port,
+        handler_cancellation=True,
+        access_log=None,
+        backlog=1024,
+        print=lambda msg: log.info(msg.strip()),
+        loop=uvloop.new_event_loop() if uvloop is not None else None,
+    )

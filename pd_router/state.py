@@ -1,0 +1,141 @@
+"""The router's state object: one per application, stored under :data:`ROUTER`.
+
+It owns the configuration, the worker registry, the metrics, the one shared aiohttp client
+session, the selection policies and the health monitor; handlers reach everything through it.
+The conversion engineer sets :attr:`Router.conversions`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine, Iterable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pd_router.config import RouterConfig
+from pd_router.errors import NoWorkers
+from pd_router.health import HealthMonitor
+from pd_router.metrics import RouterMetrics
+from pd_router.policies import Policy, make_policy
+from pd_router.workers import Role, Worker, WorkerRegistry
+
+log = logging.getLogger("pd_router")
+
+
+class Router:
+    """Everything a request handler needs, created by ``server.build_app``."""
+
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or RouterMetrics()
+        self.registry = WorkerRegistry(self.metrics, config.circuit)
+        self.policies: dict[Role, Policy] = {
+            Role.PREFILL: make_policy(config.prefill_policy),
+            Role.DECODE: make_policy(config.decode_policy),
+        }
+        self.health = HealthMonitor(self.registry, config.health)
+        self.conversions: Any = None
+        self._session: aiohttp.ClientSession | None = None
+        self._background: set[asyncio.Task] = set()
+        self._request_children: dict[tuple[str, int], Any] = {}
+        self._duration_children: dict[str, Any] = {}
+        self._upstream_error_children: dict[tuple[str, str], Any] = {}
+        self.removing: set[str] = set()
+        for spec in config.prefill:
+            self.registry.add(spec.url, Role.PREFILL, spec.bootstrap_port, healthy=False)
+        for spec in config.decode:
+            self.registry.add(spec.url, Role.DECODE, healthy=False)
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The one shared client session (exists between start() and stop())."""
+        if self._session is None:
+            raise RuntimeError("router not started")
+        return self._session
+
+    async def start(self) -> None:
+        """Open the session, probe every worker once, start the health monitor."""
+        connector = aiohttp.TCPConnector(
+            limit=self.config.max_connections,
+            limit_per_host=0,
+            keepalive_timeout=75,
+            ttl_dns_cache=300,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(
+                total=self.config.request_timeout_secs,
+                sock_connect=self.config.connect_timeout_secs,
+            ),
+            auto_decompress=False,
+        )
+        self.health.start(self._session)
+        await self.health.probe_all()
+        self.health.run_in_background()
+
+    async def stop(self) -> None:
+        await self.health.stop()
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.wait(list(self._background), timeout=2.0)
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Run ``coro`` in the background (fire-and-forget aborts), kept until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    # --- selection --------------------------------------------------------------------------
+
+    def pick(self, role: Role, avoid: Iterable[Worker] = ()) -> Worker:
+        """A selectable worker of ``role`` chosen by its pool's policy, preferring workers not
+        in ``avoid`` (the ones that already failed this request). NoWorkers if none."""
+        workers = self.registry.selectable(role)
+        if avoid and len(workers) > 1:
+            avoided = set(avoid)
+            fresh = [w for w in workers if w not in avoided]
+            if fresh:
+                workers = fresh
+        if not workers:
+            raise NoWorkers(f"no available {role.value} worker (none active, healthy and closed)")
+        return self.policies[role].select(workers)
+
+    # --- metrics (children cached: no per-request label lookups) -----------------------------
+
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        key = (endpoint, status)
+        counter = self._request_children.get(key)
+        if counter is None:
+            counter = self.metrics.requests_total.labels(endpoint, str(status))
+            self._request_children[key] = counter
+        counter.inc()
+        histogram = self._duration_children.get(endpoint)
+        if histogram is None:
+            histogram = self.metrics.request_duration_seconds.labels(endpoint)
+            self._duration_children[endpoint] = histogram
+        histogram.observe(seconds)
+
+    def count_upstream_error(self, role: Role, kind: str) -> None:
+        key = (role.value, kind)
+        counter = self._upstream_error_children.get(key)
+        if counter is None:
+            counter = self.metrics.upstream_errors_total.labels(role.value, kind)
+            self._upstream_error_children[key] = counter
+        counter.inc()
+
+
+ROUTER = web.AppKey("router", Router)
+
+
+def router_of(request: web.Request) -> Router:
+    return request.app[ROUTER]

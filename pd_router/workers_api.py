@@ -1,0 +1,91 @@
+"""Admin API for the pools: list, add and remove workers.
+
+Removal stops routing to the worker at once (it leaves ACTIVE), waits for the router's in-flight
+requests on it to end (an event, bounded by ``worker_removal_timeout_secs``), then forgets it. The
+removal runs to the end even if the admin client disconnects, so a worker is never left
+half-removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from pd_router.errors import BadRequest, Conflict
+from pd_router.info import json_response
+from pd_router.requests import is_int, parse_body
+from pd_router.state import Router, router_of
+from pd_router.workers import Role, Worker, WorkerState, normalize_url
+
+
+async def handle_list_workers(request: web.Request) -> web.Response:
+    router = router_of(request)
+    return json_response(
+        {
+            "workers": [w.as_dict() for w in router.registry],
+            "selectable": {role.value: len(router.registry.selectable(role)) for role in Role},
+        }
+    )
+
+
+def parse_new_worker(body: dict) -> tuple[str, Role, int | None]:
+    url = body.get("url")
+    if not isinstance(url, str):
+        raise BadRequest("'url' (string) is required")
+    try:
+        url = normalize_url(url)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    role_name = body.get("role")
+    try:
+        role = Role(role_name)
+    except ValueError:
+        raise BadRequest(f"'role' must be 'prefill' or 'decode', got {role_name!r}") from None
+    port = body.get("bootstrap_port")
+    if port is not None and not (is_int(port) and 0 < port < 65536):
+        raise BadRequest(f"'bootstrap_port' must be a port number 1..65535, got {port!r}")
+    return url, role, port
+
+
+async def handle_add_worker(request: web.Request) -> web.Response:
+    """Register a worker, probe it once, answer with its record (409 if already known)."""
+    router = router_of(request)
+    url, role, port = parse_new_worker(parse_body(await request.read()))
+    worker = router.registry.add(url, role, port, healthy=False)
+    await router.health.check(worker)
+    return json_response(worker.as_dict(), 201)
+
+
+async def handle_remove_worker(request: web.Request) -> web.Response:
+    router = router_of(request)
+    key = request.match_info.get("key") or request.query.get("url")
+    if not key:
+        raise BadRequest("name the worker: DELETE /workers/{id-or-url} or ?url=")
+    worker = router.registry.get(key)
+    if worker.id in router.removing:
+        raise Conflict(f"worker {worker.url} is already being removed")
+    if worker.state in (WorkerState.DRAINING, WorkerState.SWITCHING):
+        raise Conflict(f"worker {worker.url} is {worker.state.value} (a conversion is running)")
+    router.removing.add(worker.id)
+    forced = await asyncio.shield(router.spawn(remove(router, worker)))
+    return json_response({"removed": worker.as_dict(), "forced": forced})
+
+
+async def remove(router: Router, worker: Worker) -> bool:
+    """Take ``worker`` out of its pool, wait for its in-flight requests, forget it; returns
+    whether the wait timed out (requests still running were left to finish on their own)."""
+    try:
+        if worker.state is WorkerState.ACTIVE:
+            router.registry.set_state(worker, WorkerState.DRAINING)
+        try:
+            await asyncio.wait_for(
+                worker.wait_until_no_inflight(), router.config.worker_removal_timeout_secs
+            )
+            forced = False
+        except TimeoutError:
+            forced = True
+        router.registry.remove(worker)
+        return forced
+    finally:
+        router.removing.discard(worker.id)
