@@ -1,4 +1,5 @@
-"""PDExtension, the shared logic behind /pd_role, /pd_drain and /convert_pd_role.
+"""PDExtension, the shared logic behind /pd_role, /pd_drain and /convert_pd_role, and the
+admission gate (raw ASGI middleware) that server_patch puts in front of SGLang's routes.
 
 The backend here is a small in-test stand-in for SGLang's tokenizer manager (its role, load and
 native in-process switch, with SGLang's idle rule and reply shape); the extension under test is
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
+from server_patch.admission import AdmissionMiddleware, InFlight
 from server_patch.extension import ExtensionError, Load, PDExtension
 
 BOOTSTRAP_PORT = 8998
@@ -393,3 +396,111 @@ async def test_cancelled_conversion_reopens_admission():
         await conversion
     assert extension.admits() is True
     assert backend.role == "prefill"
+
+
+class GenerationApp:
+    """A raw ASGI app standing in for a server's routes: /generate holds until released."""
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.entered = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["path"] == "/generate":
+            self.entered += 1
+            await self.release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+
+def _gated(extension: PDExtension) -> tuple[GenerationApp, httpx.AsyncClient, InFlight]:
+    app = GenerationApp()
+    in_flight = InFlight()
+    gate = AdmissionMiddleware(app, extension=extension, in_flight=in_flight)
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=gate), base_url="http://test")
+    return app, client, in_flight
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
+async def test_gate_answers_503_with_retry_after_to_generation_while_draining(path):
+    extension = _extension(SchedulerStandIn())
+    await extension.set_drain({"drain": True})
+    _, client, _ = _gated(extension)
+    async with client:
+        response = await client.post(path, json={"text": "hi"})
+    assert response.status_code == 503
+    assert int(response.headers["retry-after"]) >= 1
+    assert "draining" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/health", "/pd_role", "/v1/loads", "/server_info"])
+async def test_gate_lets_health_and_control_routes_through_while_draining(path):
+    extension = _extension(SchedulerStandIn())
+    await extension.set_drain({"drain": True})
+    _, client, _ = _gated(extension)
+    async with client:
+        response = await client.get(path)
+    assert response.status_code == 200
+
+
+async def test_gate_honours_the_root_path_the_server_is_mounted_under():
+    extension = _extension(SchedulerStandIn())
+    await extension.set_drain({"drain": True})
+    in_flight = InFlight()
+    gate = AdmissionMiddleware(GenerationApp(), extension=extension, in_flight=in_flight)
+    transport = httpx.ASGITransport(app=gate, root_path="/sglang")
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        response = await client.post("/sglang/generate", json={})
+    assert response.status_code == 503
+
+
+async def test_gate_counts_admitted_requests_until_answered():
+    extension = _extension(SchedulerStandIn())
+    app, client, in_flight = _gated(extension)
+    async with client:
+        request = asyncio.create_task(client.post("/generate", json={}))
+        await _until(lambda: app.entered == 1, "the request to be admitted")
+        assert in_flight.count == 1
+        app.release.set()
+        response = await asyncio.wait_for(request, WAIT)
+    assert response.status_code == 200
+    assert in_flight.count == 0
+
+
+async def test_finishing_an_admitted_request_wakes_a_waiting_conversion():
+    """The gate's own count is part of idleness: the conversion waits for the HTTP answer."""
+    backend = SchedulerStandIn("prefill")
+    extension = PDExtension(backend, idle_poll_interval=60.0)
+    app, client, in_flight = _gated(extension)
+    original_load = backend.load
+
+    async def load_with_gate() -> Load:
+        load = await original_load()
+        idle = load.idle and in_flight.count == 0
+        return Load(load.num_running, load.num_waiting + in_flight.count, idle)
+
+    backend.load = load_with_gate
+    async with client:
+        request = asyncio.create_task(client.post("/generate", json={}))
+        await _until(lambda: app.entered == 1, "the request to be admitted")
+        conversion = asyncio.create_task(extension.convert({}))
+        await _until(lambda: extension.draining, "admission to close")
+        assert backend.switch_requests == []
+        app.release.set()
+        status, _ = await asyncio.wait_for(conversion, WAIT)
+        await asyncio.wait_for(request, WAIT)
+    assert status == 200
+    assert backend.role == "decode"
+
+
+async def test_health_answers_503_after_an_unsafe_switch_failure():
+    backend = SchedulerStandIn("prefill")
+    backend.teardown_fails = True
+    extension = _extension(backend)
+    await extension.convert({})
+    _, client, _ = _gated(extension)
+    async with client:
+        health = await client.get("/health")
+        generate = await client.post("/generate", json={})
+    assert health.status_code == 503
+    assert generate.status_code == 503

@@ -1,0 +1,77 @@
+"""The extension endpoints on a FastAPI app (SGLang's own `app` in production).
+
+Maps `GET /pd_role`, `POST /pd_drain`, `POST /convert_pd_role` and `POST /pd_role_switch` onto
+`PDExtension` and adds the admission middleware. `/pd_role_switch` is put in front of SGLang's
+native route, so that a direct switch is serialized with conversions and counted in the epoch;
+it forwards the same body to SGLang's tokenizer manager. Errors are mapped to HTTP here only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.responses import ORJSONResponse
+
+from server_patch.admission import AdmissionMiddleware, InFlight
+from server_patch.extension import ExtensionError, PDExtension
+
+Handler = Callable[[Request], Awaitable[ORJSONResponse]]
+
+
+def install(
+    app: FastAPI,
+    extension: PDExtension,
+    in_flight: InFlight,
+    *,
+    control_auth: Callable[[Handler], Handler] = lambda handler: handler,
+) -> None:
+    """Add the routes and the admission middleware; call before the app serves its first request.
+
+    `control_auth` marks the state-changing handlers the way the host server marks its admin
+    routes (SGLang: `auth_level(AuthLevel.ADMIN_OPTIONAL)`).
+    """
+
+    async def pd_role(request: Request) -> ORJSONResponse:
+        return ORJSONResponse(await extension.status())
+
+    async def pd_drain(request: Request) -> ORJSONResponse:
+        return await _answer(request, lambda body: _ok(extension.set_drain(body)))
+
+    async def convert_pd_role(request: Request) -> ORJSONResponse:
+        return await _answer(request, extension.convert)
+
+    async def pd_role_switch(request: Request) -> ORJSONResponse:
+        return await _answer(request, extension.switch)
+
+    app.add_api_route("/pd_role", pd_role, methods=["GET"])
+    app.add_api_route("/pd_drain", control_auth(pd_drain), methods=["POST"])
+    app.add_api_route("/convert_pd_role", control_auth(convert_pd_role), methods=["POST"])
+    app.add_api_route("/pd_role_switch", control_auth(pd_role_switch), methods=["POST"])
+    app.router.routes.insert(0, app.router.routes.pop())
+    app.add_middleware(AdmissionMiddleware, extension=extension, in_flight=in_flight)
+
+
+async def _ok(result: Awaitable[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
+    return 200, await result
+
+
+async def _answer(
+    request: Request, call: Callable[[Any], Awaitable[tuple[int, dict[str, Any]]]]
+) -> ORJSONResponse:
+    """Parse the JSON body (empty means `{}`), call the extension, map ExtensionError to 4xx."""
+    raw = await request.body()
+    try:
+        body = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError:
+        return ORJSONResponse(
+            {"success": False, "message": "request body is not valid JSON", "field": None},
+            status_code=400,
+        )
+    try:
+        status, reply = await call(body)
+    except ExtensionError as refused:
+        return ORJSONResponse(refused.body, status_code=refused.status)
+    return ORJSONResponse(reply, status_code=status)
