@@ -31,6 +31,7 @@ from pd_router.requests import (
     inject_bootstrap,
     item_rids,
     parse_body,
+    router_rid,
 )
 from pd_router.state import Router, router_of
 from pd_router.upstream import (
@@ -67,8 +68,8 @@ async def serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     router = router_of(request)
     started = asyncio.get_running_loop().time()
     body = parse_body(await request.read())
-    items = endpoint.count_items(body)
-    exchange = Exchange(router, request, endpoint, body, items, started)
+    items, samples = endpoint.count_items(body)
+    exchange = Exchange(router, request, endpoint, body, items, samples, started)
     return await exchange.run()
 
 
@@ -102,6 +103,7 @@ class Exchange:
         endpoint: Endpoint,
         body: dict[str, Any],
         items: int | None,
+        samples: int,
         started: float,
     ) -> None:
         self.router = router
@@ -109,12 +111,13 @@ class Exchange:
         self.endpoint = endpoint
         self.body = body
         self.items = items
+        self.samples = samples
         self.started = started
         self.request_id: str = request["request_id"]
         self.client_rid = body.get("rid")
         self.headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
         self.stream = bool(body.get("stream"))
-        self.merge = endpoint.merges_logprobs and bool(body.get("return_logprob"))
+        self.merge = endpoint.native and bool(body.get("return_logprob"))
 
     async def run(self) -> web.StreamResponse:
         retry = self.router.config.retry
@@ -153,11 +156,13 @@ class Exchange:
         """The body for this attempt (new rooms, the rid workers know it by) and its rids."""
         inject_bootstrap(self.body, prefill, self.items)
         if self.client_rid is not None:
-            rid = self.client_rid
+            rids = item_rids(self.client_rid, self.items)
         else:
-            rid = self.request_id if attempt == 0 else f"{self.request_id}-{attempt}"
-            self.body["rid"] = rid
-        return orjson.dumps(self.body), item_rids(rid, self.items)
+            base = self.request_id if attempt == 0 else f"{self.request_id}-{attempt}"
+            rid, rids = router_rid(self.endpoint, base, self.items, self.samples)
+            if rid is not None:
+                self.body["rid"] = rid
+        return orjson.dumps(self.body), rids
 
     def cleanup(
         self,

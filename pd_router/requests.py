@@ -93,15 +93,19 @@ def string_list_kind(value: Any, key: str) -> int | None:
     raise BadRequest(f"'{key}' must be a string or a non-empty list of strings")
 
 
-def scaled(batch: int | None, n: int) -> int | None:
-    """Items of a batch of ``batch`` prompts with ``n`` samples each (None: a single item)."""
+Items = tuple[int | None, int]
+"""(item count, None for a single item; samples per prompt ``n``)."""
+
+
+def scaled(batch: int | None, n: int) -> Items:
+    """Items of a batch of ``batch`` prompts with ``n`` samples each."""
     if n > 1:
-        return (batch or 1) * n
-    return batch
+        return (batch or 1) * n, n
+    return batch, n
 
 
-def generate_items(body: dict[str, Any]) -> int | None:
-    """Item count of a native /generate request (None: single)."""
+def generate_items(body: dict[str, Any]) -> Items:
+    """Items of a native /generate request."""
     check_common(body)
     check_optional(body, "return_logprob", bool, "a boolean")
     if body.get("text") is not None:
@@ -127,8 +131,8 @@ def generate_items(body: dict[str, Any]) -> int | None:
     return scaled(batch, n)
 
 
-def completion_items(body: dict[str, Any]) -> int | None:
-    """Item count of an OpenAI /v1/completions request."""
+def completion_items(body: dict[str, Any]) -> Items:
+    """Items of an OpenAI /v1/completions request."""
     check_common(body)
     check_optional(body, "model", str, "a string")
     prompt = body.get("prompt")
@@ -143,8 +147,8 @@ def completion_items(body: dict[str, Any]) -> int | None:
     return scaled(batch, check_n(body.get("n")))
 
 
-def chat_items(body: dict[str, Any]) -> int | None:
-    """Item count of an OpenAI /v1/chat/completions request."""
+def chat_items(body: dict[str, Any]) -> Items:
+    """Items of an OpenAI /v1/chat/completions request."""
     check_common(body)
     check_optional(body, "model", str, "a string")
     messages = body.get("messages")
@@ -157,17 +161,18 @@ def chat_items(body: dict[str, Any]) -> int | None:
 
 @dataclass(frozen=True, slots=True)
 class Endpoint:
-    """A generation endpoint: its route, how to count its items, whether logprobs merge."""
+    """A generation endpoint: its route, how to count its items, and whether it is SGLang's
+    native API (which merges logprobs and takes one rid per prompt) or an OpenAI one."""
 
     name: str
     path: str
-    count_items: Callable[[dict[str, Any]], int | None]
-    merges_logprobs: bool
+    count_items: Callable[[dict[str, Any]], Items]
+    native: bool
 
 
-GENERATE = Endpoint("generate", "/generate", generate_items, merges_logprobs=True)
-COMPLETIONS = Endpoint("completions", "/v1/completions", completion_items, merges_logprobs=False)
-CHAT = Endpoint("chat_completions", "/v1/chat/completions", chat_items, merges_logprobs=False)
+GENERATE = Endpoint("generate", "/generate", generate_items, native=True)
+COMPLETIONS = Endpoint("completions", "/v1/completions", completion_items, native=False)
+CHAT = Endpoint("chat_completions", "/v1/chat/completions", chat_items, native=False)
 
 
 def inject_bootstrap(body: dict[str, Any], prefill: Worker, items: int | None) -> None:
@@ -185,10 +190,24 @@ def inject_bootstrap(body: dict[str, Any], prefill: Worker, items: int | None) -
 
 
 def item_rids(rid: str | list[str], items: int | None) -> list[str]:
-    """The rids a worker knows this request by: SGLang expands a string rid to ``rid_i`` for
-    each item of a batch."""
+    """The rids a worker knows a request by: SGLang expands a string rid to ``rid_i`` for each
+    item of a batch."""
     if isinstance(rid, list):
         return rid
     if items is None:
         return [rid]
     return [f"{rid}_{i}" for i in range(items)]
+
+
+def router_rid(
+    endpoint: Endpoint, base: str, items: int | None, n: int
+) -> tuple[str | list[str] | None, list[str]]:
+    """The rid the router gives a request that came without one (None: leave it unset) and the
+    rids to abort it by. A native batch gets one rid per prompt; with ``n > 1`` SGLang wants one
+    per prompt but expands them itself, so the router leaves the rid to the worker there."""
+    if items is None or not endpoint.native:
+        return base, item_rids(base, items)
+    if n > 1:
+        return None, []
+    rids = item_rids(base, items)
+    return rids, rids
