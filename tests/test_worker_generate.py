@@ -1,0 +1,306 @@
+"""The reference worker's SGLang-shaped generation routes: /generate (single, batch, streaming),
+OpenAI completions and chat, info routes and request errors.
+
+One prefill and one decode process (speed 0) serve the whole module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import orjson
+import pytest
+
+from pd_worker import chat_prompt, expected_output_ids, expected_text, tokenize
+from pd_worker.cluster import WorkerCluster
+from pd_worker.testing import new_room, pd_generate, with_bootstrap
+
+TIMEOUT = 10.0
+
+
+@pytest.fixture
+async def client():
+    async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+        yield c
+
+
+def sse_events(raw: str) -> list[str]:
+    """The ``data:`` payloads of an SSE body, in order."""
+    return [block[len("data: ") :] for block in raw.split("\n\n") if block.startswith("data: ")]
+
+
+async def stream_post(client: httpx.AsyncClient, url: str, body: dict) -> tuple[int, list[str]]:
+    async with client.stream("POST", url, json=body) as response:
+        raw = (await response.aread()).decode()
+        return response.status_code, sse_events(raw)
+
+
+def ports(cluster: WorkerCluster) -> tuple[str, str, int]:
+    prefill = cluster.prefill_urls[0]
+    return prefill, cluster.decode_urls[0], cluster.bootstrap_port(prefill)
+
+
+async def test_health_and_health_generate_answer_200_when_serving(pd_cluster, client):
+    for url in pd_cluster.urls:
+        assert (await client.get(url + "/health")).status_code == 200
+        assert (await client.get(url + "/health_generate")).status_code == 200
+
+
+async def test_server_info_reports_launch_args_and_live_internal_state(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    info = (await client.get(prefill + "/server_info")).json()
+    assert info["disaggregation_mode"] == "prefill"
+    assert info["disaggregation_bootstrap_port"] == bootstrap_port
+    assert info["enable_pd_role_switch"] is True
+    assert info["version"] == "0.5.23"
+    state = info["internal_states"][0]
+    assert state["disaggregation_mode"] == "prefill"
+    assert state["decode_cuda_graph_bs"] is None
+    alias = (await client.get(decode + "/get_server_info")).json()
+    assert alias["internal_states"][0]["disaggregation_mode"] == "decode"
+    assert alias["internal_states"][0]["decode_cuda_graph_bs"]
+
+
+async def test_model_info_and_v1_models_name_the_served_model(pd_cluster, client):
+    prefill, _, _ = ports(pd_cluster)
+    info = (await client.get(prefill + "/model_info")).json()
+    models = (await client.get(prefill + "/v1/models")).json()
+    assert info["is_generation"] is True
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == info["served_model_name"]
+
+
+async def test_paired_generate_returns_decode_text_derived_from_prefill_kv(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    body = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 12}}
+    p, d = await pd_generate(client, prefill, decode, bootstrap_port, body)
+    assert p.status_code == 200 and d.status_code == 200
+    out = d.json()
+    assert out["text"] == expected_text("The capital of France is", 12)
+    assert out["output_ids"] == expected_output_ids(tokenize("The capital of France is"), 12)
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "length", "length": 12}
+    assert meta["prompt_tokens"] == len(tokenize("The capital of France is"))
+    assert meta["completion_tokens"] == 12
+    assert meta["kv_source"] == prefill
+    assert meta["e2e_latency"] >= 0
+    assert p.json()["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+async def test_input_ids_prompt_gives_same_output_as_equivalent_text(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    body = {"input_ids": tokenize("abc"), "sampling_params": {"max_new_tokens": 4}}
+    _, d = await pd_generate(client, prefill, decode, bootstrap_port, body)
+    assert d.json()["text"] == expected_text("abc", 4)
+
+
+async def test_stop_string_trims_text_and_reports_stop(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    full = expected_text("stop test", 8)
+    stop_word = full.split()[3]
+    body = {"text": "stop test", "sampling_params": {"max_new_tokens": 8, "stop": [stop_word]}}
+    _, d = await pd_generate(client, prefill, decode, bootstrap_port, body)
+    out = d.json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_word}
+    assert out["text"] == full[: full.find(stop_word)]
+
+
+async def test_batch_text_with_per_item_rooms_returns_a_list(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    texts = ["first prompt", "second prompt", "third"]
+    body = {"text": texts, "sampling_params": {"max_new_tokens": 5}}
+    rooms = [new_room() for _ in texts]
+    p, d = await pd_generate(client, prefill, decode, bootstrap_port, body, room=rooms)
+    assert p.status_code == 200 and len(p.json()) == 3
+    assert [o["text"] for o in d.json()] == [expected_text(t, 5) for t in texts]
+
+
+async def test_batch_input_ids_2d_is_a_batch(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    ids = [tokenize("x y"), tokenize("z")]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3}}
+    _, d = await pd_generate(
+        client, prefill, decode, bootstrap_port, body, room=[new_room(), new_room()]
+    )
+    assert [o["output_ids"] for o in d.json()] == [expected_output_ids(i, 3) for i in ids]
+
+
+async def test_streaming_generate_sends_cumulative_events_then_done(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    body = {"text": "stream me", "stream": True, "sampling_params": {"max_new_tokens": 4}}
+    status, events = await stream_post(client, decode + "/generate", body)
+    assert status == 200
+    assert events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert len(chunks) == 4
+    assert [c["meta_info"]["completion_tokens"] for c in chunks] == [1, 2, 3, 4]
+    assert chunks[-1]["text"] == expected_text("stream me", 4)
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+
+
+async def test_streaming_batch_events_carry_the_item_index(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    body = {"text": ["a", "b"], "stream": True, "sampling_params": {"max_new_tokens": 2}}
+    _, events = await stream_post(client, decode + "/generate", body)
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    finals = {c["index"]: c["text"] for c in chunks if c["meta_info"]["finish_reason"]}
+    assert finals == {0: expected_text("a", 2), 1: expected_text("b", 2)}
+
+
+async def test_prefill_return_logprob_gives_input_token_logprobs(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    body = {"text": "logp", "return_logprob": True, "sampling_params": {"max_new_tokens": 3}}
+    p, d = await pd_generate(client, prefill, decode, bootstrap_port, body)
+    input_logprobs = p.json()["meta_info"]["input_token_logprobs"]
+    assert [entry[1] for entry in input_logprobs] == tokenize("logp")
+    assert input_logprobs[0][0] is None
+    assert len(d.json()["meta_info"]["output_token_logprobs"]) == 3
+
+
+async def test_completions_n2_gives_two_choices_and_usage(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    body = {"model": "m", "prompt": "Say hi", "max_tokens": 6, "n": 2}
+    _, d = await pd_generate(
+        client,
+        prefill,
+        decode,
+        bootstrap_port,
+        body,
+        path="/v1/completions",
+        room=[new_room(), new_room()],
+    )
+    out = d.json()
+    assert out["object"] == "text_completion"
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert all(c["text"] == expected_text("Say hi", 6) for c in out["choices"])
+    assert all(c["finish_reason"] == "length" for c in out["choices"])
+    prompt_tokens = len(tokenize("Say hi"))
+    assert out["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 12,
+        "total_tokens": prompt_tokens + 12,
+        "prompt_tokens_details": None,
+        "reasoning_tokens": 0,
+    }
+
+
+async def test_completions_stream_deltas_add_up_and_usage_chunk_comes_last(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    body = {
+        "prompt": "deltas",
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    status, events = await stream_post(client, decode + "/v1/completions", body)
+    assert status == 200 and events[-1] == "[DONE]"
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == expected_text("deltas", 5)
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+
+
+async def test_chat_completion_uses_the_chat_template_prompt(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    messages = [{"role": "user", "content": "Hello there"}]
+    body = {"model": "m", "messages": messages, "max_tokens": 7}
+    _, d = await pd_generate(
+        client, prefill, decode, bootstrap_port, body, path="/v1/chat/completions"
+    )
+    out = d.json()
+    assert out["object"] == "chat.completion"
+    message = out["choices"][0]["message"]
+    assert message["role"] == "assistant"
+    assert message["content"] == expected_text(chat_prompt(messages), 7)
+    assert out["usage"]["prompt_tokens"] == len(tokenize(chat_prompt(messages)))
+
+
+async def test_chat_stream_announces_role_then_content_deltas(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    messages = [{"role": "user", "content": "stream chat"}]
+    body = {"messages": messages, "max_tokens": 3, "stream": True}
+    _, events = await stream_post(client, decode + "/v1/chat/completions", body)
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    assert chunks[0]["object"] == "chat.completion.chunk"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:])
+    assert content == expected_text(chat_prompt(messages), 3)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({}, "Either text or input_ids"),
+        ({"text": "x", "input_ids": [1]}, "Either text or input_ids"),
+        ({"text": 5}, "text must be"),
+        ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+        ({"text": ["a", "b"], "bootstrap_room": [1]}, "bootstrap_room has 1 entries for 2 items"),
+    ],
+)
+async def test_invalid_generate_body_is_400_with_error_message(pd_cluster, client, body, fragment):
+    _, decode, _ = ports(pd_cluster)
+    response = await client.post(decode + "/generate", json=body)
+    assert response.status_code == 400
+    assert fragment in response.json()["error"]["message"]
+
+
+async def test_malformed_json_is_400(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    response = await client.post(decode + "/generate", content=b"{not json")
+    assert response.status_code == 400
+    assert "invalid JSON" in response.json()["error"]["message"]
+
+
+async def test_invalid_openai_body_is_400_in_openai_error_shape(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    response = await client.post(decode + "/v1/chat/completions", json={"messages": []})
+    assert response.status_code == 400
+    body = response.json()
+    assert body["object"] == "error" and body["code"] == 400 and "messages" in body["message"]
+
+
+async def test_prompt_longer_than_kv_capacity_is_rejected_with_400(module_cluster_factory, client):
+    cluster = module_cluster_factory(prefill=0, decode=1, max_total_num_tokens=64)
+    response = await client.post(cluster.decode_urls[0] + "/generate", json={"text": "x" * 100})
+    assert response.status_code == 400
+    assert "longer than the KV capacity" in response.json()["error"]["message"]
+
+
+async def test_flush_cache_succeeds_when_idle(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    response = await client.post(decode + "/flush_cache")
+    assert response.status_code == 200
+    assert response.text.startswith("Cache flushed")
+
+
+async def test_prefill_without_room_serves_alone(pd_cluster, client):
+    prefill, _, _ = ports(pd_cluster)
+    response = await client.post(prefill + "/generate", json={"text": "solo"})
+    assert response.status_code == 200
+    assert response.json()["meta_info"]["completion_tokens"] == 1
+
+
+async def wait_until_busy(client: httpx.AsyncClient, url: str) -> None:
+    """Poll /pd_role until the worker is not idle (bounded)."""
+    for _ in range(500):
+        if not (await client.get(url + "/pd_role")).json()["idle"]:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{url} never became busy")
+
+
+async def test_same_room_twice_on_a_prefill_is_rejected(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    body = with_bootstrap(
+        {"text": "dup", "sampling_params": {"max_new_tokens": 1}}, bootstrap_port, new_room()
+    )
+    first = asyncio.create_task(client.post(prefill + "/generate", json=body))
+    await wait_until_busy(client, prefill)
+    second = await client.post(prefill + "/generate", json=body)
+    assert second.status_code == 400
+    assert "already in use" in second.json()["error"]["message"]
+    await client.post(decode + "/generate", json=body)
+    assert (await first).status_code == 200
