@@ -21,6 +21,7 @@ from aiohttp import web
 
 from pd_router import info, proxy, workers_api
 from pd_router.config import RouterConfig
+from pd_router.dashboard import add_dashboard_routes
 from pd_router.errors import RouterError, Unauthorized, error_response
 from pd_router.metrics import RouterMetrics
 from pd_router.state import ROUTER, Router
@@ -122,6 +123,7 @@ def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web
     app = web.Application(middlewares=[core_middleware], client_max_size=config.max_payload_size)
     app[ROUTER] = Router(config, metrics)
     add_routes(app)
+    add_dashboard_routes(app)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     return app
