@@ -13,12 +13,12 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
-from fastapi.responses import ORJSONResponse
+from fastapi.responses import Response
 
 from server_patch.admission import AdmissionMiddleware, InFlight
 from server_patch.extension import ExtensionError, PDExtension
 
-Handler = Callable[[Request], Awaitable[ORJSONResponse]]
+Handler = Callable[[Request], Awaitable[Response]]
 
 
 def install(
@@ -34,16 +34,16 @@ def install(
     routes (SGLang: `auth_level(AuthLevel.ADMIN_OPTIONAL)`).
     """
 
-    async def pd_role(request: Request) -> ORJSONResponse:
-        return ORJSONResponse(await extension.status())
+    async def pd_role(request: Request) -> Response:
+        return _json(200, await extension.status())
 
-    async def pd_drain(request: Request) -> ORJSONResponse:
+    async def pd_drain(request: Request) -> Response:
         return await _answer(request, lambda body: _ok(extension.set_drain(body)))
 
-    async def convert_pd_role(request: Request) -> ORJSONResponse:
+    async def convert_pd_role(request: Request) -> Response:
         return await _answer(request, extension.convert)
 
-    async def pd_role_switch(request: Request) -> ORJSONResponse:
+    async def pd_role_switch(request: Request) -> Response:
         return await _answer(request, extension.switch)
 
     app.add_api_route("/pd_role", pd_role, methods=["GET"])
@@ -60,18 +60,21 @@ async def _ok(result: Awaitable[dict[str, Any]]) -> tuple[int, dict[str, Any]]:
 
 async def _answer(
     request: Request, call: Callable[[Any], Awaitable[tuple[int, dict[str, Any]]]]
-) -> ORJSONResponse:
+) -> Response:
     """Parse the JSON body (empty means `{}`), call the extension, map ExtensionError to 4xx."""
     raw = await request.body()
     try:
         body = orjson.loads(raw) if raw.strip() else {}
     except orjson.JSONDecodeError:
-        return ORJSONResponse(
-            {"success": False, "message": "request body is not valid JSON", "field": None},
-            status_code=400,
+        return _json(
+            400, {"success": False, "message": "request body is not valid JSON", "field": None}
         )
     try:
         status, reply = await call(body)
     except ExtensionError as refused:
-        return ORJSONResponse(refused.body, status_code=refused.status)
-    return ORJSONResponse(reply, status_code=status)
+        return _json(refused.status, refused.body)
+    return _json(status, reply)
+
+
+def _json(status: int, body: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(body), status_code=status, media_type="application/json")
