@@ -33,7 +33,7 @@ from pd_router.requests import (
     parse_body,
     router_rid,
 )
-from pd_router.state import Router, router_of
+from pd_router.state import REQUEST_ID, Router, router_of
 from pd_router.upstream import (
     LegFailed,
     LegResult,
@@ -113,7 +113,7 @@ class Exchange:
         self.items = items
         self.samples = samples
         self.started = started
-        self.request_id: str = request["request_id"]
+        self.request_id = request[REQUEST_ID]
         self.client_rid = body.get("rid")
         self.headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
         self.stream = bool(body.get("stream"))

@@ -24,7 +24,7 @@ from pd_router.config import RouterConfig
 from pd_router.dashboard import add_dashboard_routes
 from pd_router.errors import RouterError, Unauthorized, error_response
 from pd_router.metrics import RouterMetrics
-from pd_router.state import ROUTER, Router
+from pd_router.state import REQUEST_ID, ROUTER, Router
 from pd_router.workers import RegistryError
 
 log = logging.getLogger("pd_router.server")
@@ -70,7 +70,7 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
     loop = asyncio.get_running_loop()
     started = loop.time()
     request_id = request_id_of(request)
-    request["request_id"] = request_id
+    request[REQUEST_ID] = request_id
     try:
         key = router.config.admin_api_key
         if key and request.path.startswith(ADMIN_PREFIXES):

@@ -135,6 +135,7 @@ class Router:
 
 
 ROUTER = web.AppKey("router", Router)
+REQUEST_ID = web.RequestKey("request_id", str)
 
 
 def router_of(request: web.Request) -> Router:
