@@ -356,6 +356,19 @@ class ConversionManager:
         except asyncio.CancelledError:
             await self._stop(conv, _Stop(Status.ABORTED, "router shutting down", restore=True))
             raise
+        except Exception as exc:
+            # A bug must not leave the worker stuck out of every pool: before the switch call it
+            # goes back (its role did not change), after it the role is unknown.
+            logger.exception("conversion %s: unexpected error", conv.id)
+            before_switch = conv.status is Status.DRAINING
+            await self._stop(
+                conv,
+                _Stop(
+                    Status.RESTORED if before_switch else Status.FAILED,
+                    f"internal error: {type(exc).__name__}",
+                    restore=before_switch,
+                ),
+            )
         finally:
             peer_params.cancel()
             self._finish(conv)

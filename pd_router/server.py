@@ -21,6 +21,7 @@ from aiohttp import web
 
 from pd_router import info, proxy, workers_api
 from pd_router.config import RouterConfig
+from pd_router.conversion_api import add_conversion_routes
 from pd_router.dashboard import add_dashboard_routes
 from pd_router.errors import RouterError, Unauthorized, error_response
 from pd_router.metrics import RouterMetrics
@@ -126,6 +127,7 @@ def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web
     add_dashboard_routes(app)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
+    add_conversion_routes(app)
     return app
 
 
