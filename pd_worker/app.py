@@ -428,13 +428,14 @@ async def _stream_openai(
 async def pd_role_switch(request: web.Request) -> web.Response:
     """Native switch, routed through the extension so its epoch counts the change.
 
-    Bodies the extension refuses for their role (missing or invalid ``new_role``), and calls
-    during a running switch, get the native reply so the messages stay SGLang's.
+    Bodies the extension refuses for their role (missing or invalid ``new_role``), calls during
+    a running switch and ``prepare_only`` checks (which never change the role) get the native
+    reply, so the messages stay SGLang's.
     """
     _require_admin(request)
     state = request.app[WORKER]
     body = await _body(request)
-    if state.engine.switch_in_progress:
+    if state.engine.switch_in_progress or (isinstance(body, dict) and body.get("prepare_only")):
         return _native_switch_reply(
             await state.engine.switch_role(body if isinstance(body, dict) else {})
         )

@@ -267,6 +267,8 @@ class Engine:
             "effective_max_running_requests_per_dp": self.timing.max_running_requests,
             "last_gen_throughput": round(self.stats.gen_throughput(), 2),
             "memory_usage": {"token_capacity": self.kv_pool.capacity},
+            "pd_role_switch_in_progress": self.switch_in_progress,
+            "pd_role_switch_unhealthy": self.unhealthy_after_switch,
             "pd_worker": {
                 "engine_id": id(self),
                 "kv_pool_id": id(self.kv_pool),
