@@ -236,3 +236,7 @@ async def test_launcher_refuses_several_tokenizer_workers():
     argv = [*ARGV, "--tokenizer-worker-num", "2"]
     with pytest.raises(launch_server.LaunchError, match="tokenizer"):
         launch_server.prepare(argv)
+
+
+async def test_launcher_exits_with_status_2_instead_of_starting_a_non_pd_server():
+    assert launch_server.main(["--model-path", "stand-in-model"]) == 2
