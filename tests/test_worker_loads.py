@@ -1,0 +1,187 @@
+"""Load reporting of the reference worker: SGLang's idle rule, queues under saturation in
+/v1/loads, /get_load and /metrics, and /abort_request.
+
+Tests that need work to stay in flight hold it deterministically: a prefill request is busy until
+its KV is pulled, and decodes run at speed 1 with a slow decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from pd_worker.testing import new_room, with_bootstrap
+
+TIMEOUT = 10.0
+STEP_SECS = 0.05
+POLL_ROUNDS = 500
+
+
+@pytest.fixture
+async def client():
+    async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def slow_decode(module_cluster_factory):
+    """A decode whose steps take 50 ms, with room for 100 KV tokens and 2 running requests."""
+    return module_cluster_factory(
+        prefill=0,
+        decode=1,
+        speed=1.0,
+        decode_step_base_secs=STEP_SECS,
+        decode_step_per_req_secs=0.0,
+        max_total_num_tokens=100,
+        max_running_requests=2,
+    )
+
+
+@pytest.fixture(scope="module")
+def small_prefill(module_cluster_factory):
+    """A prefill with room for 100 KV tokens (speed 0) and a decode to pull from it."""
+    return module_cluster_factory(prefill=1, decode=1, max_total_num_tokens=100)
+
+
+async def load_of(client: httpx.AsyncClient, url: str) -> dict:
+    return (await client.get(url + "/v1/loads")).json()["loads"][0]
+
+
+async def wait_for(client: httpx.AsyncClient, url: str, check) -> dict:
+    """Poll /v1/loads until ``check(load)`` holds (bounded)."""
+    for _ in range(POLL_ROUNDS):
+        load = await load_of(client, url)
+        if check(load):
+            return load
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"condition never held; last load {load}")
+
+
+def metric(text: str, name: str) -> float:
+    line = next(x for x in text.splitlines() if x.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def generate(client: httpx.AsyncClient, url: str, text: str, max_new_tokens: int) -> asyncio.Task:
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}}
+    return asyncio.create_task(client.post(url + "/generate", json=body))
+
+
+async def test_decode_is_busy_until_its_last_token(slow_decode, client):
+    url = slow_decode.decode_urls[0]
+    task = generate(client, url, "busy", 6)
+    load = await wait_for(client, url, lambda x: x["num_running_reqs"] == 1)
+    assert load["num_used_tokens"] == len("busy") + 6
+    assert (await client.get(url + "/pd_role")).json()["idle"] is False
+    response = await task
+    assert response.json()["meta_info"]["completion_tokens"] == 6
+    assert (await client.get(url + "/pd_role")).json()["idle"] is True
+    assert (await load_of(client, url))["num_used_tokens"] == 0
+
+
+async def test_full_kv_pool_queues_requests_in_prealloc(slow_decode, client):
+    url = slow_decode.decode_urls[0]
+    first = generate(client, url, "a" * 50, 10)
+    await wait_for(client, url, lambda x: x["num_running_reqs"] == 1)
+    second = generate(client, url, "b" * 50, 10)
+    load = await wait_for(client, url, lambda x: x["num_waiting_reqs"] == 1)
+    assert load["disaggregation"]["decode_prealloc_queue_reqs"] == 1
+    assert load["token_usage"] == 0.6
+    text = (await client.get(url + "/metrics")).text
+    assert metric(text, "sglang:num_queue_reqs") == 1
+    assert metric(text, "sglang:num_decode_prealloc_queue_reqs") == 1
+    assert metric(text, "sglang:token_usage") == 0.6
+    assert (await first).status_code == 200 and (await second).status_code == 200
+
+
+async def test_max_running_requests_holds_extra_requests_in_the_waiting_queue(slow_decode, client):
+    url = slow_decode.decode_urls[0]
+    tasks = [generate(client, url, f"r{i}", 4) for i in range(3)]
+    load = await wait_for(
+        client, url, lambda x: x["num_running_reqs"] == 2 and x["num_waiting_reqs"] == 1
+    )
+    assert load["queues"]["waiting"] == 1
+    get_load = (await client.get(url + "/get_load")).json()
+    assert get_load[0]["num_reqs"] == 3 and get_load[0]["num_waiting_reqs"] == 1
+    assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
+
+
+async def test_abort_request_ends_a_running_request_with_an_abort_finish_reason(
+    slow_decode, client
+):
+    url = slow_decode.decode_urls[0]
+    body = {"text": "abort me", "rid": "abort-me-1", "sampling_params": {"max_new_tokens": 50}}
+    task = asyncio.create_task(client.post(url + "/generate", json=body))
+    await wait_for(client, url, lambda x: x["num_running_reqs"] == 1)
+    assert (
+        await client.post(url + "/abort_request", json={"rid": "abort-me-1"})
+    ).status_code == 200
+    out = (await task).json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["completion_tokens"] < 50
+    await wait_for(client, url, lambda x: x["num_used_tokens"] == 0)
+
+
+async def test_flush_cache_is_refused_while_busy(slow_decode, client):
+    url = slow_decode.decode_urls[0]
+    task = generate(client, url, "flush", 4)
+    await wait_for(client, url, lambda x: x["num_running_reqs"] == 1)
+    response = await client.post(url + "/flush_cache")
+    assert response.status_code == 400
+    assert (await task).status_code == 200
+
+
+async def test_prefill_is_busy_until_the_decode_pulled_its_kv(small_prefill, client):
+    prefill, decode = small_prefill.prefill_urls[0], small_prefill.decode_urls[0]
+    body = with_bootstrap(
+        {"text": "p" * 20, "sampling_params": {"max_new_tokens": 1}},
+        small_prefill.bootstrap_port(prefill),
+        new_room(),
+    )
+    task = asyncio.create_task(client.post(prefill + "/generate", json=body))
+    load = await wait_for(
+        client, prefill, lambda x: x["disaggregation"]["prefill_inflight_queue_reqs"] == 1
+    )
+    assert load["num_used_tokens"] == 20
+    role = (await client.get(prefill + "/pd_role")).json()
+    assert role["idle"] is False and role["num_running"] == 0 and role["num_waiting"] == 0
+    text = (await client.get(prefill + "/metrics")).text
+    assert metric(text, "sglang:num_prefill_inflight_queue_reqs") == 1
+    await client.post(decode + "/generate", json=body)
+    assert (await task).status_code == 200
+    assert (await client.get(prefill + "/pd_role")).json()["idle"] is True
+
+
+async def test_prefill_queues_when_its_kv_pool_is_full(small_prefill, client):
+    prefill, decode = small_prefill.prefill_urls[0], small_prefill.decode_urls[0]
+    port = small_prefill.bootstrap_port(prefill)
+    bodies = [
+        with_bootstrap({"text": c * 60, "sampling_params": {"max_new_tokens": 1}}, port, new_room())
+        for c in "xy"
+    ]
+    tasks = [asyncio.create_task(client.post(prefill + "/generate", json=b)) for b in bodies]
+    load = await wait_for(client, prefill, lambda x: x["num_waiting_reqs"] == 1)
+    assert load["num_used_tokens"] == 60
+    decodes = await asyncio.gather(*(client.post(decode + "/generate", json=b) for b in bodies))
+    assert all(d.status_code == 200 for d in decodes)
+    assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
+
+
+async def test_metrics_expose_sglang_gauge_and_counter_names(small_prefill, client):
+    text = (await client.get(small_prefill.decode_urls[0] + "/metrics")).text
+    for name in (
+        "sglang:num_running_reqs",
+        "sglang:num_queue_reqs",
+        "sglang:num_used_tokens",
+        "sglang:token_usage",
+        "sglang:gen_throughput",
+        "sglang:num_prefill_inflight_queue_reqs",
+        "sglang:num_decode_transfer_queue_reqs",
+        "sglang:num_decode_prealloc_queue_reqs",
+        "sglang:prompt_tokens_total",
+        "sglang:generation_tokens_total",
+        "sglang:num_requests_total",
+    ):
+        assert f"\n{name}{{" in text, name
