@@ -1,0 +1,425 @@
+"""Router overhead vs peers: pd-router, sglang-router's mini_lb and smg on the same 2P2D.
+
+One run starts a cluster of reference workers (pd_worker, timing model off: speed 0, so the
+workers answer as fast as their CPU allows), starts every router in front of it on its own
+loopback port, and then drives each router in turn with the same closed-loop load (a separate
+loadgen process, fixed concurrency, streaming and non-streaming /generate). Rounds interleave
+the peers (the order rotates each round) because a shared 2-core machine drifts; figures are
+summed over rounds. Reported per peer and mode: requests/s, p50/p99 latency, errors, and the
+CPU time per request of the router's process tree, plus pd-router's ratios to each peer.
+
+    .venv/bin/python bench/overhead.py                     # all peers, defaults below
+    .venv/bin/python bench/overhead.py --peers pd-router --profile 10
+
+Peers are installed on demand into bench/venvs/ (see bench/peers.py). Results go to stdout and
+bench/results/overhead-<timestamp>.md. Exit status 1 if pd-router had any error (or a peer
+failed to start), 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+import orjson
+from peers import (
+    PEERS,
+    REPO,
+    Peer,
+    PeerSetupError,
+    Topology,
+    check_peer,
+    ensure_peer,
+    free_port,
+)
+from profile_summary import markdown as profile_markdown
+from profile_summary import summarize
+
+from pd_worker.cluster import WorkerCluster
+
+HOST = "127.0.0.1"
+BENCH = REPO / "bench"
+RESULTS = BENCH / "results"
+PY_SPY = BENCH / "venvs" / "tools" / "bin" / "py-spy"
+READY_TIMEOUT_S = 90.0
+STOP_TIMEOUT_S = 10.0
+MODES = ("non-stream", "stream")
+BASELINE = "pd-router"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Everything one run needs; printed with the results so a figure can be reproduced."""
+
+    peers: tuple[str, ...]
+    modes: tuple[str, ...]
+    concurrency: int
+    warmup_s: float
+    duration_s: float
+    rounds: int
+    max_new_tokens: int
+    prefill: int
+    decode: int
+    profile_s: float
+
+
+@dataclass
+class Figures:
+    """Sums over the rounds of one (peer, mode)."""
+
+    completed: int = 0
+    errors: int = 0
+    window_s: float = 0.0
+    router_cpu_s: float = 0.0
+    loadgen_cpu_s: float = 0.0
+    latencies_ms: list[float] = field(default_factory=list)
+    ttft_ms: list[float] = field(default_factory=list)
+    error_samples: list[str] = field(default_factory=list)
+
+    def add(self, result: dict) -> None:
+        self.completed += result["completed"]
+        self.errors += result["errors"]
+        self.window_s += result["window_s"]
+        self.router_cpu_s += result["router_cpu_s"]
+        self.loadgen_cpu_s += result["loadgen_cpu_s"]
+        self.latencies_ms += result["latencies_ms"]
+        self.ttft_ms += result["ttft_ms"]
+        self.error_samples += result["error_samples"][: 5 - len(self.error_samples)]
+
+    @property
+    def rps(self) -> float:
+        return self.completed / self.window_s if self.window_s else 0.0
+
+    @property
+    def cpu_ms_per_request(self) -> float:
+        return 1000.0 * self.router_cpu_s / self.completed if self.completed else float("nan")
+
+
+class RouterStartError(RuntimeError):
+    """A router did not come up and serve a first request in time."""
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100); NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    rank = max(0, min(len(ordered) - 1, round(q / 100.0 * len(ordered) + 0.5) - 1))
+    return ordered[rank]
+
+
+@dataclass
+class RouterProcess:
+    """One running router: its process, port and log file."""
+
+    peer: Peer
+    port: int
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Poll with a real /generate until it succeeds: /health alone says nothing about pairs."""
+        deadline = time.monotonic() + timeout_s
+        body = {"text": "ready?", "sampling_params": {"max_new_tokens": 2}}
+        last = "no answer yet"
+        with httpx.Client(timeout=5.0) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RouterStartError(f"{self.peer.name} exited:\n{self.log_tail()}")
+                try:
+                    resp = client.post(f"{self.url}/generate", json=body)
+                    if resp.status_code == 200 and "text" in resp.json():
+                        return
+                    last = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                except (httpx.HTTPError, ValueError) as exc:
+                    last = f"{type(exc).__name__}: {exc}"
+                time.sleep(0.25)
+        raise RouterStartError(f"{self.peer.name} not ready after {timeout_s:.0f}s ({last})")
+
+    def stop(self) -> None:
+        """SIGTERM the router's own process group, SIGKILL it if it lingers."""
+        if self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(STOP_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def running_router(peer: Peer, topology: Topology, log_dir: Path) -> Iterator[RouterProcess]:
+    """Start peer in front of topology in its own session; always stop it on exit."""
+    port = free_port(HOST)
+    log_path = log_dir / f"{peer.name}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            peer.argv(topology, HOST, port),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=REPO,
+        )
+    router = RouterProcess(peer=peer, port=port, process=process, log_path=log_path)
+    try:
+        yield router
+    finally:
+        router.stop()
+
+
+def run_load(router: RouterProcess, cfg: BenchConfig, stream: bool) -> dict:
+    """One measured segment: the loadgen process against one router."""
+    argv = [
+        sys.executable,
+        str(BENCH / "loadgen.py"),
+        "--url",
+        f"{router.url}/generate",
+        "--concurrency",
+        str(cfg.concurrency),
+        "--warmup",
+        str(cfg.warmup_s),
+        "--duration",
+        str(cfg.duration_s),
+        "--max-new-tokens",
+        str(cfg.max_new_tokens),
+        "--cpu-pid",
+        str(router.process.pid),
+    ]
+    if stream:
+        argv.append("--stream")
+    bound = cfg.warmup_s + cfg.duration_s + 120.0
+    done = subprocess.run(argv, capture_output=True, timeout=bound, check=False, cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(f"loadgen failed: {done.stderr.decode(errors='replace')[-2000:]}")
+    return orjson.loads(done.stdout)
+
+
+def profile_router(router: RouterProcess, cfg: BenchConfig, out_dir: Path) -> str:
+    """py-spy a pd-router under non-streaming load (not counted in the figures)."""
+    if not PY_SPY.exists():
+        return f"_py-spy missing: `{PY_SPY.parent}/pip install py-spy` (see bench/README.md)_\n"
+    raw = out_dir / "pd-router-profile.txt"
+    spy = subprocess.Popen(
+        [
+            str(PY_SPY),
+            "record",
+            "--pid",
+            str(router.process.pid),
+            "--duration",
+            str(int(cfg.profile_s)),
+            "--rate",
+            "200",
+            "--format",
+            "raw",
+            "--output",
+            str(raw),
+            "--nonblocking",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    profiled = BenchConfig(
+        **{**cfg.__dict__, "warmup_s": 1.0, "duration_s": cfg.profile_s + 1.0, "rounds": 1}
+    )
+    result = run_load(router, profiled, stream=False)
+    _, err = spy.communicate(timeout=cfg.profile_s + 60.0)
+    if spy.returncode != 0 or not raw.exists():
+        return f"_py-spy failed: {err.decode(errors='replace')[-500:]}_\n"
+    header = (
+        f"Profiled {cfg.profile_s:.0f}s of non-streaming load at concurrency {cfg.concurrency} "
+        f"({result['completed'] / result['window_s']:.0f} req/s under the profiler, "
+        f"{result['errors']} errors); raw stacks: `{raw.relative_to(REPO)}`.\n\n"
+    )
+    return header + profile_markdown(summarize(raw))
+
+
+def measure(cfg: BenchConfig, log_dir: Path) -> tuple[dict[tuple[str, str], Figures], str]:
+    """Start the cluster and every router, run the interleaved rounds, return the sums."""
+    figures = {(name, mode): Figures() for name in cfg.peers for mode in cfg.modes}
+    profile = ""
+    cluster = WorkerCluster(cfg.prefill, cfg.decode, speed=0.0, enable_faults=False)
+    with cluster:
+        topology = Topology(
+            prefills=tuple((url, cluster.bootstrap_port(url)) for url in cluster.prefill_urls),
+            decodes=tuple(cluster.decode_urls),
+        )
+        with contextlib.ExitStack() as stack:
+            routers = [
+                stack.enter_context(running_router(PEERS[name], topology, log_dir))
+                for name in cfg.peers
+            ]
+            for router in routers:
+                router.wait_ready()
+                print(f"# {router.peer.name} ready on {router.url}", file=sys.stderr)
+            for round_no in range(cfg.rounds):
+                shift = round_no % len(routers)
+                for mode in cfg.modes:
+                    for router in routers[shift:] + routers[:shift]:
+                        result = run_load(router, cfg, stream=mode == "stream")
+                        figures[(router.peer.name, mode)].add(result)
+                        print(
+                            f"# round {round_no + 1} {mode:10} {router.peer.name:10} "
+                            f"{result['completed'] / result['window_s']:8.1f} req/s "
+                            f"errors {result['errors']}",
+                            file=sys.stderr,
+                        )
+            baseline = next((r for r in routers if r.peer.name == BASELINE), None)
+            if cfg.profile_s > 0 and baseline is not None:
+                profile = profile_router(baseline, cfg, log_dir)
+    return figures, profile
+
+
+def _ratio(numerator: float, denominator: float) -> str:
+    return f"{numerator / denominator:.2f}x" if denominator else "n/a"
+
+
+TABLE_HEAD = (
+    "| mode | router | req/s | p50 ms | p99 ms | errors "
+    "| router CPU ms/req | router CPU % | loadgen CPU % |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def _row(mode: str, name: str, f: Figures) -> str:
+    """One line of the figures table."""
+    p50, p99 = percentile(f.latencies_ms, 50), percentile(f.latencies_ms, 99)
+    router_pct = 100 * f.router_cpu_s / f.window_s
+    loadgen_pct = 100 * f.loadgen_cpu_s / f.window_s
+    return (
+        f"| {mode} | {name} | {f.rps:.0f} | {p50:.1f} | {p99:.1f} | {f.errors} "
+        f"| {f.cpu_ms_per_request:.3f} | {router_pct:.0f} | {loadgen_pct:.0f} |"
+    )
+
+
+def report(
+    cfg: BenchConfig, figures: dict[tuple[str, str], Figures], profile: str, command: str
+) -> str:
+    """The markdown written to bench/results and printed: setup, figures, ratios, profile."""
+    lines = [
+        f"# Router overhead vs peers ({datetime.now(UTC):%Y-%m-%d %H:%M UTC})",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"{cfg.prefill}P{cfg.decode}D pd_worker (speed 0) on {os.cpu_count()} cores; "
+        f"concurrency {cfg.concurrency}; /generate, max_new_tokens {cfg.max_new_tokens}; "
+        f"{cfg.rounds} interleaved round(s) of {cfg.warmup_s:.0f}s warm-up + "
+        f"{cfg.duration_s:.0f}s measured per peer and mode.",
+        "",
+        TABLE_HEAD,
+    ]
+    lines += [_row(mode, name, figures[(name, mode)]) for mode in cfg.modes for name in cfg.peers]
+    lines += ["", "Peers: " + "; ".join(f"{n}: {PEERS[n].description}" for n in cfg.peers), ""]
+    others = [name for name in cfg.peers if name != BASELINE]
+    if BASELINE in cfg.peers and others:
+        lines += ["| mode | ratio | req/s | router CPU per request |", "|---|---|---:|---:|"]
+        for mode in cfg.modes:
+            ours = figures[(BASELINE, mode)]
+            for name in others:
+                theirs = figures[(name, mode)]
+                lines.append(
+                    f"| {mode} | {BASELINE} / {name} | {_ratio(ours.rps, theirs.rps)} | "
+                    f"{_ratio(ours.cpu_ms_per_request, theirs.cpu_ms_per_request)} |"
+                )
+        lines.append("")
+    samples = [(key, f.error_samples) for key, f in figures.items() if f.error_samples]
+    for (name, mode), errors in samples:
+        lines.append(f"- errors of {name} ({mode}): " + "; ".join(e[:160] for e in errors))
+    if profile:
+        lines += ["", "## pd-router profile", "", profile]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> BenchConfig:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument(
+        "--peers", default=",".join(PEERS), help="comma-separated subset of %(default)s"
+    )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated subset of %(default)s"
+    )
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds per segment")
+    parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per segment")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--prefill", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=2)
+    parser.add_argument("--profile", type=float, default=0.0, help="py-spy pd-router for N seconds")
+    args = parser.parse_args(argv)
+    peers = tuple(p for p in args.peers.split(",") if p)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not peers or any(p not in PEERS for p in peers):
+        parser.error(f"--peers must name some of {list(PEERS)}")
+    if not modes or any(m not in MODES for m in modes):
+        parser.error(f"--modes must name some of {list(MODES)}")
+    if not (1 <= args.concurrency <= 1024 and 0 < args.duration <= 120 and 0 <= args.warmup <= 60):
+        parser.error("need 1 <= --concurrency <= 1024, 0 < --duration <= 120, 0 <= --warmup <= 60")
+    if not (1 <= args.rounds <= 10 and 0 <= args.profile <= 120):
+        parser.error("need 1 <= --rounds <= 10 and 0 <= --profile <= 120")
+    return BenchConfig(
+        peers=peers,
+        modes=modes,
+        concurrency=args.concurrency,
+        warmup_s=args.warmup,
+        duration_s=args.duration,
+        rounds=args.rounds,
+        max_new_tokens=args.max_new_tokens,
+        prefill=args.prefill,
+        decode=args.decode,
+        profile_s=args.profile,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    try:
+        for name in cfg.peers:
+            ensure_peer(PEERS[name])
+            check_peer(PEERS[name])
+    except PeerSetupError as exc:
+        print(f"peer setup failed: {exc}", file=sys.stderr)
+        return 1
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    log_dir = RESULTS / f"overhead-{stamp}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        figures, profile = measure(cfg, log_dir)
+    except RouterStartError as exc:
+        print(f"router start failed: {exc}", file=sys.stderr)
+        return 1
+    command = "python bench/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    text = report(cfg, figures, profile, command.strip())
+    (RESULTS / f"overhead-{stamp}.md").write_text(text)
+    print(text)
+    print(f"# written to {(RESULTS / f'overhead-{stamp}.md').relative_to(REPO)}", file=sys.stderr)
+    baseline_errors = (
+        sum(figures[(BASELINE, m)].errors for m in cfg.modes) if BASELINE in cfg.peers else 0
+    )
+    return 1 if baseline_errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
