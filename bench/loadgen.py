@@ -5,7 +5,8 @@ or to the orchestrator. Each client sends a request, waits for the full answer (
 JSON body, or the SSE stream up to `data: [DONE]`), and sends the next one. Only answers that
 complete inside the measurement window (after the warm-up) count toward throughput and
 latency; errors are counted over the whole run. The router's CPU time (its whole process tree)
-is read from /proc exactly at the window's edges. One JSON object is printed on stdout.
+is read from /proc exactly at the window's edges. One JSON object is written to --output
+(a file: results hold every latency and can exceed a pipe's buffer).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -162,7 +164,7 @@ async def run(cfg: LoadConfig) -> dict[str, object]:
     }
 
 
-def parse_args(argv: Sequence[str] | None) -> LoadConfig:
+def parse_args(argv: Sequence[str] | None) -> tuple[Path, LoadConfig]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--url", required=True, help="e.g. http://127.0.0.1:30000/generate")
     parser.add_argument("--concurrency", type=int, default=32)
@@ -172,10 +174,11 @@ def parse_args(argv: Sequence[str] | None) -> LoadConfig:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--request-timeout", type=float, default=30.0)
     parser.add_argument("--cpu-pid", type=int, action="append", default=[])
+    parser.add_argument("--output", type=Path, required=True, help="where to write the JSON")
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("need --concurrency >= 1, --duration > 0, --warmup >= 0")
-    return LoadConfig(
+    return args.output, LoadConfig(
         url=args.url,
         concurrency=args.concurrency,
         warmup_s=args.warmup,
@@ -188,8 +191,8 @@ def parse_args(argv: Sequence[str] | None) -> LoadConfig:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    result = uvloop.run(run(parse_args(argv)))
-    sys.stdout.buffer.write(orjson.dumps(result) + b"\n")
+    output, cfg = parse_args(argv)
+    output.write_bytes(orjson.dumps(uvloop.run(run(cfg))))
     return 0
 
 

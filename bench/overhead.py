@@ -188,8 +188,9 @@ def running_router(peer: Peer, topology: Topology, log_dir: Path) -> Iterator[Ro
         router.stop()
 
 
-def run_load(router: RouterProcess, cfg: BenchConfig, stream: bool) -> dict:
+def run_load(router: RouterProcess, cfg: BenchConfig, stream: bool, out_dir: Path) -> dict:
     """One measured segment: the loadgen process against one router."""
+    output = out_dir / "loadgen.json"
     argv = [
         sys.executable,
         str(BENCH / "loadgen.py"),
@@ -205,6 +206,8 @@ def run_load(router: RouterProcess, cfg: BenchConfig, stream: bool) -> dict:
         str(cfg.max_new_tokens),
         "--cpu-pid",
         str(router.process.pid),
+        "--output",
+        str(output),
     ]
     if stream:
         argv.append("--stream")
@@ -212,11 +215,11 @@ def run_load(router: RouterProcess, cfg: BenchConfig, stream: bool) -> dict:
     done = subprocess.run(argv, capture_output=True, timeout=bound, check=False, cwd=REPO)
     if done.returncode != 0:
         raise RuntimeError(f"loadgen failed: {done.stderr.decode(errors='replace')[-2000:]}")
-    return orjson.loads(done.stdout)
+    return orjson.loads(output.read_bytes())
 
 
 def profile_router(router: RouterProcess, cfg: BenchConfig, out_dir: Path) -> str:
-    """py-spy a pd-router under non-streaming load (not counted in the figures)."""
+    """py-spy a pd-router under the load of the first mode (not counted in the figures)."""
     if not PY_SPY.exists():
         return f"_py-spy missing: `{PY_SPY.parent}/pip install py-spy` (see bench/README.md)_\n"
     raw = out_dir / "pd-router-profile.txt"
@@ -242,12 +245,13 @@ def profile_router(router: RouterProcess, cfg: BenchConfig, out_dir: Path) -> st
     profiled = BenchConfig(
         **{**cfg.__dict__, "warmup_s": 1.0, "duration_s": cfg.profile_s + 1.0, "rounds": 1}
     )
-    result = run_load(router, profiled, stream=False)
+    mode = cfg.modes[0]
+    result = run_load(router, profiled, mode == "stream", out_dir)
     _, err = spy.communicate(timeout=cfg.profile_s + 60.0)
     if spy.returncode != 0 or not raw.exists():
         return f"_py-spy failed: {err.decode(errors='replace')[-500:]}_\n"
     header = (
-        f"Profiled {cfg.profile_s:.0f}s of non-streaming load at concurrency {cfg.concurrency} "
+        f"Profiled {cfg.profile_s:.0f}s of {mode} load at concurrency {cfg.concurrency} "
         f"({result['completed'] / result['window_s']:.0f} req/s under the profiler, "
         f"{result['errors']} errors); raw stacks: `{raw.relative_to(REPO)}`.\n\n"
     )
@@ -276,7 +280,7 @@ def measure(cfg: BenchConfig, log_dir: Path) -> tuple[dict[tuple[str, str], Figu
                 shift = round_no % len(routers)
                 for mode in cfg.modes:
                     for router in routers[shift:] + routers[:shift]:
-                        result = run_load(router, cfg, stream=mode == "stream")
+                        result = run_load(router, cfg, mode == "stream", log_dir)
                         figures[(router.peer.name, mode)].add(result)
                         print(
                             f"# round {round_no + 1} {mode:10} {router.peer.name:10} "
