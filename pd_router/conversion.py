@@ -512,7 +512,7 @@ class ConversionManager:
             body["decode_cuda_graph_bs"] = request.decode_cuda_graph_bs
         if request.decode_cuda_graph_memory_gb is not None:
             body["decode_cuda_graph_memory_gb"] = request.decode_cuda_graph_memory_gb
-        if conv.protocol == "extension":
+        if conv.protocol == "extension" and request.drain:
             body.update(request.extra)
             body["drain_timeout_secs"] = max(0.0, round(deadline - time.monotonic(), 3))
         return body
@@ -520,12 +520,15 @@ class ConversionManager:
     async def _call_switch(
         self, conv: Conversion, body: dict[str, Any]
     ) -> tuple[SwitchReply, float]:
-        path = "/convert_pd_role" if conv.protocol == "extension" else "/pd_role_switch"
+        server_side_drain = conv.protocol == "extension" and conv.request.drain
+        path = "/convert_pd_role" if server_side_drain else "/pd_role_switch"
         started = time.monotonic()
         try:
-            if conv.protocol == "extension":
+            if server_side_drain:
                 reply = await self._control.convert(conv.worker, body)
-                conv.admission_closed = False  # the worker reopens admission itself
+                # After a conversion the worker reopened admission itself; after a refusal of
+                # the body it did not, so the router reopens it on the way back.
+                conv.admission_closed = not reply.success
             else:
                 reply = await self._control.switch(conv.worker, body)
         except ControlError as exc:
