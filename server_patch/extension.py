@@ -209,6 +209,11 @@ def _parse_convert_body(body: object, bootstrap_port: int | None) -> _ConvertReq
                 f"(this server's bootstrap port is {bootstrap_port})",
                 field=name,
             )
+    if body.get("check_idle") is False:
+        raise ExtensionError(
+            "check_idle false cannot be honoured: SGLang switches roles only when idle",
+            field="check_idle",
+        )
     timeout = _number_field(body, "drain_timeout_secs")
     role = new_role or alias
     return _ConvertRequest(

@@ -368,6 +368,7 @@ async def test_knobs_the_in_process_switch_cannot_honour_are_refused_naming_the_
         ({"decode_cuda_graph_bs": [1, "2"]}, "decode_cuda_graph_bs"),
         ({"bootstrap_port": BOOTSTRAP_PORT + 1}, "bootstrap_port"),
         ({"new_role": "decode", "colour": "blue"}, "colour"),
+        ({"check_idle": False}, "check_idle"),
     ],
 )
 async def test_convert_body_errors_name_the_field(body, field):
