@@ -118,9 +118,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     args = parser.parse_args()
     results = asyncio.run(run(args))
-    print(
-        f"cores={os.cpu_count()} concurrency={args.concurrency} max_new_tokens={args.max_new_tokens}"
-    )
+    setup = f"cores={os.cpu_count()} concurrency={args.concurrency}"
+    print(f"{setup} max_new_tokens={args.max_new_tokens}")
     print(f"{'scenario':15s} {'req/s':>8s} {'ok':>8s} {'failed':>7s}")
     for name, r in results.items():
         print(f"{name:15s} {r['rps']:8.1f} {r['requests']:8d} {r['failed']:7d}")
