@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
@@ -22,22 +23,68 @@ RECENT_CONVERSIONS = 10
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_UNREACHABLE = 2
+DEFAULT_WATCH_SECS = 2.0
+CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
 def status(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
-    """Print the pools, every worker and the recent conversions as tables."""
+    """Print the pools, every worker and the recent conversions as tables; with ``--watch``,
+    redraw them every few seconds until interrupted."""
     parser = _parser("pd-router status", "Show pools, workers and recent conversions.")
+    parser.add_argument(
+        "--watch",
+        nargs="?",
+        const=DEFAULT_WATCH_SECS,
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help=f"redraw every SECONDS (default {DEFAULT_WATCH_SECS:g}) until Ctrl-C",
+    )
     args = parser.parse_args(list(argv))
+    if args.watch is not None:
+        return _watch(args, out)
     try:
         with _client(args) as client:
-            workers = _get_json(client, "/workers")
-            conversions = _get_json(client, f"/conversions?limit={RECENT_CONVERSIONS}")
+            out.write(_status_text(client))
     except _Failure as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
-    worker_list = _worker_list(workers)
-    out.write(render_status(worker_list, conversions.get("conversions", [])))
     return EXIT_OK
+
+
+def _status_text(client: httpx.Client) -> str:
+    workers = _get_json(client, "/workers")
+    conversions = _get_json(client, f"/conversions?limit={RECENT_CONVERSIONS}")
+    return render_status(_worker_list(workers), conversions.get("conversions", []))
+
+
+def _watch(args: argparse.Namespace, out: TextIO) -> int:
+    """Redraw the status until Ctrl-C; a router that goes away is shown, not fatal, so the
+    picture comes back by itself when the router restarts."""
+    clear = CLEAR_SCREEN if out.isatty() else ""
+    try:
+        with _client(args, timeout=max(args.watch, 2.0)) as client:
+            while True:
+                try:
+                    body = _status_text(client)
+                except _Failure as exc:
+                    body = f"error: {exc}\n"
+                stamp = time.strftime("%H:%M:%S")
+                out.write(f"{clear}pd-router {args.router}  {stamp}  (every {args.watch:g}s)\n\n")
+                out.write(body + ("" if clear else "\n"))
+                out.flush()
+                time.sleep(args.watch)
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def convert(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
