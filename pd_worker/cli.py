@@ -142,7 +142,9 @@ async def serve(config: WorkerConfig) -> None:
 
     from pd_worker.app import build_app
 
-    runner = web.AppRunner(build_app(config), access_log=None)
+    # A client that goes away cancels its request, as SGLang aborts disconnected requests: a
+    # router cancelling a prefill leg must not leave the room held until the room timeout.
+    runner = web.AppRunner(build_app(config), access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port).start()

@@ -185,3 +185,15 @@ async def test_metrics_expose_sglang_gauge_and_counter_names(small_prefill, clie
         "sglang:num_requests_total",
     ):
         assert f"\n{name}{{" in text, name
+
+
+async def test_client_disconnect_frees_a_waiting_prefill_request(small_prefill):
+    prefill = small_prefill.prefill_urls[0]
+    body = with_bootstrap({"text": "gone"}, small_prefill.bootstrap_port(prefill), new_room())
+    async with httpx.AsyncClient(timeout=TIMEOUT) as leaving:
+        task = asyncio.create_task(leaving.post(prefill + "/generate", json=body))
+        await wait_for(leaving, prefill, lambda x: x["num_used_tokens"] == len("gone"))
+        task.cancel()
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        await wait_for(client, prefill, lambda x: x["num_used_tokens"] == 0)
+        assert (await client.get(prefill + "/pd_role")).json()["idle"] is True
