@@ -6,10 +6,11 @@ the backend looks it up on every call (`tokenizer_manager()`), never at construc
 Idle here means what the native switch demands (`Scheduler.is_fully_idle()`), read from what the
 tokenizer process can see without a round trip to the scheduler: the schedulers' load snapshots
 (the ones `/v1/loads` serves; a scheduler publishes one at once when it becomes fully idle),
-including the PD bootstrap, inflight, preallocation and transfer queues; the requests the
-tokenizer manager still tracks; and the generation requests admitted by our middleware that have
-not been answered yet. The native switch re-checks idleness itself and refuses safely, so a
-stale reading costs a retry, never a broken server.
+whose waiting count includes the PD bootstrap, preallocation and transfer queues, plus the
+prefill inflight queue (KV still being sent); the requests the tokenizer manager still tracks;
+and the generation requests admitted by our middleware that have not been answered yet. The
+native switch re-checks idleness itself and refuses safely, so a stale reading costs a retry,
+never a broken server.
 """
 
 from __future__ import annotations
@@ -26,15 +27,6 @@ from server_patch.admission import InFlight
 from server_patch.extension import Load, PDExtension
 
 logger = logging.getLogger(__name__)
-
-_DISAGG_QUEUES = (
-    "prefill_bootstrap_queue_reqs",
-    "prefill_inflight_queue_reqs",
-    "decode_prealloc_queue_reqs",
-    "decode_transfer_queue_reqs",
-    "decode_retracted_queue_reqs",
-)
-
 
 _REPLY_FIELDS = ("success", "message", "old_role", "new_role", "safe_to_restore")
 
@@ -54,11 +46,11 @@ class SGLangRoleBackend:
         snapshots = await manager.get_loads()
         running = sum(snapshot.num_running_reqs for snapshot in snapshots)
         waiting = sum(snapshot.num_waiting_reqs for snapshot in snapshots)
-        queued = sum(_disagg_queued(snapshot) for snapshot in snapshots)
+        sending = sum(_kv_in_flight(snapshot) for snapshot in snapshots)
         tracked = len(manager.rid_to_state)
-        idle = running == 0 and waiting == 0 and queued == 0
+        idle = running == 0 and waiting == 0 and sending == 0
         idle = idle and tracked == 0 and self._in_flight.count == 0
-        return Load(num_running=running, num_waiting=waiting + queued, idle=idle)
+        return Load(num_running=running, num_waiting=waiting + sending, idle=idle)
 
     async def switch_role(self, request: dict) -> dict:
         manager = self._tokenizer_manager()
@@ -85,12 +77,14 @@ class SGLangRoleBackend:
         return bool(resolving_view(self._tokenizer_manager().server_args).enable_pd_role_switch)
 
 
-def _disagg_queued(snapshot: Any) -> int:
-    """Requests in a snapshot's PD queues (bootstrap, KV in flight, preallocation, transfer)."""
+def _kv_in_flight(snapshot: Any) -> int:
+    """Prefilled requests whose KV is still being sent to a decode server.
+
+    `num_waiting_reqs` already counts the bootstrap, preallocation, transfer and retracted
+    queues; only the prefill inflight queue is outside it.
+    """
     section = snapshot.disaggregation
-    if section is None:
-        return 0
-    return sum(getattr(section, name) for name in _DISAGG_QUEUES)
+    return 0 if section is None else section.prefill_inflight_queue_reqs
 
 
 def install_on_sglang_app(*, idle_poll_interval: float = 0.05) -> PDExtension:

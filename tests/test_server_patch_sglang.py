@@ -56,11 +56,20 @@ class TokenizerManagerStandIn:
         self.is_generation = True
         self.release = asyncio.Event()
         self.switch_requests: list = []
+        self.waiting = 0
+        self.kv_sending = 0
 
     async def get_loads(self, include=None, dp_rank=None) -> list[LoadSnapshot]:
-        disagg = DisaggregationMetrics(mode=self.disaggregation_mode.value)
-        running = len(self.rid_to_state)
-        return [LoadSnapshot(dp_rank=0, num_running_reqs=running, disaggregation=disagg)]
+        disagg = DisaggregationMetrics(
+            mode=self.disaggregation_mode.value, prefill_inflight_queue_reqs=self.kv_sending
+        )
+        snapshot = LoadSnapshot(
+            dp_rank=0,
+            num_running_reqs=len(self.rid_to_state),
+            num_waiting_reqs=self.waiting,
+            disaggregation=disagg,
+        )
+        return [snapshot]
 
     async def generate_request(self, obj, request=None):
         rid = f"req-{len(self.rid_to_state)}-{id(obj)}"
@@ -74,7 +83,7 @@ class TokenizerManagerStandIn:
     async def pd_role_switch(self, obj, request=None) -> PdRoleSwitchReqOutput:
         self.switch_requests.append(obj)
         old = self.disaggregation_mode.value
-        if self.rid_to_state:
+        if self.rid_to_state or self.waiting or self.kv_sending:
             return PdRoleSwitchReqOutput(
                 success=False,
                 message="instance is not idle; drain all requests before switching",
@@ -147,6 +156,22 @@ async def test_pd_role_reports_role_bootstrap_port_and_load(client, manager):
     assert status["idle"] is True
     assert status["draining"] is False
     assert status["switch_supported"] is True
+
+
+async def test_pd_role_counts_waiting_requests_and_kv_still_being_sent(client, manager):
+    manager.waiting, manager.kv_sending = 2, 1
+    status = (await client.get("/pd_role")).json()
+    assert status["idle"] is False
+    assert status["num_waiting"] == 3
+
+
+async def test_convert_does_not_switch_while_kv_is_still_being_sent(client, manager):
+    manager.kv_sending = 1
+    response = await client.post("/convert_pd_role", json={"drain_timeout_secs": 0.1})
+    assert response.status_code == 400
+    assert response.json()["safe_to_restore"] is True
+    assert manager.switch_requests == []
+    assert manager.disaggregation_mode is DisaggregationMode.PREFILL
 
 
 async def test_generate_is_served_by_sglang_while_admitting(client, manager):
