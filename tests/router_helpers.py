@@ -114,10 +114,10 @@ async def worker_metric(url: str, name: str) -> float:
     raise KeyError(name)
 
 
-async def running_requests(url: str) -> int:
+async def worker_idle(url: str) -> bool:
+    """Whether a reference worker is fully idle (nothing running, queued or in transfer)."""
     async with httpx.AsyncClient(timeout=5.0) as http:
-        loads = (await http.get(url + "/v1/loads")).json()
-    return int(loads["num_running_reqs"]) + int(loads.get("num_waiting_reqs", 0))
+        return bool((await http.get(url + "/pd_role")).json()["idle"])
 
 
 async def fault(url: str, **body: Any) -> None:

@@ -1,0 +1,241 @@
+"""Failure paths of the request path, against real reference workers with injected faults or
+killed processes: retries with a new pair before the first byte, fast cancellation of the other
+leg, pass-through of client errors, SSE error events after the first byte, and aborts when the
+client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pd_worker.tokens import expected_text
+from tests.router_helpers import (
+    assert_paired,
+    fault,
+    generate_body,
+    running_router,
+    sse_events,
+    wait_until,
+    worker_idle,
+    worker_metric,
+)
+
+TOKENS = 4
+SLOW_TOKENS = 300  # about 3 s of decoding at speed 1: long enough to break a stream midway
+
+
+@pytest.fixture(scope="module")
+def cluster(module_cluster_factory):
+    return module_cluster_factory(prefill=2, decode=2, speed=0.0)
+
+
+@pytest.fixture(autouse=True)
+async def clear_faults(cluster):
+    yield
+    for url in cluster.urls:
+        await fault(url, clear=True)
+
+
+@pytest.fixture
+def slow_cluster(cluster_factory):
+    return cluster_factory(prefill=1, decode=1, speed=1.0)
+
+
+def retries(router) -> float:
+    return router.state.metrics.retries_total._value.get()
+
+
+async def test_prefill_503_is_retried_on_a_new_pair(cluster):
+    for url in cluster.prefill_urls:
+        await fault(url, fail_next=1, fail_status=503)
+    async with running_router(cluster) as router, router.client() as http:
+        response = await http.post("/generate", json=generate_body("retry me", TOKENS))
+        assert response.status_code == 200
+        assert_paired(response.json(), "retry me", TOKENS)
+        assert retries(router) == 2
+
+
+async def test_decode_503_before_first_byte_is_retried(cluster):
+    for url in cluster.decode_urls:
+        await fault(url, fail_next=1, fail_status=503)
+    async with running_router(cluster) as router, router.client() as http:
+        response = await http.post("/generate", json=generate_body("decode retry", TOKENS))
+        assert response.status_code == 200
+        assert_paired(response.json(), "decode retry", TOKENS)
+
+
+async def test_stream_is_retried_when_prefill_fails_before_first_byte(cluster):
+    for url in cluster.prefill_urls:
+        await fault(url, fail_next=1, fail_status=502)
+    async with running_router(cluster) as router, router.client() as http:
+        body = generate_body("stream retry", TOKENS, stream=True)
+        events = sse_events((await http.post("/generate", json=body)).text)
+        assert events[-1] == "[DONE]"
+        assert events[-2]["text"] == expected_text("stream retry", TOKENS)
+
+
+async def test_prefill_500_fails_fast_and_cancels_the_waiting_decode(cluster):
+    prefill, decode = cluster.prefill_urls[0], cluster.decode_urls[0]
+    aborted_before = await worker_metric(decode, "num_aborted_requests_total")
+    await fault(prefill, fail_next=1, fail_status=500, delay_secs=0.2)
+    async with (
+        running_router(cluster, prefill=[prefill], decode=[decode]) as router,
+        router.client() as http,
+    ):
+        started = time.monotonic()
+        response = await http.post("/generate", json=generate_body("fails", TOKENS))
+        assert time.monotonic() - started < 5.0  # not the decode's 30 s bootstrap timeout
+        assert response.status_code == 502
+        assert prefill in response.json()["error"]["message"]
+        await wait_until(lambda: _aborted_more(decode, aborted_before), 5.0, "decode leg aborted")
+        await wait_until(lambda: worker_idle(decode), 5.0, "decode idle")
+
+
+async def _aborted_more(url: str, before: float) -> bool:
+    return await worker_metric(url, "num_aborted_requests_total") > before
+
+
+async def test_decode_500_cancels_the_prefill(cluster):
+    prefill, decode = cluster.prefill_urls[0], cluster.decode_urls[0]
+    await fault(decode, fail_next=1, fail_status=500)
+    await fault(prefill, delay_secs=0.3)
+    async with (
+        running_router(cluster, prefill=[prefill], decode=[decode]) as router,
+        router.client() as http,
+    ):
+        response = await http.post("/generate", json=generate_body("decode fails", TOKENS))
+        assert response.status_code == 502
+        await wait_until(lambda: worker_idle(prefill), 5.0, "prefill leg cancelled")
+
+
+async def test_worker_4xx_is_passed_through_without_retry(cluster):
+    for url in cluster.prefill_urls:
+        await fault(url, fail_next=1, fail_status=400)
+    async with running_router(cluster) as router, router.client() as http:
+        response = await http.post("/generate", json=generate_body("bad", TOKENS))
+        assert response.status_code == 400
+        assert retries(router) == 0
+
+
+async def test_all_prefills_draining_gives_503_with_retry_after(cluster):
+    for url in cluster.prefill_urls:
+        await fault(url, fail_next=10, fail_status=503)
+    async with running_router(cluster) as router, router.client() as http:
+        response = await http.post("/generate", json=generate_body("nowhere", TOKENS))
+        assert response.status_code == 503
+        assert response.headers["Retry-After"]
+        assert response.json()["error"]["type"] == "upstream_unavailable"
+        assert retries(router) == router.state.config.retry.max_attempts - 1
+
+
+async def test_upstream_timeout_gives_504(cluster):
+    await fault(cluster.decode_urls[0], delay_secs=2.0)
+    async with (
+        running_router(
+            cluster, decode=[cluster.decode_urls[0]], request_timeout_secs=0.5
+        ) as router,
+        router.client() as http,
+    ):
+        response = await http.post("/generate", json=generate_body("slow", TOKENS))
+        assert response.status_code == 504
+        assert response.json()["error"]["type"] == "upstream_timeout"
+
+
+async def test_no_healthy_decode_gives_503_with_retry_after(cluster, free_port):
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with (
+        running_router(cluster, decode=[dead]) as router,
+        router.client() as http,
+    ):
+        response = await http.post("/generate", json=generate_body("x", TOKENS))
+        assert response.status_code == 503
+        assert response.headers["Retry-After"] == "1"
+        assert response.json()["error"]["type"] == "no_available_workers"
+
+
+async def test_killed_prefill_is_skipped_and_its_circuit_opens(cluster_factory):
+    cluster = cluster_factory(prefill=2, decode=1, speed=0.0)
+    dead = cluster.prefill_urls[0]
+    async with (
+        running_router(
+            cluster,
+            health={"interval_secs": 60.0},
+            circuit={"failure_threshold": 2, "cooldown_secs": 60.0},
+        ) as router,
+        router.client() as http,
+    ):
+        cluster.kill(dead)
+        for i in range(8):
+            response = await http.post("/generate", json=generate_body(f"survive {i}", TOKENS))
+            assert response.status_code == 200
+            assert assert_paired(response.json(), f"survive {i}", TOKENS) != dead
+        worker = router.state.registry.get(dead)
+        assert worker.circuit.state.value == "open"
+        assert not worker.selectable
+
+
+async def test_decode_killed_mid_stream_ends_with_an_sse_error_event(slow_cluster):
+    decode = slow_cluster.decode_urls[0]
+    async with running_router(slow_cluster) as router, router.client() as http:
+        body = generate_body("doomed stream", SLOW_TOKENS, stream=True)
+        async with http.stream("POST", "/generate", json=body) as response:
+            assert response.status_code == 200
+            lines = response.aiter_lines()
+            first = await anext(lines)
+            assert first.startswith("data:")
+            slow_cluster.kill(decode)
+            rest = [line async for line in lines]
+        events = sse_events("\n\n".join([first, *rest]))
+        assert events[-1] == "[DONE]"
+        assert events[-2]["error"]["type"] == "upstream_error"
+        assert decode in events[-2]["error"]["message"]
+        errors = router.state.metrics.upstream_errors_total.labels("decode", "disconnect")
+        assert errors._value.get() == 1
+
+
+async def test_client_leaving_a_stream_aborts_both_legs(slow_cluster):
+    prefill, decode = slow_cluster.prefill_urls[0], slow_cluster.decode_urls[0]
+    async with running_router(slow_cluster) as router:
+        async with router.client() as http:
+            body = generate_body("abandoned", SLOW_TOKENS, stream=True)
+            async with http.stream("POST", "/generate", json=body) as response:
+                await anext(response.aiter_lines())
+        await wait_until(lambda: _aborted_more(decode, 0), 5.0, "decode got /abort_request")
+        await wait_until(lambda: worker_idle(decode), 5.0, "decode idle")
+        await wait_until(lambda: worker_idle(prefill), 5.0, "prefill idle")
+        await wait_until(
+            lambda: all(w.inflight == 0 for w in router.state.registry), 5.0, "router in-flight 0"
+        )
+
+
+async def test_client_leaving_a_unary_request_aborts_both_legs(slow_cluster):
+    decode = slow_cluster.decode_urls[0]
+    async with running_router(slow_cluster) as router:
+        async with router.client() as http:
+            request = asyncio.create_task(
+                http.post("/generate", json=generate_body("gone", SLOW_TOKENS))
+            )
+            await wait_until(lambda: _busy(decode), 5.0, "decode started")
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+        await wait_until(lambda: _aborted_more(decode, 0), 5.0, "decode got /abort_request")
+        await wait_until(lambda: worker_idle(decode), 5.0, "decode idle")
+        await wait_until(
+            lambda: all(w.inflight == 0 for w in router.state.registry), 5.0, "router in-flight 0"
+        )
+
+
+async def _busy(url: str) -> bool:
+    return not await worker_idle(url)
+
+
+async def test_router_serves_again_after_failures(cluster):
+    await fault(cluster.prefill_urls[0], fail_next=3, fail_status=503)
+    async with running_router(cluster) as router, router.client() as http:
+        results = await asyncio.gather(
+            *(http.post("/generate", json=generate_body(f"mix {i}", TOKENS)) for i in range(10))
+        )
+        assert [r.status_code for r in results] == [200] * 10
