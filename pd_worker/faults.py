@@ -8,6 +8,8 @@ Body fields, all optional and combinable:
 - ``hang_bootstrap``: bool -- the bootstrap server accepts connections but never answers.
 - ``fail_next_switch``: bool -- the next role change fails during teardown, leaving the worker
   unhealthy (``safe_to_restore`` false), as SGLang does.
+- ``lie_next_switch``: bool -- the next role change answers success but leaves the role as it
+  was (a worker that lies; the router's verify step must catch it).
 - ``unhealthy``: bool -- ``/health`` and ``/health_generate`` answer 503.
 - ``exit``: int -- the process exits with this code right after replying.
 - ``clear``: bool -- reset every fault first.
@@ -26,6 +28,7 @@ _FIELDS = {
     "delay_secs": float,
     "hang_bootstrap": bool,
     "fail_next_switch": bool,
+    "lie_next_switch": bool,
     "unhealthy": bool,
     "exit": int,
     "clear": bool,
@@ -41,6 +44,7 @@ class Faults:
     delay_secs: float = 0.0
     hang_bootstrap: bool = False
     fail_next_switch: bool = False
+    lie_next_switch: bool = False
     unhealthy: bool = False
 
     def apply(self, body: dict[str, Any]) -> int | None:
@@ -59,6 +63,7 @@ class Faults:
             "delay_secs",
             "hang_bootstrap",
             "fail_next_switch",
+            "lie_next_switch",
             "unhealthy",
         ):
             if key in body:
@@ -84,6 +89,12 @@ class Faults:
         failing = self.fail_next_switch
         self.fail_next_switch = False
         return failing
+
+    def take_switch_lie(self) -> bool:
+        """Whether this role change must claim success without happening (consumes the fault)."""
+        lying = self.lie_next_switch
+        self.lie_next_switch = False
+        return lying
 
     def snapshot(self) -> dict[str, Any]:
         return asdict(self)

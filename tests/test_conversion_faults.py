@@ -1,0 +1,169 @@
+"""Conversions that do not go to plan, through a real router and reference worker processes:
+abort and timeout during the drain, safe and unsafe switch failures, a worker that lies about its
+new role, a worker killed during the drain. Each ends in a defined place: back in the old pool,
+or FAILED and out of every pool until an operator re-adds it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.conversion_helpers import (
+    conversion_status,
+    convert,
+    live_roles,
+    pools,
+    wait_for_busy,
+    worker_entry,
+    worker_role,
+)
+from tests.router_helpers import fault, running_router, wait_until
+
+SPEED = 0.05
+LONG = {"text": "a long generation", "sampling_params": {"max_new_tokens": 1200}}
+
+
+@pytest.fixture(scope="module")
+def cluster(module_cluster_factory):
+    return module_cluster_factory(prefill=2, decode=2, speed=SPEED)
+
+
+@pytest.fixture
+async def router(cluster):
+    prefill, decode = await live_roles(cluster)
+    async with running_router(cluster, prefill=prefill, decode=decode) as r:
+        yield r
+
+
+@pytest.fixture
+async def http(router):
+    async with router.client() as client:
+        yield client
+
+
+async def start_long_request_on_a_decode(http):
+    """A generation that keeps one decode busy for about a second; returns (task, decode url)."""
+    task = asyncio.create_task(http.post("/generate", json=LONG))
+    busy = await wait_for_busy((await pools(http))["decode"])
+    return task, busy
+
+
+async def test_abort_during_drain_returns_the_worker_to_its_old_pool(http):
+    request, busy = await start_long_request_on_a_decode(http)
+    started = await convert(http, server_url=busy, wait=False)
+    conversion_id = started.json()["id"]
+    assert await conversion_status(http, conversion_id) == "draining"
+    assert busy not in (await pools(http))["decode"]
+    aborted = await http.delete(f"/conversions/{conversion_id}")
+    assert aborted.status_code == 200
+    assert aborted.json()["status"] == "aborted"
+    entry = await worker_entry(http, busy)
+    assert (entry["role"], entry["state"], entry["epoch"]) == ("decode", "active", 0)
+    assert (await worker_role(busy))["draining"] is False
+    assert (await request).status_code == 200
+
+
+async def test_abort_after_the_conversion_ended_is_409(http):
+    decode = (await pools(http))["decode"][0]
+    done = await convert(http, server_url=decode, drain_timeout_secs=0.0, new_role="decode")
+    assert done.status_code == 409
+    request, busy = await start_long_request_on_a_decode(http)
+    record = (await convert(http, server_url=busy, drain_timeout_secs=0.05)).json()
+    assert (await http.delete(f"/conversions/{record['id']}")).status_code == 409
+    assert (await request).status_code == 200
+
+
+async def test_drain_timeout_returns_the_worker_to_its_old_pool(http):
+    request, busy = await start_long_request_on_a_decode(http)
+    response = await convert(http, server_url=busy, drain_timeout_secs=0.2)
+    assert response.status_code == 400
+    record = response.json()
+    assert record["status"] == "drain_timeout"
+    assert "in flight" in record["message"]
+    entry = await worker_entry(http, busy)
+    assert (entry["role"], entry["state"]) == ("decode", "active")
+    assert (await worker_role(busy))["draining"] is False
+    assert (await request).status_code == 200
+
+
+async def test_safe_switch_failure_returns_the_worker_to_its_old_pool(http):
+    prefill = (await pools(http))["prefill"][0]  # never a decode: it has no decode graphs yet
+    response = await convert(
+        http, server_url=prefill, new_role="decode", decode_cuda_graph_memory_gb=1000.0
+    )
+    assert response.status_code == 400
+    record = response.json()
+    assert record["status"] == "restored"
+    assert record["worker_replies"][-1]["body"]["safe_to_restore"] is True
+    assert "headroom" in record["message"]
+    entry = await worker_entry(http, prefill)
+    assert (entry["role"], entry["state"], entry["epoch"]) == ("prefill", "active", 0)
+    assert (await worker_role(prefill))["draining"] is False
+    reply = await http.post("/generate", json={"text": "still serving", "sampling_params": {}})
+    assert reply.status_code == 200
+
+
+async def test_worker_lying_about_its_new_role_is_failed_and_can_be_re_added(http, cluster):
+    prefill = (await pools(http))["prefill"][0]
+    await fault(prefill, lie_next_switch=True)
+    response = await convert(http, server_url=prefill)
+    assert response.status_code == 400
+    record = response.json()
+    assert record["status"] == "failed"
+    assert "reports prefill" in record["message"]
+    assert record["worker_replies"][0]["body"]["success"] is True
+    entry = await worker_entry(http, prefill)
+    assert entry["state"] == "failed"
+    assert prefill not in (await pools(http))["prefill"] + (await pools(http))["decode"]
+    re_added = await http.post("/workers", json={"url": prefill, "role": "prefill"})
+    assert re_added.status_code == 201
+    assert re_added.json()["state"] == "active"
+
+
+async def test_unsafe_switch_failure_is_failed_out_of_every_pool(http, cluster):
+    spare = await asyncio.to_thread(cluster.add, "prefill")
+    added = await http.post("/workers", json={"url": spare.url, "role": "prefill"})
+    assert added.status_code == 201
+    await fault(spare.url, fail_next_switch=True)
+    response = await convert(http, server_url=spare.url)
+    assert response.status_code == 400
+    record = response.json()
+    assert record["status"] == "failed"
+    assert record["worker_replies"][-1]["body"]["safe_to_restore"] is False
+    entry = await worker_entry(http, spare.url)
+    assert entry["state"] == "failed"
+    current = await pools(http)
+    assert spare.url not in current["prefill"] + current["decode"]
+    metrics = (await http.get("/metrics")).text
+    assert f'pd_router_worker_state{{state="failed",worker="{spare.url}"}} 1.0' in metrics
+    assert 'outcome="failed",to_role="decode"} 1.0' in metrics
+    refused = await convert(http, server_url=spare.url)
+    assert refused.status_code == 409
+
+
+async def test_worker_killed_during_the_drain_goes_back_unhealthy(cluster):
+    spare = await asyncio.to_thread(cluster.add, "decode")
+    prefill, _ = await live_roles(cluster)
+    async with (
+        running_router(
+            prefill=prefill[:1], decode=[spare.url], conversion={"min_decode": 0}
+        ) as router,
+        router.client() as http,
+    ):
+        request = asyncio.create_task(http.post("/generate", json=LONG))
+        await wait_for_busy([spare.url])
+        started = await convert(http, server_url=spare.url, wait=False)
+        conversion_id = started.json()["id"]
+        await asyncio.to_thread(cluster.kill, spare.url)
+
+        async def ended() -> bool:
+            return await conversion_status(http, conversion_id) != "draining"
+
+        await wait_until(ended, within=10.0, what="conversion ends after the worker died")
+        record = (await http.get(f"/conversions/{conversion_id}")).json()
+        assert record["status"] == "restored"
+        assert "unreachable" in record["message"]
+        entry = await worker_entry(http, spare.url)
+        assert (entry["role"], entry["state"], entry["healthy"]) == ("decode", "active", False)
+        await request
