@@ -308,11 +308,12 @@ async def _admit(state: WorkerState) -> None:
 
 
 def _validate(engine: Engine, items: list[GenItem]) -> None:
+    """Checks that need the role, done before a stream opens so they answer 400."""
+    decode = engine.role_name == "decode"
     for item in items:
-        reserve = len(item.prompt_ids)
-        if engine.role_name == "decode":
-            reserve += item.max_new_tokens
-        engine.check_fits(reserve)
+        engine.check_fits(len(item.prompt_ids) + (item.max_new_tokens if decode else 0))
+        if decode and not item.fake_transfer and not (item.bootstrap_host and item.bootstrap_port):
+            raise BadRequest("bootstrap_host and bootstrap_port are required with bootstrap_room")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -452,16 +453,25 @@ def _native_switch_reply(reply: dict[str, Any]) -> web.Response:
     return _json(reply, 200 if reply["success"] else 400)
 
 
+def _require_extension(request: web.Request) -> None:
+    """The ``native_only`` fault hides the extension routes, as on SGLang without server_patch."""
+    if request.app[WORKER].faults.native_only:
+        raise NotFound(f"{request.path} is not served (native_only fault)")
+
+
 async def pd_role(request: web.Request) -> web.Response:
+    _require_extension(request)
     return _json(await request.app[WORKER].extension.status())
 
 
 async def pd_drain(request: web.Request) -> web.Response:
+    _require_extension(request)
     _require_admin(request)
     return _json(await request.app[WORKER].extension.set_drain(await _body(request)))
 
 
 async def convert_pd_role(request: web.Request) -> web.Response:
+    _require_extension(request)
     _require_admin(request)
     status, reply = await request.app[WORKER].extension.convert(await _body(request))
     return _json(reply, status)

@@ -10,6 +10,8 @@ Body fields, all optional and combinable:
   unhealthy (``safe_to_restore`` false), as SGLang does.
 - ``lie_next_switch``: bool -- the next role change answers success but leaves the role as it
   was (a worker that lies; the router's verify step must catch it).
+- ``native_only``: bool -- ``/pd_role``, ``/pd_drain`` and ``/convert_pd_role`` answer 404, as
+  on SGLang without server_patch (the router must fall back to the native protocol).
 - ``unhealthy``: bool -- ``/health`` and ``/health_generate`` answer 503.
 - ``exit``: int -- the process exits with this code right after replying.
 - ``clear``: bool -- reset every fault first.
@@ -29,6 +31,7 @@ _FIELDS = {
     "hang_bootstrap": bool,
     "fail_next_switch": bool,
     "lie_next_switch": bool,
+    "native_only": bool,
     "unhealthy": bool,
     "exit": int,
     "clear": bool,
@@ -45,6 +48,7 @@ class Faults:
     hang_bootstrap: bool = False
     fail_next_switch: bool = False
     lie_next_switch: bool = False
+    native_only: bool = False
     unhealthy: bool = False
 
     def apply(self, body: dict[str, Any]) -> int | None:
@@ -64,6 +68,7 @@ class Faults:
             "hang_bootstrap",
             "fail_next_switch",
             "lie_next_switch",
+            "native_only",
             "unhealthy",
         ):
             if key in body:

@@ -1,0 +1,76 @@
+"""Conversion of workers that speak only SGLang's native control protocol (``/pd_role_switch``,
+``/server_info``, ``/v1/loads``; the reference workers hide their extension routes with the
+``native_only`` fault): the router drains on its own, fills the decode graph parameters from a
+decode peer and reads the new role back from ``internal_states``."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conversion_helpers import CheckedLoad, convert, live_roles, pools, worker_entry
+from tests.router_helpers import fault, running_router
+
+SPEED = 0.05
+
+
+@pytest.fixture(scope="module")
+def cluster(module_cluster_factory):
+    return module_cluster_factory(prefill=2, decode=2, speed=SPEED)
+
+
+@pytest.fixture
+async def router(cluster):
+    prefill, decode = await live_roles(cluster)
+    for url in cluster.urls:
+        await fault(url, native_only=True)
+    try:
+        async with running_router(cluster, prefill=prefill, decode=decode) as r:
+            yield r
+    finally:
+        for url in cluster.urls:
+            await fault(url, native_only=False)
+
+
+@pytest.fixture
+async def http(router):
+    async with router.client() as client:
+        yield client
+
+
+async def test_native_prefill_becomes_decode_under_load_with_peer_graph_parameters(http, router):
+    prefill = (await pools(http))["prefill"][0]  # no decode graphs yet: needs the peer's figures
+    async with CheckedLoad(router.url, concurrency=8) as load:
+        await load.wait_for_requests(20)
+        response = await convert(http, server_url=prefill)
+        await load.wait_for_requests(load.result.ok + 20)
+    assert response.status_code == 200, response.text
+    record = response.json()
+    assert record["protocol"] == "native"
+    assert record["worker_replies"][0]["call"] == "/pd_role_switch"
+    assert load.result.failed == 0, load.result.errors[:3]
+    entry = await worker_entry(http, prefill)
+    assert (entry["role"], entry["state"], entry["has_extensions"]) == ("decode", "active", False)
+
+
+async def test_native_decode_becomes_prefill_with_bootstrap_port_from_server_info(
+    http, router, cluster
+):
+    decode = (await pools(http))["decode"][0]
+    async with CheckedLoad(router.url, concurrency=8) as load:
+        await load.wait_for_requests(20)
+        response = await convert(http, server_url=decode, new_role="prefill")
+        await load.wait_for_requests(load.result.ok + 20)
+    assert response.status_code == 200, response.text
+    assert load.result.failed == 0, load.result.errors[:3]
+    entry = await worker_entry(http, decode)
+    assert entry["role"] == "prefill"
+    assert entry["bootstrap_port"] == cluster.bootstrap_port(decode)
+
+
+async def test_restart_knob_for_a_native_worker_is_400_before_anything_changes(http):
+    decode = (await pools(http))["decode"][0]
+    response = await convert(http, server_url=decode, disable_radix_cache=True)
+    assert response.status_code == 400
+    assert "disable_radix_cache" in response.json()["error"]["message"]
+    assert (await http.get("/conversions")).json()["conversions"] == []
+    assert (await worker_entry(http, decode))["state"] == "active"
