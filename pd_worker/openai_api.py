@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_worker.errors import BadRequest
-from pd_worker.protocol import Prompt, build_items
+from pd_worker.protocol import Prompt, build_items, is_token_id
 from pd_worker.requests import GenItem, Progress
 from pd_worker.tokens import chat_prompt, tokenize
 
@@ -37,7 +37,7 @@ def parse_completion(body: Any, model: str) -> OpenAIRequest:
         ids_list = [tokenize(prompt)]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         ids_list = [tokenize(p) for p in prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_token_id(t) for t in prompt):
         ids_list = [list(prompt)]
     elif isinstance(prompt, list) and prompt and all(_is_int_list(p) for p in prompt):
         ids_list = [list(p) for p in prompt]
@@ -104,7 +104,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_int_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+    return isinstance(value, list) and bool(value) and all(is_token_id(t) for t in value)
 
 
 def _finish(progress: Progress) -> tuple[str | None, Any]:

@@ -11,6 +11,8 @@ from pd_worker.requests import GenItem, Progress
 from pd_worker.tokens import tokenize
 
 DEFAULT_MAX_NEW_TOKENS = 128
+MAX_TOKEN_ID = 2**31 - 1
+MAX_ROOM = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -58,9 +60,11 @@ def build_items(
 def _item(prompt: Prompt, rid: Any, host: Any, port: Any, room: Any, logprob: Any) -> GenItem:
     if host is not None and not isinstance(host, str):
         raise BadRequest("bootstrap_host must be a string")
-    for name, value in (("bootstrap_port", port), ("bootstrap_room", room)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-            raise BadRequest(f"{name} must be an integer")
+    for name, value, high in (("bootstrap_port", port, 65535), ("bootstrap_room", room, MAX_ROOM)):
+        if value is not None and not (
+            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= high
+        ):
+            raise BadRequest(f"{name} must be an integer in 0..{high}")
     sampling = prompt.sampling
     stop = sampling.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else stop
@@ -112,12 +116,12 @@ def _prompts(body: dict[str, Any]) -> tuple[list[Prompt], bool]:
     return [Prompt(list(ids), s) for ids, s in zip(ids_list, sampling, strict=True)], batch
 
 
+def is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
+
+
 def _is_id_list(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
-    )
+    return isinstance(value, list) and bool(value) and all(is_token_id(t) for t in value)
 
 
 def _sampling_n(prompts: list[Prompt]) -> int:

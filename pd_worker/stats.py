@@ -15,7 +15,6 @@ class EngineStats:
     num_requests: int = 0
     num_aborted_requests: int = 0
     num_bootstrap_failed_reqs: int = 0
-    num_transfer_failed_reqs: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     kv_transfer_bytes: int = 0

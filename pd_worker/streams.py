@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from pd_worker.errors import WorkerError
 from pd_worker.requests import GenItem, Progress
 
 Generate = Callable[[GenItem], AsyncIterator[Progress]]
@@ -25,7 +26,7 @@ async def merged(generate: Generate, items: list[GenItem]) -> AsyncIterator[tupl
         try:
             async for progress in generate(item):
                 queue.put_nowait((index, progress))
-        except Exception as exc:
+        except WorkerError as exc:
             queue.put_nowait(exc)
         finally:
             queue.put_nowait(_END)
@@ -37,7 +38,7 @@ async def merged(generate: Generate, items: list[GenItem]) -> AsyncIterator[tupl
             entry = await queue.get()
             if entry is _END:
                 remaining -= 1
-            elif isinstance(entry, Exception):
+            elif isinstance(entry, WorkerError):
                 raise entry
             else:
                 yield entry

@@ -126,6 +126,14 @@ async def test_batch_input_ids_2d_is_a_batch(pd_cluster, client):
     assert [o["output_ids"] for o in d.json()] == [expected_output_ids(i, 3) for i in ids]
 
 
+async def test_sampling_n_expands_one_prompt_into_a_batch(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    body = {"text": "twice", "sampling_params": {"max_new_tokens": 2, "n": 2}}
+    rooms = [new_room(), new_room()]
+    _, d = await pd_generate(client, prefill, decode, bootstrap_port, body, room=rooms)
+    assert [o["text"] for o in d.json()] == [expected_text("twice", 2)] * 2
+
+
 async def test_streaming_generate_sends_cumulative_events_then_done(pd_cluster, client):
     _, decode, _ = ports(pd_cluster)
     body = {"text": "stream me", "stream": True, "sampling_params": {"max_new_tokens": 4}}
@@ -238,6 +246,10 @@ async def test_chat_stream_announces_role_then_content_deltas(pd_cluster, client
         ({"text": 5}, "text must be"),
         ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
         ({"text": ["a", "b"], "bootstrap_room": [1]}, "bootstrap_room has 1 entries for 2 items"),
+        ({"text": ["a", "b"], "bootstrap_room": 1}, "bootstrap_room must be a list"),
+        ({"text": "a", "bootstrap_port": 70000, "bootstrap_room": 1}, "bootstrap_port must be"),
+        ({"input_ids": [2**40]}, "input_ids must be"),
+        ({"text": "a", "bootstrap_room": 5}, "bootstrap_host and bootstrap_port are required"),
     ],
 )
 async def test_invalid_generate_body_is_400_with_error_message(pd_cluster, client, body, fragment):
