@@ -39,7 +39,16 @@ class SGLangRoleBackend:
         self._in_flight = in_flight
 
     async def current_role(self) -> str:
-        return self._tokenizer_manager().disaggregation_mode.value
+        """The schedulers' live role (`internal_states`, as `/server_info` shows it); the
+        tokenizer manager's own view only when the schedulers report none."""
+        manager = self._tokenizer_manager()
+        states = await manager.get_internal_state()
+        roles = {state.get("disaggregation_mode") for state in states} - {None}
+        if len(roles) > 1:
+            logger.warning("DP ranks report different roles: %s", sorted(roles))
+        if states and states[0].get("disaggregation_mode") is not None:
+            return states[0]["disaggregation_mode"]
+        return manager.disaggregation_mode.value
 
     async def load(self) -> Load:
         manager = self._tokenizer_manager()

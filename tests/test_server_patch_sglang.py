@@ -58,6 +58,7 @@ class TokenizerManagerStandIn:
         self.switch_requests: list = []
         self.waiting = 0
         self.kv_sending = 0
+        self.scheduler_role: str | None = None  # what the schedulers report, when it differs
 
     async def get_loads(self, include=None, dp_rank=None) -> list[LoadSnapshot]:
         disagg = DisaggregationMetrics(
@@ -70,6 +71,9 @@ class TokenizerManagerStandIn:
             disaggregation=disagg,
         )
         return [snapshot]
+
+    async def get_internal_state(self) -> list[dict]:
+        return [{"disaggregation_mode": self.scheduler_role or self.disaggregation_mode.value}]
 
     async def generate_request(self, obj, request=None):
         rid = f"req-{len(self.rid_to_state)}-{id(obj)}"
@@ -156,6 +160,11 @@ async def test_pd_role_reports_role_bootstrap_port_and_load(client, manager):
     assert status["idle"] is True
     assert status["draining"] is False
     assert status["switch_supported"] is True
+
+
+async def test_pd_role_reports_the_schedulers_live_role(client, manager):
+    manager.scheduler_role = "decode"
+    assert (await client.get("/pd_role")).json()["role"] == "decode"
 
 
 async def test_pd_role_counts_waiting_requests_and_kv_still_being_sent(client, manager):
