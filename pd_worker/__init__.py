@@ -1,11 +1,20 @@
 """Reference PD worker: SGLang 0.5.23's prefill/decode HTTP protocol without a GPU.
 
-Public helpers for tests and benchmarks:
+``pd-worker serve --role prefill|decode ...`` runs one worker (see :mod:`pd_worker.cli`);
+:mod:`pd_worker.cluster` starts several on free loopback ports for tests, demos and benchmarks.
 
-- :func:`expected_text` / :func:`expected_output_ids`: what a decode returns for a prompt whose KV
-  it pulled from the prefill that served the same prompt (checks P/D pairing).
-- :func:`tokenize`, :func:`chat_prompt`: the worker's toy tokenizer and chat template.
-- :mod:`pd_worker.cluster`: start and stop worker processes on free loopback ports.
+What tests can rely on:
+
+- The decode's output is a pure function of the prompt token ids carried in the KV payload it
+  pulled from the prefill's bootstrap server: :func:`expected_text` / :func:`expected_output_ids`
+  recompute it, and ``meta_info["kv_source"]`` names the prefill URL the KV came from.
+- Prompts are tokenized one token per UTF-8 byte (:func:`tokenize`); chat messages go through
+  :func:`chat_prompt` first.
+- A request without ``bootstrap_room`` (or with SGLang's fake host ``2.2.2.2``) needs no transfer:
+  a prefill just runs its forward, a decode generates from its own copy of the prompt.
+- ``/server_info`` ``internal_states[0]["pd_worker"]`` holds ``id()`` of the engine, KV pool,
+  bootstrap server and role object: the first three survive role switches, the last does not.
+- :mod:`pd_worker.faults` documents ``POST /fault``; :mod:`pd_worker.timing` the timing knobs.
 """
 
 from pd_worker.tokens import chat_prompt, expected_output_ids, expected_text, tokenize
