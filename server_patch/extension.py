@@ -22,8 +22,9 @@ ROLES = ("prefill", "decode")
 DEFAULT_DRAIN_TIMEOUT_SECS = 300.0
 RETRY_AFTER_SECS = 1
 
-# Fields of the SGLang PR #9325 body (and of the router's admin API) that carry no instruction for
-# the server itself: they address the server or the router, so the server accepts and ignores them.
+# Fields of the SGLang PR #9325 body (and of the router's admin API) that address the server or
+# the router, or ask for what a conversion does anyway (`check_idle` true, `drain`): accepted and
+# ignored (`check_idle` false is refused when the body is parsed).
 _ROUTING_FIELDS = frozenset({"server_url", "worker_url", "check_idle", "drain"})
 
 # Knobs of the original proposal that need a server restart: SGLang's in-process switch keeps the
