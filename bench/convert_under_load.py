@@ -1,0 +1,315 @@
+"""Conversion soak: flip servers between prefill and decode while clients keep sending.
+
+A 2P2D reference cluster (pd_worker processes) sits behind pd-router (its own process, started
+from a TOML config); this process runs ``--concurrency`` closed-loop clients (half streaming,
+half not, every reply checked against the text the decode must produce) and, at the same time,
+converts workers back and forth through ``POST /convert_pd_role`` (a prefill to decode, then a
+decode to prefill, ...) until ``--flips`` conversions have succeeded. It reports:
+
+- requests sent and failed (the goal is 0 failed);
+- drain, worker switch, verify and total time per conversion (p50/p90/p99/max);
+- the router's own overhead per conversion: total - drain - the worker's switch call (goal:
+  p99 < 20 ms);
+- the delay from the last in-flight request ending to the switch call (goal: p99 < 50 ms;
+  mini_lb polls its switch once a second).
+
+    .venv/bin/python bench/convert_under_load.py                 # 2P2D, 32 clients, 120 flips
+    .venv/bin/python bench/convert_under_load.py --native        # workers without extensions
+
+Exit status 1 if a request failed, a conversion did not succeed or a goal was missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pd_worker.cluster import WorkerCluster, free_port  # noqa: E402
+from pd_worker.tokens import expected_text  # noqa: E402
+
+OVERHEAD_GOAL_S = 0.020
+IDLE_TO_SWITCH_GOAL_S = 0.050
+ROUTER_START_TIMEOUT_S = 30.0
+MAX_BENCH_SECS = 600.0
+ROUTER_MAIN = "import sys; from pd_router.cli import main; sys.exit(main())"
+
+
+@dataclass
+class Load:
+    sent: int = 0
+    ok: int = 0
+    failed: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def router_config(cluster: WorkerCluster, port: int) -> str:
+    lines = [
+        'host = "127.0.0.1"',
+        f"port = {port}",
+        'log_level = "warning"',
+        "[conversion]",
+        "min_prefill = 1",
+        "min_decode = 1",
+        "max_concurrent = 1",
+        "drain_timeout_secs = 60.0",
+        "[health]",
+        "interval_secs = 1.0",
+    ]
+    for url in cluster.prefill_urls:
+        lines += [
+            "[[prefill]]",
+            f'url = "{url}"',
+            f"bootstrap_port = {cluster.bootstrap_port(url)}",
+        ]
+    for url in cluster.decode_urls:
+        lines += ["[[decode]]", f'url = "{url}"']
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def running_router(cluster: WorkerCluster) -> Iterator[str]:
+    port = free_port()
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(router_config(cluster, port))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    process = subprocess.Popen(
+        [sys.executable, "-c", ROUTER_MAIN, "serve", "--config", f.name], env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, process)
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+        os.unlink(f.name)
+
+
+def wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
+    import httpx
+
+    deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
+    with httpx.Client(timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SystemExit(f"router exited with {process.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                workers = client.get(url + "/workers").json()["workers"]
+                if len(workers) == 4 and all(w["healthy"] for w in workers):
+                    return
+            time.sleep(0.05)
+    raise SystemExit("router not ready in time")
+
+
+# --- load -----------------------------------------------------------------------------------
+
+
+async def client_loop(
+    session: aiohttp.ClientSession, url: str, load: Load, stop: asyncio.Event, tokens: int
+) -> None:
+    ids = itertools.count()
+    while not stop.is_set():
+        n = next(ids)
+        prompt = f"soak {id(load) % 997} {n} {time.monotonic_ns() % 100000}"
+        stream = n % 2 == 0
+        body = {"text": prompt, "sampling_params": {"max_new_tokens": tokens}, "stream": stream}
+        load.sent += 1
+        error = await one_request(session, url, body, prompt, tokens, stream)
+        if error is None:
+            load.ok += 1
+        else:
+            load.failed += 1
+            load.errors.append(error)
+
+
+async def one_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    prompt: str,
+    tokens: int,
+    stream: bool,
+) -> str | None:
+    try:
+        async with session.post(url + "/generate", data=orjson.dumps(body)) as response:
+            raw = await response.read()
+            if response.status != 200:
+                return f"HTTP {response.status}: {raw[:200]!r}"
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    expected = expected_text(prompt, tokens)
+    if not stream:
+        return None if orjson.loads(raw).get("text") == expected else f"wrong text {raw[:200]!r}"
+    events = [b[5:].strip() for b in raw.split(b"\n\n") if b.strip().startswith(b"data:")]
+    if len(events) < 2 or events[-1] != b"[DONE]":
+        return f"stream not ended with [DONE]: {raw[-200:]!r}"
+    if orjson.loads(events[-2]).get("text") != expected:
+        return f"wrong streamed text {events[-2][:200]!r}"
+    return None
+
+
+# --- conversions ----------------------------------------------------------------------------
+
+
+async def flip_loop(
+    session: aiohttp.ClientSession, url: str, flips: int, records: list[dict]
+) -> list[str]:
+    """Alternate: one prefill -> decode, then one decode -> prefill, until ``flips`` succeeded."""
+    problems: list[str] = []
+    roles = itertools.cycle(("prefill", "decode"))
+    attempts = 0
+    while len(records) < flips and attempts < flips * 2:
+        attempts += 1
+        source = next(roles)
+        async with session.get(url + "/workers") as response:
+            workers = (await response.json())["workers"]
+        candidates = [w["url"] for w in workers if w["role"] == source and w["state"] == "active"]
+        body = {"server_url": candidates[attempts % len(candidates)]}
+        async with session.post(url + "/convert_pd_role", data=orjson.dumps(body)) as response:
+            record = await response.json()
+        if response.status != 200:
+            problems.append(f"conversion HTTP {response.status}: {str(record)[:300]}")
+            continue
+        records.append(record)
+    return problems
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def row(name: str, values: list[float]) -> str:
+    ms = [v * 1000 for v in values]
+    cells = [percentile(ms, q) for q in (50, 90, 99)] + [max(ms)]
+    return f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |"
+
+
+def report(records: list[dict], load: Load, elapsed: float, args: argparse.Namespace) -> bool:
+    timings = {
+        key: [r["timings"][key] for r in records]
+        for key in (
+            "drain_s",
+            "worker_switch_s",
+            "verify_s",
+            "total_s",
+            "router_overhead_s",
+            "idle_to_switch_s",
+        )
+    }
+    overhead_p99 = percentile(timings["router_overhead_s"], 99)
+    idle_p99 = percentile(timings["idle_to_switch_s"], 99)
+    directions = {}
+    for r in records:
+        key = f"{r['from_role']}->{r['to_role']}"
+        directions[key] = directions.get(key, 0) + 1
+    by_direction = ", ".join(f"{k} {v}" for k, v in directions.items())
+    lines = [
+        f"2P2D reference cluster (speed {args.speed}, {args.protocol} protocol), "
+        f"concurrency {args.concurrency} (half streaming), {args.tokens} tokens per request, "
+        f"{elapsed:.1f} s",
+        "",
+        f"requests sent: {load.sent}, ok: {load.ok}, failed: {load.failed}",
+        f"conversions succeeded: {len(records)} ({by_direction})",
+        "",
+        "| per conversion (ms) | p50 | p90 | p99 | max |",
+        "|---|---|---|---|---|",
+        row("drain", timings["drain_s"]),
+        row("worker switch call", timings["worker_switch_s"]),
+        row("verify", timings["verify_s"]),
+        row("total", timings["total_s"]),
+        row("router overhead (total - drain - worker switch)", timings["router_overhead_s"]),
+        row("last in-flight request done -> switch call", timings["idle_to_switch_s"]),
+        "",
+        f"goals: router overhead p99 {overhead_p99 * 1000:.2f} ms (< {OVERHEAD_GOAL_S * 1000:.0f}),"
+        f" idle->switch p99 {idle_p99 * 1000:.2f} ms (< {IDLE_TO_SWITCH_GOAL_S * 1000:.0f})",
+    ]
+    print("\n".join(lines))
+    for error in load.errors[:5]:
+        print("error:", error)
+    return (
+        load.failed == 0
+        and len(records) >= args.flips
+        and overhead_p99 < OVERHEAD_GOAL_S
+        and idle_p99 < IDLE_TO_SWITCH_GOAL_S
+    )
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+async def soak(url: str, args: argparse.Namespace) -> tuple[list[dict], Load, float, list[str]]:
+    load = Load()
+    stop = asyncio.Event()
+    records: list[dict] = []
+    connector = aiohttp.TCPConnector(limit=args.concurrency + 8)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        clients = [
+            asyncio.create_task(client_loop(session, url, load, stop, args.tokens))
+            for _ in range(args.concurrency)
+        ]
+        started = time.monotonic()
+        try:
+            await asyncio.sleep(1.0)  # warm up: every client has requests in flight
+            problems = await asyncio.wait_for(
+                flip_loop(session, url, args.flips, records), MAX_BENCH_SECS
+            )
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)
+        return records, load, time.monotonic() - started, problems
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--flips", type=int, default=120)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--speed", type=float, default=0.05)
+    parser.add_argument("--native", action="store_true", help="hide the extension routes")
+    args = parser.parse_args()
+    args.protocol = "native" if args.native else "extension"
+    with WorkerCluster(prefill=2, decode=2, speed=args.speed) as cluster:
+        if args.native:
+            import httpx
+
+            for worker_url in cluster.urls:
+                httpx.post(worker_url + "/fault", json={"native_only": True}).raise_for_status()
+        with running_router(cluster) as url:
+            records, load, elapsed, problems = asyncio.run(soak(url, args))
+    for problem in problems[:5]:
+        print("conversion problem:", problem)
+    return 0 if report(records, load, elapsed, args) and not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
