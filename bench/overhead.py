@@ -237,7 +237,7 @@ def profile_router(router: RouterProcess, cfg: BenchConfig, out_dir: Path) -> st
             "raw",
             "--output",
             str(raw),
-            "--nonblocking",
+            "--native",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
