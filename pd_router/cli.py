@@ -169,3 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return convert(rest)
     return serve(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
