@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from dataclasses import fields
@@ -66,6 +67,9 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--decode-cuda-graph-memory-gb", type=float, default=0.6)
     serve.add_argument("--gpu-free-memory-gb", type=float, default=8.0)
     serve.add_argument("--log-level", default="info")
+    serve.add_argument(
+        "--parent-pid", type=int, default=None, help="exit when this process is gone (clusters)"
+    )
     _add_timing_flags(serve)
     cluster = sub.add_parser("cluster", help="start a cluster of worker processes")
     cluster.add_argument("--prefill", type=int, default=2)
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        _run(serve(config))
+        _run(serve(config, args.parent_pid))
     except OSError as exc:
         print(f"pd-worker: error: cannot listen: {exc}", file=sys.stderr)
         return 1
@@ -136,8 +140,8 @@ def _run(coro: object) -> None:
     uvloop.run(coro)  # type: ignore[arg-type]
 
 
-async def serve(config: WorkerConfig) -> None:
-    """Serve until SIGINT or SIGTERM."""
+async def serve(config: WorkerConfig, parent_pid: int | None = None) -> None:
+    """Serve until SIGINT or SIGTERM, or until ``parent_pid`` is no longer our parent."""
     from aiohttp import web
 
     from pd_worker.app import build_app
@@ -151,17 +155,33 @@ async def serve(config: WorkerConfig) -> None:
         logging.getLogger("pd_worker").info(
             "%s worker on %s, bootstrap port %d", config.role, config.url, config.bootstrap_port
         )
-        await _wait_for_signal()
+        await _wait_for_signal(parent_pid)
     finally:
         await runner.cleanup()
 
 
-async def _wait_for_signal() -> None:
+async def _wait_for_signal(parent_pid: int | None) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if parent_pid is not None:
+        _watch_parent(loop, parent_pid, stop)
     await stop.wait()
+
+
+def _watch_parent(loop: asyncio.AbstractEventLoop, parent_pid: int, stop: asyncio.Event) -> None:
+    """Stop when the launching process exits (a killed test run must not leak workers).
+
+    A pidfd becomes readable when its process exits; where pidfds are unavailable the worker
+    simply outlives its parent, as any server would.
+    """
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):
+        logging.getLogger("pd_worker").warning("cannot watch parent %d", parent_pid)
+        return
+    loop.add_reader(pidfd, stop.set)
 
 
 def _run_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -231,7 +231,7 @@ class WorkerCluster:
         argv = [
             sys.executable, "-m", "pd_worker", "serve", "--role", role, "--host", self._host,
             "--port", str(port), "--bootstrap-port", str(bootstrap_port), "--log-level", "warning",
-            *self._flags,
+            "--parent-pid", str(os.getpid()), *self._flags,
         ]  # fmt: skip
         for name, value in knobs.items():
             argv += ["--" + name.replace("_", "-"), str(value)]
