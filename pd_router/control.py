@@ -12,7 +12,6 @@ manager.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,10 +62,16 @@ class SwitchReply:
 
 @dataclass(frozen=True)
 class RoleReading:
-    """What a worker says about itself: live role, bootstrap port, load."""
+    """The role a worker reports for itself, and its KV bootstrap port."""
 
     role: Role | None
     bootstrap_port: int | None
+
+
+@dataclass(frozen=True)
+class LoadReading:
+    """A worker's load; ``idle`` is what the native switch accepts."""
+
     idle: bool
     num_running: int
     num_waiting: int
@@ -100,39 +105,26 @@ class WorkerControl:
     # --- readings ---------------------------------------------------------------------------
 
     async def read_role(self, worker: Worker) -> RoleReading:
-        """The worker's live role and load (``/pd_role``, else ``/server_info`` + ``/v1/loads``)."""
+        """The worker's live role (``/pd_role``, else ``internal_states[0]`` of ``/server_info``:
+        the top level of ``/server_info`` holds the launch arguments, not the live role)."""
         if await self.detect_extensions(worker):
             body = await self._get_ok(worker.url, "/pd_role")
-            return RoleReading(
-                role=_role(body.get("role")),
-                bootstrap_port=_port(body.get("bootstrap_port")),
-                idle=bool(body.get("idle")),
-                num_running=_int(body.get("num_running")),
-                num_waiting=_int(body.get("num_waiting")),
-            )
-        info, (running, waiting) = await asyncio.gather(
-            self.server_info(worker.url), self._native_load(worker.url)
-        )
+            return RoleReading(_role(body.get("role")), _port(body.get("bootstrap_port")))
+        info = await self.server_info(worker.url)
         return RoleReading(
-            role=_role(_live_state(info).get("disaggregation_mode")),
-            bootstrap_port=_port(info.get("disaggregation_bootstrap_port")),
-            idle=running == 0 and waiting == 0,
-            num_running=running,
-            num_waiting=waiting,
+            _role(_live_state(info).get("disaggregation_mode")),
+            _port(info.get("disaggregation_bootstrap_port")),
         )
 
-    async def is_idle(self, worker: Worker) -> RoleReading:
-        """A load reading; ``idle`` is what the native switch will accept."""
+    async def read_load(self, worker: Worker) -> LoadReading:
+        """The worker's load (``/pd_role``, else ``/v1/loads``)."""
         if await self.detect_extensions(worker):
-            return await self.read_role(worker)
+            body = await self._get_ok(worker.url, "/pd_role")
+            return LoadReading(
+                bool(body.get("idle")), _int(body.get("num_running")), _int(body.get("num_waiting"))
+            )
         running, waiting = await self._native_load(worker.url)
-        return RoleReading(
-            role=None,
-            bootstrap_port=None,
-            idle=running == 0 and waiting == 0,
-            num_running=running,
-            num_waiting=waiting,
-        )
+        return LoadReading(running == 0 and waiting == 0, running, waiting)
 
     async def server_info(self, url: str) -> dict[str, Any]:
         return await self._get_ok(url, "/server_info")

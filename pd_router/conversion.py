@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from pd_router.control import ControlError, RoleReading, SwitchReply, WorkerControl
+from pd_router.control import ControlError, LoadReading, SwitchReply, WorkerControl
 from pd_router.errors import BadRequest, Conflict, NotFound, UpstreamError
 from pd_router.metrics import RouterMetrics
 from pd_router.workers import (
@@ -430,9 +430,9 @@ class ConversionManager:
             await self._pause(conv, delay)
             delay = min(delay * 2, IDLE_POLL_MAX_SECS)
 
-    async def _read_load(self, conv: Conversion) -> RoleReading:
+    async def _read_load(self, conv: Conversion) -> LoadReading:
         try:
-            reading = await self._control.is_idle(conv.worker)
+            reading = await self._control.read_load(conv.worker)
         except ControlError as exc:
             raise self._lost(exc) from exc
         conv.progress["worker_running"] = reading.num_running
