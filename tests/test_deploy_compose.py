@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+
+from pd_router.cli import config_from_argv
 
 yaml = pytest.importorskip("yaml", reason="PyYAML (test extra) parses the compose files")
 
@@ -22,6 +28,7 @@ WORKER_SERVICES = {
     "decode-1": "decode",
 }
 EXPECTED_SERVICES = {*WORKER_SERVICES, "router", "prometheus", "grafana"}
+WORKER_START_TIMEOUT_SECS = 20.0
 
 
 def load_yaml(path: Path) -> Any:
@@ -235,3 +242,51 @@ def test_router_dockerfile_copies_only_files_that_exist():
     for source in sources:
         assert (ROOT / source).exists(), source
     assert re.search(r'^ENTRYPOINT \["pd-router"\]$', dockerfile, re.MULTILINE)
+
+
+def test_router_command_of_each_compose_file_parses_to_its_two_pools(compose):
+    services = compose["services"]
+    config = config_from_argv([str(arg) for arg in services["router"]["command"]])
+    on_host = services["router"].get("network_mode") == "host"
+    expected: dict[str, set[str]] = {"prefill": set(), "decode": set()}
+    for name, role in WORKER_SERVICES.items():
+        port = worker_url_port(services[name])
+        expected[role].add(f"http://{'127.0.0.1' if on_host else name}:{port}")
+    assert {spec.url for spec in config.prefill} == expected["prefill"]
+    assert {spec.url for spec in config.decode} == expected["decode"]
+    assert config.host == "0.0.0.0"
+
+
+def test_demo_worker_command_starts_a_healthy_worker_in_its_role(free_port):
+    service = load_yaml(DOCKER / "compose.demo.yml")["services"]["prefill-0"]
+    args = [str(a) for a in service["command"]]
+    port, bootstrap_port = free_port(), free_port()
+    args[args.index("--host") + 1] = "127.0.0.1"
+    args[args.index("--port") + 1] = str(port)
+    args[args.index("--bootstrap-port") + 1] = str(bootstrap_port)
+    process = subprocess.Popen(
+        [str(Path(sys.executable).with_name("pd-worker")), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        info = wait_for_server_info(f"http://127.0.0.1:{port}", process)
+    finally:
+        process.terminate()
+        process.wait(10)
+    assert info["disaggregation_mode"] == "prefill"
+    assert info["disaggregation_bootstrap_port"] == bootstrap_port
+    assert info["enable_pd_role_switch"] is True
+
+
+def wait_for_server_info(url: str, process: subprocess.Popen) -> dict[str, Any]:
+    deadline = time.monotonic() + WORKER_START_TIMEOUT_SECS
+    with httpx.Client(timeout=1.0) as client:
+        while time.monotonic() < deadline and process.poll() is None:
+            try:
+                if client.get(url + "/health").status_code == 200:
+                    return client.get(url + "/server_info").json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+    raise AssertionError(f"worker at {url} not healthy (exit code {process.poll()})")
