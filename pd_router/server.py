@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import logging
-import uuid
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -38,12 +39,27 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 __all__ = ["ROUTER", "Router", "RunningServer", "build_app", "run_server", "start_server"]
 
 
-def request_id_of(request: web.Request) -> str:
+class RequestIds:
+    """Fresh request ids: a random per-router prefix and a counter (unique across routers and
+    restarts, and much cheaper than a uuid4 per request)."""
+
+    def __init__(self) -> None:
+        self._prefix = secrets.token_hex(6)
+        self._counter = itertools.count(1)
+
+    def next(self) -> str:
+        return f"{self._prefix}-{next(self._counter):x}"
+
+
+REQUEST_IDS = web.AppKey("request_ids", RequestIds)
+
+
+def request_id_of(request: web.Request, ids: RequestIds) -> str:
     """The client's X-Request-Id when it is sane, else a fresh one."""
     given = request.headers.get("X-Request-Id")
     if given and len(given) <= MAX_REQUEST_ID_LENGTH and given.isprintable():
         return given
-    return uuid.uuid4().hex
+    return ids.next()
 
 
 def check_admin(request: web.Request, key: str) -> None:
@@ -70,7 +86,7 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
     router = request.app[ROUTER]
     loop = asyncio.get_running_loop()
     started = loop.time()
-    request_id = request_id_of(request)
+    request_id = request_id_of(request, request.app[REQUEST_IDS])
     request[REQUEST_ID] = request_id
     try:
         key = router.config.admin_api_key
@@ -123,6 +139,7 @@ def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web
     """The router application for ``config`` (workers registered, not yet probed)."""
     app = web.Application(middlewares=[core_middleware], client_max_size=config.max_payload_size)
     app[ROUTER] = Router(config, metrics)
+    app[REQUEST_IDS] = RequestIds()
     add_routes(app)
     add_dashboard_routes(app)
     app.on_startup.append(_on_startup)

@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 from urllib.parse import urlsplit
 
 from pd_router.circuit import CIRCUIT_STATE_VALUES, CircuitBreaker, CircuitConfig, CircuitState
@@ -109,6 +110,9 @@ class Worker:
     last_error: str | None = None
     bootstrap_host: str = ""
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    # The worker_inflight{worker,role} child for the current role, so the hot path does no
+    # label lookup per request.
+    _inflight_gauge: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.bootstrap_host = bootstrap_host(self.url)
@@ -186,7 +190,8 @@ class WorkerRegistry:
         )
         self._by_url[url] = worker
         self._by_id[worker_id] = worker
-        self._metrics.worker_inflight.labels(url, role.value).set(0)
+        worker._inflight_gauge = self._metrics.worker_inflight.labels(url, role.value)
+        worker._inflight_gauge.set(0)
         self._metrics.worker_healthy.labels(url).set(1 if healthy else 0)
         self._metrics.circuit_state.labels(url).set(0)
         self._export_state(worker)
@@ -258,7 +263,8 @@ class WorkerRegistry:
             self._metrics.worker_inflight.remove(worker.url, worker.role.value)
             worker.role = role
             worker.epoch += 1
-            self._metrics.worker_inflight.labels(worker.url, role.value).set(worker.inflight)
+            worker._inflight_gauge = self._metrics.worker_inflight.labels(worker.url, role.value)
+            worker._inflight_gauge.set(worker.inflight)
         if bootstrap_port is not None:
             worker.bootstrap_port = bootstrap_port
         worker.state = state
@@ -282,11 +288,11 @@ class WorkerRegistry:
         worker.inflight += 1
         worker._idle.clear()
         worker.circuit.on_dispatch()
-        self._metrics.worker_inflight.labels(worker.url, worker.role.value).inc()
+        worker._inflight_gauge.inc()
 
     def release(self, worker: Worker) -> None:
         worker.inflight -= 1
-        self._metrics.worker_inflight.labels(worker.url, worker.role.value).dec()
+        worker._inflight_gauge.dec()
         if worker.inflight <= 0:
             worker.inflight = 0
             worker._idle.set()
