@@ -240,3 +240,15 @@ def test_conversions_failing_counts_rollbacks_but_not_successes_or_aborts(tmp_pa
     ]
     labels = '{instance="router:8000", from_role="prefill", to_role="decode"}'
     fires_for("PDRouterConversionsFailing", inputs, [labels], tmp_path)
+
+
+@needs_promtool
+def test_conversions_failing_fires_on_the_first_failure_whose_series_starts_at_one(tmp_path):
+    inputs = [
+        series(
+            "pd_router_conversions_total", "_ _ _ 1 1 1 1 1 1 1", from_role="decode",
+            to_role="prefill", outcome="failed",
+        ),
+    ]  # fmt: skip
+    labels = '{instance="router:8000", from_role="decode", to_role="prefill"}'
+    fires_for("PDRouterConversionsFailing", inputs, [labels], tmp_path)
