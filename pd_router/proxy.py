@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from pd_router.errors import UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from pd_router.errors import NoWorkers, UpstreamError, UpstreamTimeout, UpstreamUnavailable
 from pd_router.logprobs import merge_body, merged_events, prefill_logprobs
 from pd_router.requests import (
     CHAT,
@@ -123,9 +123,15 @@ class Exchange:
         retry = self.router.config.retry
         avoid: list[Worker] = []
         attempt = 0
+        last: LegFailed | None = None
         while True:
-            prefill = self.router.pick(Role.PREFILL, avoid)
-            decode = self.router.pick(Role.DECODE, avoid)
+            try:
+                prefill = self.router.pick(Role.PREFILL, avoid)
+                decode = self.router.pick(Role.DECODE, avoid)
+            except NoWorkers:
+                if last is None:
+                    raise
+                return failure_response(last)
             payload, rids = self.prepare(attempt, prefill)
             try:
                 if self.stream:
@@ -147,6 +153,7 @@ class Exchange:
                 if not failure.retryable or attempt >= retry.max_attempts:
                     return failure_response(failure)
                 avoid.append(failure.worker)
+                last = failure
             self.router.metrics.retries_total.inc()
             await asyncio.sleep(
                 min(retry.backoff_max_secs, retry.backoff_base_secs * 2 ** (attempt - 1))
@@ -273,6 +280,8 @@ class Exchange:
             pending = self.cleanup(
                 [(p_task, prefill, client_gone), (d_task, decode, not decode_done)], rids
             )
+            if not decode_done:
+                decode.circuit.release_trial()
             if first_task is not None and not first_task.done():
                 first_task.cancel()
                 pending.append(first_task)

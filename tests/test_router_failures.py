@@ -239,3 +239,20 @@ async def test_router_serves_again_after_failures(cluster):
             *(http.post("/generate", json=generate_body(f"mix {i}", TOKENS)) for i in range(10))
         )
         assert [r.status_code for r in results] == [200] * 10
+
+
+async def test_retry_with_no_worker_left_reports_the_real_failure(cluster):
+    prefill = cluster.prefill_urls[0]
+    await fault(prefill, fail_next=1, fail_status=502)
+    async with (
+        running_router(
+            cluster,
+            prefill=[prefill],
+            health={"interval_secs": 30.0},
+            circuit={"failure_threshold": 1, "cooldown_secs": 30.0},
+        ) as router,
+        router.client() as http,
+    ):
+        response = await http.post("/generate", json=generate_body("alone", TOKENS))
+        assert response.status_code == 502
+        assert prefill in response.json()["error"]["message"]
