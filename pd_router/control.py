@@ -31,13 +31,18 @@ NATIVE_SWITCH_FIELDS = frozenset(
 
 
 class ControlError(Exception):
-    """The worker could not be reached or answered something that is not its protocol."""
+    """The worker could not be reached or answered something that is not its protocol.
 
-    def __init__(self, url: str, path: str, reason: str) -> None:
+    ``delivered`` is false when the connection could not even be opened: the worker never saw
+    the call, so a switch call that fails this way changed nothing.
+    """
+
+    def __init__(self, url: str, path: str, reason: str, *, delivered: bool = True) -> None:
         super().__init__(f"{url}{path}: {reason}")
         self.url = url
         self.path = path
         self.reason = reason
+        self.delivered = delivered
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,7 @@ class WorkerControl:
             ) as resp:
                 return resp.status, _parse(await resp.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise ControlError(url, path, _describe(exc)) from exc
+            raise _control_error(url, path, exc) from exc
 
     async def _post(
         self, url: str, path: str, body: dict[str, Any], limit: aiohttp.ClientTimeout
@@ -199,7 +204,7 @@ class WorkerControl:
             ) as resp:
                 return resp.status, _parse(await resp.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise ControlError(url, path, _describe(exc)) from exc
+            raise _control_error(url, path, exc) from exc
 
 
 def _parse(raw: bytes) -> Any:
@@ -207,6 +212,11 @@ def _parse(raw: bytes) -> Any:
         return orjson.loads(raw) if raw else None
     except orjson.JSONDecodeError:
         return raw[:200].decode("utf-8", "replace")
+
+
+def _control_error(url: str, path: str, exc: BaseException) -> ControlError:
+    delivered = not isinstance(exc, aiohttp.ClientConnectorError)
+    return ControlError(url, path, _describe(exc), delivered=delivered)
 
 
 def _describe(exc: BaseException) -> str:

@@ -375,7 +375,11 @@ class ConversionManager:
 
     async def _drain(self, conv: Conversion, deadline: float) -> None:
         """Close admission (extension), then wait for the router's in-flight count to reach zero
-        (event) and for the worker to be idle (short backoff); abort and timeout end it."""
+        (event); abort and timeout end it. Whatever else the worker still runs (traffic from
+        another router) is waited for by the switch itself: the extension's /convert_pd_role
+        waits for idle on the server, a native "not idle" refusal is retried with a short
+        backoff. Asking the worker first would put one more round trip between the last
+        request ending and the switch."""
         worker = conv.worker
         conv.progress["router_inflight_at_start"] = worker.inflight
         if conv.protocol == "extension":
@@ -387,7 +391,6 @@ class ConversionManager:
         if conv.request.drain:
             await self._wait_router_idle(conv, deadline)
             conv.timings["router_idle_at"] = time.monotonic()
-            await self._wait_worker_idle(conv, deadline)
         else:
             conv.timings["router_idle_at"] = time.monotonic()
         conv.timings["drain_s"] = conv.phases[-1].end()
@@ -414,22 +417,6 @@ class ConversionManager:
                 restore=True,
             )
 
-    async def _wait_worker_idle(self, conv: Conversion, deadline: float) -> None:
-        delay = IDLE_POLL_FIRST_SECS
-        while True:
-            reading = await self._read_load(conv)
-            if reading.idle:
-                return
-            if time.monotonic() + delay > deadline:
-                raise _Stop(
-                    Status.DRAIN_TIMEOUT,
-                    f"drain timed out: the worker still has {reading.num_running} running and "
-                    f"{reading.num_waiting} waiting request(s)",
-                    restore=True,
-                )
-            await self._pause(conv, delay)
-            delay = min(delay * 2, IDLE_POLL_MAX_SECS)
-
     async def _read_load(self, conv: Conversion) -> LoadReading:
         try:
             reading = await self._control.read_load(conv.worker)
@@ -439,24 +426,16 @@ class ConversionManager:
         conv.progress["worker_waiting"] = reading.num_waiting
         return reading
 
-    async def _pause(self, conv: Conversion, delay: float) -> None:
-        """Back off for ``delay`` unless an abort comes first."""
-        try:
-            await asyncio.wait_for(conv._abort.wait(), timeout=delay)
-        except TimeoutError:
-            return
-        self._check_abort(conv)
-
     def _check_abort(self, conv: Conversion) -> None:
         if conv._abort.is_set():
             raise _Stop(Status.ABORTED, "aborted by the operator while draining", restore=True)
 
     def _lost(self, exc: ControlError) -> _Stop:
-        """The worker stopped answering before the switch: its role did not change, so it goes
-        back to its old pool, marked unhealthy until the health probe sees it again."""
+        """The worker stopped answering before any switch reached it: its role did not change,
+        so it goes back to its old pool, marked unhealthy until the health probe sees it again."""
         return _Stop(
             Status.RESTORED,
-            f"worker unreachable during the drain ({exc.reason}); back in its old pool, unhealthy",
+            f"worker unreachable before the switch ({exc.reason}); back in its old pool, unhealthy",
             restore=True,
             healthy=False,
         )
@@ -470,22 +449,15 @@ class ConversionManager:
         self._registry.set_state(conv.worker, WorkerState.SWITCHING)
         body = self._switch_body(conv, deadline, peer_params)
         conv.timings["idle_to_switch_s"] = time.monotonic() - conv.timings.pop("router_idle_at")
-        delay = IDLE_POLL_FIRST_SECS
-        switch_s = 0.0
-        while True:
-            reply, took = await self._call_switch(conv, body)
-            switch_s += took
-            if reply.success or not reply.safe_to_restore or _refused_request(reply):
-                break
-            if not conv.request.drain or time.monotonic() + delay > deadline:
-                break
-            # A request from elsewhere reached the worker after the idle reading: wait again.
-            if (await self._read_load(conv)).idle:
-                break
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, IDLE_POLL_MAX_SECS)
-        conv.timings["worker_switch_s"] = switch_s
+        reply, busy = await self._switch_until_idle(conv, body, deadline)
         conv.timings["switch_s"] = phase.end()
+        if busy is not None:
+            raise _Stop(
+                Status.DRAIN_TIMEOUT,
+                f"drain timed out: the worker still has {busy.num_running} running and "
+                f"{busy.num_waiting} waiting request(s)",
+                restore=True,
+            )
         if reply.success:
             logger.info("conversion %s: switched in %.3fs", conv.id, conv.timings["switch_s"])
             return reply
@@ -500,6 +472,29 @@ class ConversionManager:
             f"switch failed without safe_to_restore: {reply.message}",
             restore=False,
         )
+
+    async def _switch_until_idle(
+        self, conv: Conversion, body: dict[str, Any], deadline: float
+    ) -> tuple[SwitchReply, LoadReading | None]:
+        """Call the switch; while the worker refuses because it still runs requests (a safe
+        refusal and a busy load reading), back off and call again until the deadline. Returns
+        the last reply and, when the deadline passed with the worker busy, its load."""
+        delay = IDLE_POLL_FIRST_SECS
+        conv.timings["worker_switch_s"] = 0.0
+        while True:
+            reply, took = await self._call_switch(conv, body)
+            conv.timings["worker_switch_s"] += took
+            if reply.success or not reply.safe_to_restore or _refused_request(reply):
+                return reply, None
+            if not conv.request.drain:
+                return reply, None
+            load = await self._read_load(conv)
+            if load.idle:
+                return reply, None
+            if time.monotonic() + delay > deadline:
+                return reply, load
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, IDLE_POLL_MAX_SECS)
 
     def _switch_body(
         self, conv: Conversion, deadline: float, peer_params: dict[str, Any]
@@ -533,6 +528,8 @@ class ConversionManager:
                 reply = await self._control.switch(conv.worker, body)
         except ControlError as exc:
             conv.worker_replies.append(_reply_entry(path, None, {"error": exc.reason}))
+            if not exc.delivered:
+                raise self._lost(exc) from exc
             raise _Stop(
                 Status.FAILED,
                 f"no answer to the switch call, role unknown: {exc.reason}",
