@@ -221,6 +221,7 @@ async def test_page_in_chromium_shows_a_conversion_and_the_worker_in_its_new_poo
             "/convert_pd_role", json={"server_url": moved, "new_role": "decode"}
         )
         assert response.status_code == 200, response.text
+        conversion_id = response.json()["id"]
         try:
             page = await render(router.url + "/dashboard")
         finally:
@@ -230,10 +231,43 @@ async def test_page_in_chromium_shows_a_conversion_and_the_worker_in_its_new_poo
             assert back.status_code == 200, back.text
     card = page.cards[moved]
     assert (card.pool, card.role, card.state) == ("decode", "decode", "active")
-    (row,) = page.conversions.values()
+    row = page.conversions[conversion_id]
     assert moved in row
     assert "prefill → decode" in row
     assert "succeeded" in row.split()
+
+
+@needs_chromium
+async def test_page_in_chromium_shows_a_worker_draining_while_its_conversion_waits(router):
+    long = generate_body("keeps the prefill busy", tokens=LONG_REQUEST_TOKENS)
+    async with router.client() as http:
+        held = asyncio.create_task(http.post("/generate", json=long))
+        try:
+
+            async def busy_prefill() -> str | None:
+                workers = (await status(router))["workers"]
+                return next(
+                    (w["url"] for w in workers if w["role"] == "prefill" and w["inflight"]), None
+                )
+
+            await wait_until(busy_prefill, 10.0, "the request in flight on a prefill")
+            url = await busy_prefill()
+            started = await http.post(
+                "/convert_pd_role", json={"server_url": url, "new_role": "decode", "wait": False}
+            )
+            assert started.status_code == 202, started.text
+            conversion_id = started.json()["id"]
+            try:
+                page = await render(router.url + "/dashboard")
+            finally:
+                aborted = await http.delete(f"/conversions/{conversion_id}")
+        finally:
+            held.cancel()
+            await asyncio.gather(held, return_exceptions=True)
+    assert aborted.status_code in (200, 202)
+    card = page.cards[url]
+    assert (card.pool, card.state) == ("prefill", "draining")
+    assert "draining" in page.conversions[conversion_id].split()
 
 
 async def test_status_answers_without_the_admin_key_when_one_is_set(cluster):
