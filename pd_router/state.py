@@ -59,7 +59,8 @@ class Router:
         return self._session
 
     async def start(self) -> None:
-        """Open the session, probe every worker once, start the health monitor."""
+        """Open the session, probe every worker once, start the health monitor. The session
+        keeps no cookies: one client's worker cookies must not reach another client."""
         connector = aiohttp.TCPConnector(
             limit=self.config.max_connections,
             limit_per_host=0,
@@ -73,6 +74,7 @@ class Router:
                 sock_connect=self.config.connect_timeout_secs,
             ),
             auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self.health.start(self._session)
         await self.health.probe_all()
