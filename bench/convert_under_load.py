@@ -214,6 +214,10 @@ def row(name: str, values: list[float]) -> str:
 
 
 def report(records: list[dict], load: Load, elapsed: float, args: argparse.Namespace) -> bool:
+    for r in records:
+        r["timings"]["overhead_without_verify_s"] = (
+            r["timings"]["router_overhead_s"] - r["timings"]["verify_s"]
+        )
     timings = {
         key: [r["timings"][key] for r in records]
         for key in (
@@ -222,6 +226,7 @@ def report(records: list[dict], load: Load, elapsed: float, args: argparse.Names
             "verify_s",
             "total_s",
             "router_overhead_s",
+            "overhead_without_verify_s",
             "idle_to_switch_s",
         )
     }
@@ -235,7 +240,8 @@ def report(records: list[dict], load: Load, elapsed: float, args: argparse.Names
     lines = [
         f"2P2D reference cluster (speed {args.speed}, {args.protocol} protocol), "
         f"concurrency {args.concurrency} (half streaming), {args.tokens} tokens per request, "
-        f"{elapsed:.1f} s",
+        f"{elapsed:.1f} s, load average {args.load_before:.1f} before / "
+        f"{os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs",
         "",
         f"requests sent: {load.sent}, ok: {load.ok}, failed: {load.failed}",
         f"conversions succeeded: {len(records)} ({by_direction})",
@@ -247,6 +253,7 @@ def report(records: list[dict], load: Load, elapsed: float, args: argparse.Names
         row("verify", timings["verify_s"]),
         row("total", timings["total_s"]),
         row("router overhead (total - drain - worker switch)", timings["router_overhead_s"]),
+        row("router overhead without the verify round trip", timings["overhead_without_verify_s"]),
         row("last in-flight request done -> switch call", timings["idle_to_switch_s"]),
         "",
         f"goals: router overhead p99 {overhead_p99 * 1000:.2f} ms (< {OVERHEAD_GOAL_S * 1000:.0f}),"
@@ -298,6 +305,7 @@ def main() -> int:
     parser.add_argument("--native", action="store_true", help="hide the extension routes")
     args = parser.parse_args()
     args.protocol = "native" if args.native else "extension"
+    args.load_before = os.getloadavg()[0]
     with WorkerCluster(prefill=2, decode=2, speed=args.speed) as cluster:
         if args.native:
             import httpx
