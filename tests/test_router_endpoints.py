@@ -130,6 +130,16 @@ async def test_logprobs_are_merged_per_batch_item(http):
         assert [e[1] for e in item["meta_info"]["input_token_logprobs"]] == tokenize(prompt)
 
 
+async def test_logprobs_are_merged_per_item_of_a_streamed_batch(http):
+    prompts = ["ab", "cdef"]
+    body = generate_body(prompts, TOKENS, return_logprob=True, stream=True)
+    events = sse_events((await http.post("/generate", json=body)).text)[:-1]
+    assert {e["index"] for e in events} == {0, 1}
+    for event in events:
+        merged = [e[1] for e in event["meta_info"]["input_token_logprobs"]]
+        assert merged == tokenize(prompts[event["index"]])
+
+
 async def test_completions_with_prompt_list_and_n(http):
     body = {"prompt": ["alpha", "beta"], "max_tokens": TOKENS, "n": 2}
     response = await http.post("/v1/completions", json=body)
