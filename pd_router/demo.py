@@ -171,7 +171,34 @@ async def failure(demo: Demo) -> None:
     demo.say(f"   {sent} sent, {demo.outcomes[OK]} ok in total; retries so far: {retries:.0f}")
 
 
-STEPS: list[Step] = [pools, traffic, worker_counts, failure, pools]
+async def conversion(demo: Demo) -> None:
+    """Move a prefill into the decode pool while traffic flows (POST /convert_pd_role)."""
+    url = demo.cluster.prefill_urls[0]
+    demo.say(f"-- conversion: {url} prefill -> decode while {demo.args.concurrency} clients send")
+    await pools(demo)
+    before, stop, ids = sum(demo.outcomes.values()), asyncio.Event(), iter(range(10**6))
+    flowing = asyncio.Event()
+
+    async def client() -> None:
+        while not stop.is_set():
+            await send(demo, 2 * demo.args.requests + next(ids))
+            if sum(demo.outcomes.values()) >= before + 2 * demo.args.concurrency:
+                flowing.set()
+
+    clients = [asyncio.create_task(client()) for _ in range(demo.args.concurrency)]
+    await asyncio.wait_for(flowing.wait(), 30.0)
+    record = (await demo.http.post("/convert_pd_role", json={"server_url": url})).json()
+    stop.set()
+    await asyncio.gather(*clients)
+    t = record.get("timings", {})
+    demo.say(f"   {record.get('status')}: {record.get('message')}; drain "
+             f"{t.get('drain_s', 0) * 1000:.1f} ms, switch {t.get('switch_s', 0) * 1000:.1f} ms, "
+             f"total {t.get('total_s', 0) * 1000:.1f} ms; {sum(demo.outcomes.values()) - before} "
+             f"requests sent meanwhile, {demo.outcomes[OK]} ok in total")  # fmt: skip
+    await pools(demo)
+
+
+STEPS: list[Step] = [pools, traffic, worker_counts, conversion, failure, pools]
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
