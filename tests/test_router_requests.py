@@ -1,0 +1,102 @@
+"""Request bodies as the router reads them: item counting (SGLang's batch rules), bootstrap
+injection and the rids a request is aborted by."""
+
+from __future__ import annotations
+
+import pytest
+
+from pd_router.errors import BadRequest
+from pd_router.metrics import RouterMetrics
+from pd_router.requests import (
+    CHAT,
+    COMPLETIONS,
+    GENERATE,
+    chat_items,
+    completion_items,
+    generate_items,
+    inject_bootstrap,
+    parse_body,
+    router_rid,
+)
+from pd_router.workers import Role, WorkerRegistry
+
+
+@pytest.mark.parametrize(
+    ("body", "items"),
+    [
+        ({"text": "one"}, (None, 1)),
+        ({"text": ["a", "b", "c"]}, (3, 1)),
+        ({"input_ids": [1, 2, 3]}, (None, 1)),
+        ({"input_ids": [[1], [2, 3]]}, (2, 1)),
+        ({"text": "one", "sampling_params": {"n": 4}}, (4, 4)),
+        ({"text": ["a", "b"], "sampling_params": {"n": 3}}, (6, 3)),
+        ({"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 2}]}, (4, 2)),
+    ],
+)
+def test_generate_items_follow_sglang_batch_rules(body, items):
+    assert generate_items(body) == items
+
+
+@pytest.mark.parametrize(
+    ("body", "items"),
+    [
+        ({"prompt": "one"}, (None, 1)),
+        ({"prompt": ["a", "b"]}, (2, 1)),
+        ({"prompt": [5, 6, 7]}, (None, 1)),
+        ({"prompt": [[5], [6, 7]], "n": 2}, (4, 2)),
+    ],
+)
+def test_completion_items_count_prompt_lists_and_n(body, items):
+    assert completion_items(body) == items
+
+
+def test_chat_items_count_n():
+    messages = [{"role": "user", "content": "hi"}]
+    assert chat_items({"messages": messages}) == (None, 1)
+    assert chat_items({"messages": messages, "n": 3}) == (3, 3)
+
+
+@pytest.mark.parametrize(
+    "raw", [b"", b"{", b"[]", b"3", b"null", b'"x"', b"\xff"], ids=lambda r: repr(r)
+)
+def test_only_a_json_object_is_a_body(raw):
+    with pytest.raises(BadRequest):
+        parse_body(raw)
+
+
+@pytest.fixture
+def prefill():
+    registry = WorkerRegistry(RouterMetrics())
+    return registry.add("http://[::1]:30000", Role.PREFILL, 9001)
+
+
+def test_single_request_gets_scalar_bootstrap_fields_with_ipv6_in_brackets(prefill):
+    body = {"text": "x"}
+    inject_bootstrap(body, prefill, None)
+    assert body["bootstrap_host"] == "[::1]"
+    assert body["bootstrap_port"] == 9001
+    assert 0 <= body["bootstrap_room"] < 2**63
+
+
+def test_batch_gets_one_distinct_room_per_item(prefill):
+    body = {"text": ["a", "b", "c"]}
+    inject_bootstrap(body, prefill, 3)
+    assert body["bootstrap_host"] == ["[::1]"] * 3
+    assert body["bootstrap_port"] == [9001] * 3
+    assert len(set(body["bootstrap_room"])) == 3
+
+
+def test_new_attempt_gets_new_rooms(prefill):
+    body = {"text": "x"}
+    inject_bootstrap(body, prefill, None)
+    first = body["bootstrap_room"]
+    inject_bootstrap(body, prefill, None)
+    assert body["bootstrap_room"] != first
+
+
+def test_rids_the_router_assigns_and_aborts_by():
+    assert router_rid(GENERATE, "r1", None, 1) == ("r1", ["r1"])
+    assert router_rid(GENERATE, "r1", 2, 1) == (["r1_0", "r1_1"], ["r1_0", "r1_1"])
+    assert router_rid(GENERATE, "r1", 4, 4) == (None, [])
+    assert router_rid(COMPLETIONS, "r1", 2, 1) == ("r1", ["r1_0", "r1_1"])
+    assert router_rid(CHAT, "r1", None, 1) == ("r1", ["r1"])
