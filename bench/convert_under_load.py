@@ -237,6 +237,9 @@ def report(records: list[dict], load: Load, elapsed: float, args: argparse.Names
         key = f"{r['from_role']}->{r['to_role']}"
         directions[key] = directions.get(key, 0) + 1
     by_direction = ", ".join(f"{k} {v}" for k, v in directions.items())
+    switch_calls = sum(
+        1 for r in records for reply in r["worker_replies"] if reply["call"] != "verify"
+    )
     lines = [
         f"2P2D reference cluster (speed {args.speed}, {args.protocol} protocol), "
         f"concurrency {args.concurrency} (half streaming), {args.tokens} tokens per request, "
@@ -244,7 +247,8 @@ def report(records: list[dict], load: Load, elapsed: float, args: argparse.Names
         f"{os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs",
         "",
         f"requests sent: {load.sent}, ok: {load.ok}, failed: {load.failed}",
-        f"conversions succeeded: {len(records)} ({by_direction})",
+        f"conversions succeeded: {len(records)} ({by_direction}); switch calls: {switch_calls} "
+        "(a native switch refused as not idle is called again)",
         "",
         "| per conversion (ms) | p50 | p90 | p99 | max |",
         "|---|---|---|---|---|",
