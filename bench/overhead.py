@@ -44,6 +44,7 @@ from peers import (
 )
 from profile_summary import markdown as profile_markdown
 from profile_summary import summarize
+from stub_worker import stub_cluster
 
 from pd_worker.cluster import WorkerCluster
 
@@ -55,6 +56,10 @@ READY_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 10.0
 MODES = ("non-stream", "stream")
 BASELINE = "pd-router"
+BACKENDS = {
+    "pd_worker": "pd_worker (speed 0)",
+    "stub": "stub workers (bench/stub_worker.py: instant answers, no KV transfer)",
+}
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class BenchConfig:
     prefill: int
     decode: int
     profile_s: float
+    backend: str
 
 
 @dataclass
@@ -258,12 +264,18 @@ def profile_router(router: RouterProcess, cfg: BenchConfig, out_dir: Path) -> st
     return header + profile_markdown(summarize(raw))
 
 
+def start_backend(cfg: BenchConfig) -> contextlib.AbstractContextManager:
+    """The workers behind the routers: pd_worker processes, or stubs that answer at once."""
+    if cfg.backend == "stub":
+        return stub_cluster(cfg.prefill, cfg.decode, iter(lambda: free_port(HOST), None))
+    return WorkerCluster(cfg.prefill, cfg.decode, speed=0.0, enable_faults=False)
+
+
 def measure(cfg: BenchConfig, log_dir: Path) -> tuple[dict[tuple[str, str], Figures], str]:
     """Start the cluster and every router, run the interleaved rounds, return the sums."""
     figures = {(name, mode): Figures() for name in cfg.peers for mode in cfg.modes}
     profile = ""
-    cluster = WorkerCluster(cfg.prefill, cfg.decode, speed=0.0, enable_faults=False)
-    with cluster:
+    with start_backend(cfg) as cluster:
         topology = Topology(
             prefills=tuple((url, cluster.bootstrap_port(url)) for url in cluster.prefill_urls),
             decodes=tuple(cluster.decode_urls),
@@ -325,7 +337,7 @@ def report(
         "",
         f"Command: `{command}`",
         "",
-        f"{cfg.prefill}P{cfg.decode}D pd_worker (speed 0) on {os.cpu_count()} cores; "
+        f"{cfg.prefill}P{cfg.decode}D {BACKENDS[cfg.backend]} on {os.cpu_count()} cores; "
         f"concurrency {cfg.concurrency}; /generate, max_new_tokens {cfg.max_new_tokens}; "
         f"{cfg.rounds} interleaved round(s) of {cfg.warmup_s:.0f}s warm-up + "
         f"{cfg.duration_s:.0f}s measured per peer and mode.",
@@ -372,6 +384,12 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     parser.add_argument("--prefill", type=int, default=2)
     parser.add_argument("--decode", type=int, default=2)
     parser.add_argument("--profile", type=float, default=0.0, help="py-spy pd-router for N seconds")
+    parser.add_argument(
+        "--backend",
+        choices=tuple(BACKENDS),
+        default="pd_worker",
+        help="stub: workers that answer at once, so the routers are the bottleneck",
+    )
     args = parser.parse_args(argv)
     peers = tuple(p for p in args.peers.split(",") if p)
     modes = tuple(m for m in args.modes.split(",") if m)
@@ -394,6 +412,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         prefill=args.prefill,
         decode=args.decode,
         profile_s=args.profile,
+        backend=args.backend,
     )
 
 
