@@ -151,6 +151,21 @@ def test_dashboard_json_asks_for_a_prometheus_datasource():
             assert target["datasource"]["uid"] == "${datasource}", panel["title"]
 
 
+def test_dashboard_panels_have_unique_ids_and_do_not_overlap():
+    panels = json.loads((CONFIGS / "grafana" / "dashboards" / "pd-router.json").read_text())[
+        "panels"
+    ]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells: dict[tuple[int, int], str] = {}
+    for panel in panels:
+        pos = panel["gridPos"]
+        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, panel["title"]
+        for x in range(pos["x"], pos["x"] + pos["w"]):
+            for y in range(pos["y"], pos["y"] + pos["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = panel["title"]
+
+
 def test_demo_workers_are_reference_workers_with_role_switch_on_port_30000():
     services = load_yaml(DOCKER / "compose.demo.yml")["services"]
     for name, role in WORKER_SERVICES.items():
