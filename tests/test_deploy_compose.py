@@ -159,7 +159,7 @@ def test_dashboard_panels_have_unique_ids_and_do_not_overlap():
     cells: dict[tuple[int, int], str] = {}
     for panel in panels:
         pos = panel["gridPos"]
-        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, panel["title"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24, panel["title"]
         for x in range(pos["x"], pos["x"] + pos["w"]):
             for y in range(pos["y"], pos["y"] + pos["h"]):
                 assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
