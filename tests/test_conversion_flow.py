@@ -103,6 +103,18 @@ async def test_two_conversions_at_once_on_the_last_prefills_refuse_one(http):
     assert len((await pools(http))["prefill"]) == 1
 
 
+async def test_two_conversions_at_once_of_one_worker_refuse_the_second(http):
+    decode = (await pools(http))["decode"][0]
+    replies = await asyncio.gather(
+        convert(http, server_url=decode), convert(http, server_url=decode)
+    )
+    assert sorted(r.status_code for r in replies) == [200, 409]
+    refused = next(r for r in replies if r.status_code == 409).json()
+    assert "already converting" in refused["error"]["message"]
+    entry = await worker_entry(http, decode)
+    assert (entry["role"], entry["state"], entry["epoch"]) == ("prefill", "active", 1)
+
+
 async def test_converting_the_last_prefill_is_refused_and_changes_nothing(http):
     last = (await arrange(http, prefill=1))["prefill"][0]
     before = await worker_entry(http, last)
