@@ -390,9 +390,7 @@ class ConversionManager:
             conv.admission_closed = True
         if conv.request.drain:
             await self._wait_router_idle(conv, deadline)
-            conv.timings["router_idle_at"] = time.monotonic()
-        else:
-            conv.timings["router_idle_at"] = time.monotonic()
+        conv.timings["router_idle_at"] = time.monotonic()
         conv.timings["drain_s"] = conv.phases[-1].end()
         logger.info("conversion %s: drained in %.3fs", conv.id, conv.timings["drain_s"])
 
