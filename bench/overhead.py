@@ -40,6 +40,7 @@ from peers import (
     Topology,
     check_peer,
     ensure_peer,
+    ensure_py_spy,
     free_port,
 )
 from profile_summary import markdown as profile_markdown
@@ -51,7 +52,6 @@ from pd_worker.cluster import WorkerCluster
 HOST = "127.0.0.1"
 BENCH = REPO / "bench"
 RESULTS = BENCH / "results"
-PY_SPY = BENCH / "venvs" / "tools" / "bin" / "py-spy"
 READY_TIMEOUT_S = 90.0
 STOP_TIMEOUT_S = 10.0
 MODES = ("non-stream", "stream")
@@ -226,12 +226,14 @@ def run_load(router: RouterProcess, cfg: BenchConfig, stream: bool, out_dir: Pat
 
 def profile_router(router: RouterProcess, cfg: BenchConfig, out_dir: Path) -> str:
     """py-spy a pd-router under the load of the first mode (not counted in the figures)."""
-    if not PY_SPY.exists():
-        return f"_py-spy missing: `{PY_SPY.parent}/pip install py-spy` (see bench/README.md)_\n"
+    try:
+        py_spy = ensure_py_spy()
+    except PeerSetupError as exc:
+        return f"_py-spy could not be installed: {exc}_\n"
     raw = out_dir / "pd-router-profile.txt"
     spy = subprocess.Popen(
         [
-            str(PY_SPY),
+            str(py_spy),
             "record",
             "--pid",
             str(router.process.pid),

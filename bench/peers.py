@@ -7,6 +7,8 @@ comparison runs on any fresh machine with Python 3.11 and network access to PyPI
     python bench/peers.py setup            # create/refresh every peer venv
     python bench/peers.py setup smg        # only one
     python bench/peers.py check            # run each peer's --help once
+
+`ensure_py_spy()` does the same for the profiler (bench/venvs/tools).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VENVS = REPO / "bench" / "venvs"
 PROJECT_VENV = REPO / ".venv"
+TOOLS_VENV = VENVS / "tools"
 INSTALL_TIMEOUT_S = 1200.0
 HELP_TIMEOUT_S = 60.0
 
@@ -171,10 +174,23 @@ class PeerSetupError(RuntimeError):
     """A peer's venv could not be created or its command does not run."""
 
 
-def _stamp(peer: Peer) -> Path:
-    """A file whose presence says the venv holds exactly peer.packages."""
-    digest = hashlib.sha256(" ".join(peer.packages).encode()).hexdigest()[:12]
-    return peer.venv / f".bench-installed-{digest}"
+def ensure_venv(venv: Path, packages: Sequence[str], python: str = "python3.11") -> Path:
+    """Create venv and pip-install packages into it unless a stamp says that was done."""
+    digest = hashlib.sha256(" ".join(packages).encode()).hexdigest()[:12]
+    stamp = venv / f".bench-installed-{digest}"
+    if stamp.exists():
+        return venv
+    if not (venv / "bin" / "python").exists():
+        _run([python, "-m", "venv", str(venv)], INSTALL_TIMEOUT_S)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    _run([*pip, "--upgrade", *packages], INSTALL_TIMEOUT_S)
+    stamp.touch()
+    return venv
+
+
+def ensure_py_spy(python: str = "python3.11") -> Path:
+    """The py-spy executable, installed from PyPI into bench/venvs/tools on first use."""
+    return ensure_venv(TOOLS_VENV, ("py-spy",), python) / "bin" / "py-spy"
 
 
 def _run(argv: Sequence[str], timeout: float) -> None:
@@ -195,14 +211,7 @@ def ensure_peer(peer: Peer, python: str = "python3.11") -> Path:
         if not (peer.venv / "bin" / peer.help_argv[0]).exists():
             raise PeerSetupError(f"{peer.name}: {peer.venv} is missing; run `make install` first")
         return peer.venv
-    if _stamp(peer).exists():
-        return peer.venv
-    if not (peer.venv / "bin" / "python").exists():
-        _run([python, "-m", "venv", str(peer.venv)], INSTALL_TIMEOUT_S)
-    pip = [str(peer.venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
-    _run([*pip, "--upgrade", *peer.packages], INSTALL_TIMEOUT_S)
-    _stamp(peer).touch()
-    return peer.venv
+    return ensure_venv(peer.venv, peer.packages, python)
 
 
 def check_peer(peer: Peer) -> None:
