@@ -34,15 +34,19 @@ class ControlError(Exception):
     """The worker could not be reached or answered something that is not its protocol.
 
     ``delivered`` is false when the connection could not even be opened: the worker never saw
-    the call, so a switch call that fails this way changed nothing.
+    the call, so a switch call that fails this way changed nothing. ``status`` is the HTTP
+    status when the worker answered, but not with what the call expects.
     """
 
-    def __init__(self, url: str, path: str, reason: str, *, delivered: bool = True) -> None:
+    def __init__(
+        self, url: str, path: str, reason: str, *, delivered: bool = True, status: int | None = None
+    ) -> None:
         super().__init__(f"{url}{path}: {reason}")
         self.url = url
         self.path = path
         self.reason = reason
         self.delivered = delivered
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,9 @@ class WorkerControl:
             worker.url, "/pd_drain", {"drain": not open_}, self._timeout
         )
         if status != 200:
-            raise ControlError(worker.url, "/pd_drain", f"HTTP {status}: {_short(body)}")
+            raise ControlError(
+                worker.url, "/pd_drain", f"HTTP {status}: {_short(body)}", status=status
+            )
 
     async def switch(self, worker: Worker, body: dict[str, Any]) -> SwitchReply:
         """Native ``POST /pd_role_switch`` (HTTP 200 on success, 400 on any failure)."""
@@ -180,7 +186,7 @@ class WorkerControl:
     async def _get_ok(self, url: str, path: str) -> dict[str, Any]:
         status, body = await self._get(url, path)
         if status != 200 or not isinstance(body, dict):
-            raise ControlError(url, path, f"HTTP {status}: {_short(body)}")
+            raise ControlError(url, path, f"HTTP {status}: {_short(body)}", status=status)
         return body
 
     async def _get(self, url: str, path: str) -> tuple[int, Any]:

@@ -386,7 +386,13 @@ class ConversionManager:
             try:
                 await self._control.set_admission(worker, open_=False)
             except ControlError as exc:
-                raise self._lost(exc) from exc
+                if exc.status is None:
+                    raise self._lost(exc) from exc
+                raise _Stop(
+                    Status.RESTORED,
+                    f"worker refused to close its admission: {exc.reason}",
+                    restore=True,
+                ) from exc
             conv.admission_closed = True
         if conv.request.drain:
             await self._wait_router_idle(conv, deadline)
@@ -653,8 +659,12 @@ class ConversionManager:
 
 
 def _refused_request(reply: SwitchReply) -> bool:
-    """The extension refused the request body itself (it names the field): nothing changed."""
-    return 400 <= reply.status < 500 and bool(reply.body.get("field"))
+    """The call was refused before any switch began, so nothing changed: the extension refused
+    the body (it names the field), or a 4xx came without the switch reply's shape (auth,
+    routing or validation in front of the handler)."""
+    if not 400 <= reply.status < 500:
+        return False
+    return bool(reply.body.get("field")) or "success" not in reply.body
 
 
 def _reply_entry(call: str, status: int | None, body: Any) -> dict[str, Any]:

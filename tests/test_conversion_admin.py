@@ -99,3 +99,25 @@ async def test_cli_without_the_key_fails_with_an_exit_code(router, monkeypatch):
     monkeypatch.delenv(admin_client.ADMIN_KEY_ENV, raising=False)
     code = await asyncio.to_thread(admin_client.status, ["--router", router.url], io.StringIO())
     assert code != 0
+
+
+async def test_worker_refusing_the_control_call_keeps_its_role_and_stays_healthy(
+    cluster_factory,
+):
+    guarded = await asyncio.to_thread(
+        cluster_factory, prefill=1, decode=1, speed=0.0, admin_api_key="worker-only-key"
+    )
+    async with (
+        running_router(guarded, conversion={"min_prefill": 0}) as router,
+        router.client() as http,
+    ):
+        prefill = guarded.prefill_urls[0]
+        response = await http.post("/convert_pd_role", json={"server_url": prefill})
+        assert response.status_code == 400
+        record = response.json()
+        assert record["status"] == "restored"
+        assert "HTTP 401" in record["message"]
+        entry = next(
+            w for w in (await http.get("/workers")).json()["workers"] if w["url"] == prefill
+        )
+        assert (entry["role"], entry["state"], entry["healthy"]) == ("prefill", "active", True)
