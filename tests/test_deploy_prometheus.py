@@ -112,10 +112,11 @@ async def wait_for_scrapes(api: httpx.AsyncClient, targets: int) -> None:
 
     async def scraped() -> bool:
         try:
-            result = await query(api, "count_over_time(up[1m]) >= 2")
+            if (await api.get("/-/ready")).status_code != 200:
+                return False
         except httpx.HTTPError:
             return False
-        return len(result) == targets
+        return len(await query(api, "count_over_time(up[1m]) >= 2")) == targets
 
     await wait_until(scraped, START_TIMEOUT_SECS, "Prometheus scraped every target twice")
 
