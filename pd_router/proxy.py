@@ -17,11 +17,11 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-import aiohttp
 import orjson
 from aiohttp import web
 
 from pd_router.errors import NoWorkers, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from pd_router.http1 import Response
 from pd_router.logprobs import merge_body, merged_events, prefill_logprobs
 from pd_router.requests import (
     CHAT,
@@ -35,6 +35,7 @@ from pd_router.requests import (
 )
 from pd_router.state import REQUEST_ID, Router, router_of
 from pd_router.upstream import (
+    UPSTREAM_ERRORS,
     LegFailed,
     LegResult,
     abort,
@@ -200,16 +201,16 @@ class Exchange:
     ) -> web.Response:
         router = self.router
         registry = router.registry
-        session = router.session
+        legs = router.legs
         path = self.endpoint.path
         registry.acquire(prefill)
         registry.acquire(decode)
         p_task = asyncio.create_task(
-            fetch(session, Role.PREFILL, prefill, prefill.url + path, payload, self.headers,
+            fetch(legs, Role.PREFILL, prefill, prefill.url + path, payload, self.headers,
                   router.count_upstream_error)
         )  # fmt: skip
         d_task = asyncio.create_task(
-            fetch(session, Role.DECODE, decode, decode.url + path, payload, self.headers,
+            fetch(legs, Role.DECODE, decode, decode.url + path, payload, self.headers,
                   router.count_upstream_error)
         )  # fmt: skip
         client_gone = False
@@ -239,25 +240,25 @@ class Exchange:
     ) -> web.StreamResponse:
         router = self.router
         registry = router.registry
-        session = router.session
+        legs = router.legs
         path = self.endpoint.path
         registry.acquire(prefill)
         registry.acquire(decode)
         p_task = asyncio.create_task(
-            fetch(session, Role.PREFILL, prefill, prefill.url + path, payload, self.headers,
+            fetch(legs, Role.PREFILL, prefill, prefill.url + path, payload, self.headers,
                   router.count_upstream_error)
         )  # fmt: skip
         d_task = asyncio.create_task(
-            open_stream(session, Role.DECODE, decode, decode.url + path, payload, self.headers,
+            open_stream(legs, Role.DECODE, decode, decode.url + path, payload, self.headers,
                         router.count_upstream_error)
         )  # fmt: skip
         first_task: asyncio.Task | None = None
-        d_resp: aiohttp.ClientResponse | None = None
+        d_resp: Response | None = None
         decode_done = False
         client_gone = False
         try:
             d_resp = await guarded(d_task, p_task)
-            pieces: AsyncIterator[bytes] = d_resp.content.iter_any()
+            pieces: AsyncIterator[bytes] = d_resp.chunks()
             if self.merge:
                 p_result = await p_task
                 pieces = merged_events(pieces, prefill_logprobs(p_result.body))
@@ -295,7 +296,7 @@ class Exchange:
             registry.release(prefill)
             registry.release(decode)
 
-    async def start_stream(self, d_resp: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def start_stream(self, d_resp: Response) -> web.StreamResponse:
         response = web.StreamResponse(status=d_resp.status, headers=SSE_HEADERS)
         response.content_type = d_resp.content_type or "text/event-stream"
         response.headers["X-Request-Id"] = self.request_id
@@ -320,7 +321,7 @@ class Exchange:
                     return False, True
         except ConnectionResetError:
             return False, True
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UPSTREAM_ERRORS as exc:
             failure = transport_failure(Role.DECODE, decode, exc)
             record_outcome(decode, failure, self.router.count_upstream_error)
             log.warning(
@@ -364,7 +365,7 @@ async def first_piece(pieces: AsyncIterator[bytes], decode: Worker, router: Rout
         piece = await anext(pieces)
     except StopAsyncIteration:
         piece = b""
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except UPSTREAM_ERRORS as exc:
         failure = transport_failure(Role.DECODE, decode, exc)
         record_outcome(decode, failure, router.count_upstream_error)
         raise failure from exc

@@ -1,7 +1,9 @@
 """The router's state object: one per application, stored under :data:`ROUTER`.
 
 It owns the configuration, the worker registry, the metrics, the one shared aiohttp client
-session, the selection policies and the health monitor; handlers reach everything through it.
+session (probes, fan-outs, aborts, worker control), the keep-alive pool of the request legs
+(:attr:`Router.legs`), the selection policies and the health monitor; handlers reach everything
+through it.
 The conversion engineer sets :attr:`Router.conversions`.
 """
 
@@ -18,6 +20,7 @@ from aiohttp import web
 from pd_router.config import RouterConfig
 from pd_router.errors import NoWorkers
 from pd_router.health import HealthMonitor
+from pd_router.http1 import Http1Pool
 from pd_router.metrics import RouterMetrics
 from pd_router.policies import Policy, make_policy
 from pd_router.workers import Role, Worker, WorkerRegistry
@@ -39,6 +42,10 @@ class Router:
         self.health = HealthMonitor(self.registry, config.health)
         self.conversions: Any = None
         self._session: aiohttp.ClientSession | None = None
+        self.legs = Http1Pool(
+            connect_timeout=config.connect_timeout_secs,
+            request_timeout=config.request_timeout_secs,
+        )
         self._background: set[asyncio.Task] = set()
         self._request_children: dict[tuple[str, int], Any] = {}
         self._duration_children: dict[str, Any] = {}
@@ -86,6 +93,7 @@ class Router:
             task.cancel()
         if self._background:
             await asyncio.wait(list(self._background), timeout=2.0)
+        self.legs.close()
         if self._session is not None:
             await self._session.close()
             self._session = None

@@ -1,5 +1,5 @@
-"""One leg of a PD request: a POST to one worker on the shared session, and what its failure
-means.
+"""One leg of a PD request: a POST to one worker on the legs' connection pool, and what its
+failure means.
 
 Every leg records its outcome on the worker's circuit breaker and in the upstream error metric,
 so the request path only has to decide what to do next: retry with a new pair, pass the worker's
@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import aiohttp
 import orjson
 
+from pd_router.http1 import Http1Pool, Response, UpstreamConnectError, UpstreamDisconnected
 from pd_router.workers import Role, Worker
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
+UPSTREAM_ERRORS = (UpstreamConnectError, UpstreamDisconnected, TimeoutError)
 ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 ERROR_EXCERPT_BYTES = 500
 
@@ -61,7 +63,7 @@ ErrorCounter = Callable[[Role, str], None]
 
 def classify_exception(exc: BaseException) -> tuple[str, bool]:
     """(metric kind, retryable) for a transport-level failure."""
-    if isinstance(exc, aiohttp.ConnectionTimeoutError | aiohttp.ClientConnectorError):
+    if isinstance(exc, UpstreamConnectError):
         return "connect", True
     if isinstance(exc, TimeoutError):
         return "timeout", False
@@ -106,7 +108,7 @@ def record_outcome(worker: Worker, failure: LegFailed | None, count_error: Error
 
 
 async def fetch(
-    session: aiohttp.ClientSession,
+    pool: Http1Pool,
     role: Role,
     worker: Worker,
     url: str,
@@ -115,17 +117,22 @@ async def fetch(
     count_error: ErrorCounter,
 ) -> LegResult:
     """POST ``payload`` and read the whole answer; LegFailed unless the status is 2xx."""
+    response: Response | None = None
     try:
-        async with session.post(url, data=payload, headers=headers) as resp:
-            body = await resp.read()
-            result = LegResult(resp.status, body, resp.content_type)
+        response = await pool.post(url, payload, headers)
+        body = await response.read()
     except asyncio.CancelledError:
+        if response is not None:
+            response.close()
         worker.circuit.release_trial()
         raise
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except UPSTREAM_ERRORS as exc:
+        if response is not None:
+            response.close()
         failure = transport_failure(role, worker, exc)
         record_outcome(worker, failure, count_error)
         raise failure from exc
+    result = LegResult(response.status, body, response.content_type)
     if result.status >= 300:
         failure = status_failure(role, worker, result)
         record_outcome(worker, failure, count_error)
@@ -135,34 +142,33 @@ async def fetch(
 
 
 async def open_stream(
-    session: aiohttp.ClientSession,
+    pool: Http1Pool,
     role: Role,
     worker: Worker,
     url: str,
     payload: bytes,
     headers: dict[str, str],
     count_error: ErrorCounter,
-) -> aiohttp.ClientResponse:
-    """POST ``payload`` and return the response once its headers arrived with a 2xx status (the
-    caller reads the body and records the outcome); LegFailed otherwise."""
+) -> Response:
+    """POST ``payload`` and return the response once its head arrived with a 2xx status (the
+    caller reads the body, records the outcome and releases or closes it); LegFailed otherwise."""
     try:
-        resp = await session.post(url, data=payload, headers=headers)
+        response = await pool.post(url, payload, headers)
     except asyncio.CancelledError:
         worker.circuit.release_trial()
         raise
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except UPSTREAM_ERRORS as exc:
         failure = transport_failure(role, worker, exc)
         record_outcome(worker, failure, count_error)
         raise failure from exc
-    if resp.status < 300:
-        return resp
+    if response.status < 300:
+        return response
     try:
-        body = await resp.read()
-    except (aiohttp.ClientError, TimeoutError):
+        body = await response.read()
+    except UPSTREAM_ERRORS:
+        response.close()
         body = b""
-    finally:
-        resp.release()
-    failure = status_failure(role, worker, LegResult(resp.status, body, resp.content_type))
+    failure = status_failure(role, worker, LegResult(response.status, body, response.content_type))
     record_outcome(worker, failure, count_error)
     raise failure
 

