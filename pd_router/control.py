@@ -86,8 +86,22 @@ class LoadReading:
     num_waiting: int
 
 
+def open_control_session() -> aiohttp.ClientSession:
+    """The control plane's client session: a new connection for every call (``force_close``).
+
+    Control calls are a handful per conversion, so the handshake costs nothing that matters;
+    in exchange a call to a dead worker fails to connect (never delivered: nothing changed)
+    instead of failing on a kept-alive connection the worker's death left behind, where
+    nobody can tell whether the worker saw the call.
+    """
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(force_close=True, limit=0),
+        timeout=aiohttp.ClientTimeout(total=DEFAULT_SWITCH_TIMEOUT_SECS),
+    )
+
+
 class WorkerControl:
-    """Control calls on the router's one shared client session."""
+    """Control calls on a session from :func:`open_control_session`."""
 
     def __init__(
         self,

@@ -10,12 +10,13 @@ classes of ``errors.py`` and turned into responses by the server's error middlew
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from pd_router.control import WorkerControl
+from pd_router.control import WorkerControl, open_control_session
 from pd_router.conversion import (
     AlreadyInRole,
     Conversion,
@@ -76,34 +77,31 @@ MINI_LB_FIELDS = frozenset(
 
 
 def add_conversion_routes(app: web.Application) -> None:
-    """Register the conversion routes and create the ConversionManager once the router's
-    session exists (call after the router's own start-up hook is registered)."""
+    """Register the conversion routes and the ConversionManager's lifetime (created before the
+    router starts, closed with its control session before the router stops)."""
     app.router.add_post("/convert_pd_role", convert_pd_role)
     app.router.add_post("/pd_role_switch", pd_role_switch)
     app.router.add_get("/conversions", list_conversions)
     app.router.add_get("/conversions/{id}", get_conversion)
     app.router.add_delete("/conversions/{id}", abort_conversion)
-    app.on_startup.append(_start_manager)
-    app.on_cleanup.insert(0, _stop_manager)
+    app.cleanup_ctx.append(_conversions)
 
 
-async def _start_manager(app: web.Application) -> None:
+async def _conversions(app: web.Application) -> AsyncIterator[None]:
     router = app[ROUTER]
     settings = router.config.conversion
-    router.conversions = ConversionManager(
-        router.registry,
-        router.metrics,
-        WorkerControl(router.session),
-        min_prefill=settings.min_prefill,
-        min_decode=settings.min_decode,
-        max_concurrent=settings.max_concurrent,
-        drain_timeout_secs=settings.drain_timeout_secs,
-    )
-
-
-async def _stop_manager(app: web.Application) -> None:
-    manager = app[ROUTER].conversions
-    if manager is not None:
+    async with open_control_session() as session:
+        manager = ConversionManager(
+            router.registry,
+            router.metrics,
+            WorkerControl(session),
+            min_prefill=settings.min_prefill,
+            min_decode=settings.min_decode,
+            max_concurrent=settings.max_concurrent,
+            drain_timeout_secs=settings.drain_timeout_secs,
+        )
+        router.conversions = manager
+        yield
         await manager.close()
 
 

@@ -74,6 +74,19 @@ async def test_abort_after_the_conversion_ended_is_409(http):
     assert (await request).status_code == 200
 
 
+async def test_second_conversion_beyond_the_global_cap_is_refused(http):
+    request, busy = await start_long_request_on_a_decode(http)
+    started = await convert(http, server_url=busy, wait=False)
+    assert started.status_code == 202
+    other = (await pools(http))["prefill"][0]
+    refused = await convert(http, server_url=other)
+    assert refused.status_code == 409
+    assert "the limit is 1" in refused.json()["error"]["message"]
+    assert (await worker_entry(http, other))["state"] == "active"
+    assert (await http.delete(f"/conversions/{started.json()['id']}")).status_code == 200
+    assert (await request).status_code == 200
+
+
 async def test_drain_timeout_returns_the_worker_to_its_old_pool(http):
     request, busy = await start_long_request_on_a_decode(http)
     response = await convert(http, server_url=busy, drain_timeout_secs=0.2)
