@@ -16,11 +16,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/pd-router demo
 
-# Headless Chromium for the dashboard test: Debian's package, installed when absent and possible.
+# Tools some tests drive for real: headless Chromium (the status page) and Prometheus' promtool
+# (alert rules). Debian's packages, installed when absent and possible; otherwise those tests skip.
+TEST_TOOLS := chromium:chromium promtool:prometheus
 browser:
-	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
-		&& (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-		|| echo "chromium not installed: the browser test will be skipped"; }
+	@missing=""; for t in $(TEST_TOOLS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null \
+			|| echo "could not install$$missing: the tests that need them will be skipped"; \
+		else echo "not installed:$$missing: the tests that need them will be skipped"; fi; \
+	fi
 
 test: $(STAMP) browser
 	$(VENV)/bin/python -m pytest -q
@@ -31,6 +37,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/python bench/worker_throughput.py
+
+screenshot: $(STAMP) browser
+	$(VENV)/bin/python bench/screenshot.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
