@@ -52,6 +52,8 @@ class CircuitBreaker:
 
     def allows(self) -> bool:
         """Whether a new request may be sent (does not reserve the half-open trial)."""
+        if self._state is CircuitState.CLOSED:
+            return True
         state = self.state
         if state is CircuitState.CLOSED:
             return True

@@ -31,7 +31,7 @@ class RandomPolicy:
         self._rng = rng or random.Random()
 
     def select(self, workers: Sequence[Worker]) -> Worker:
-        return workers[self._rng.randrange(len(workers))]
+        return workers[int(self._rng.random() * len(workers))]
 
 
 class RoundRobinPolicy:
@@ -62,8 +62,9 @@ class LeastInflightPolicy:
         count = len(workers)
         if count == 1:
             return workers[0]
-        first = self._rng.randrange(count)
-        second = self._rng.randrange(count - 1)
+        draw = self._rng.random
+        first = int(draw() * count)
+        second = int(draw() * (count - 1))
         if second >= first:
             second += 1
         a, b = workers[first], workers[second]
