@@ -270,10 +270,15 @@ class _Connection(asyncio.Protocol):
             await self._wait()
 
     async def next_chunk(self) -> bytes | None:
-        """The next piece of the body as it arrived; None at its end."""
+        """The body that arrived since the last call (pieces joined, so a busy stream is
+        relayed in fewer writes); None at its end."""
         while True:
             if self._chunks:
-                chunk = self._chunks.popleft()
+                if len(self._chunks) == 1:
+                    chunk = self._chunks.popleft()
+                else:
+                    chunk = b"".join(self._chunks)
+                    self._chunks.clear()
                 self._buffered -= len(chunk)
                 if self._paused and self._buffered < LOW_WATER and self.transport is not None:
                     self._paused = False
