@@ -134,6 +134,12 @@ class Exchange:
                     raise
                 return failure_response(last)
             payload, rids = self.prepare(attempt, prefill)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "routing",
+                    extra={"request_id": self.request_id, "attempt": attempt,
+                           "prefill": prefill.url, "decode": decode.url, "items": self.items},
+                )  # fmt: skip
             try:
                 if self.stream:
                     return await self.stream_attempt(prefill, decode, payload, rids)
