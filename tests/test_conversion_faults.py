@@ -164,7 +164,8 @@ async def test_worker_killed_during_the_drain_goes_back_unhealthy(cluster):
         ) as router,
         router.client() as http,
     ):
-        request = asyncio.create_task(http.post("/generate", json=LONG))
+        endless = {"text": "killed midway", "sampling_params": {"max_new_tokens": 50000}}
+        request = asyncio.create_task(http.post("/generate", json=endless))
         await wait_for_busy([spare.url])
         started = await convert(http, server_url=spare.url, wait=False)
         conversion_id = started.json()["id"]
@@ -175,7 +176,7 @@ async def test_worker_killed_during_the_drain_goes_back_unhealthy(cluster):
 
         await wait_until(ended, within=10.0, what="conversion ends after the worker died")
         record = (await http.get(f"/conversions/{conversion_id}")).json()
-        assert record["status"] == "restored"
+        assert record["status"] == "restored", record
         assert "unreachable" in record["message"]
         entry = await worker_entry(http, spare.url)
         assert (entry["role"], entry["state"], entry["healthy"]) == ("decode", "active", False)
