@@ -53,7 +53,9 @@ async def test_abort_during_drain_returns_the_worker_to_its_old_pool(http):
     request, busy = await start_long_request_on_a_decode(http)
     started = await convert(http, server_url=busy, wait=False)
     conversion_id = started.json()["id"]
-    assert await conversion_status(http, conversion_id) == "draining"
+    draining = (await http.get(f"/conversions/{conversion_id}")).json()
+    assert draining["status"] == "draining"
+    assert draining["progress"]["router_inflight"] == 1
     assert busy not in (await pools(http))["decode"]
     aborted = await http.delete(f"/conversions/{conversion_id}")
     assert aborted.status_code == 200
