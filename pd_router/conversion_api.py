@@ -32,7 +32,8 @@ ABORT_REPLY_WAIT_SECS = 5.0
 DEFAULT_LIST_LIMIT = 50
 
 # SGLang PR #9325 knobs: passed on to workers whose control API takes them (the extension's
-# /convert_pd_role decides), refused with a 400 naming the field for native workers.
+# /convert_pd_role decides), refused with a 400 naming the field for native workers. A knob that
+# is null or false asks for nothing and is dropped.
 PASS_THROUGH_FIELDS = frozenset(
     {
         "disable_cuda_graph",
@@ -43,8 +44,18 @@ PASS_THROUGH_FIELDS = frozenset(
         "mem_fraction_static",
         "cuda_graph_max_bs",
         "cuda_graph_bs",
+        "tp_size",
+        "dp_size",
+        "pp_size",
         "page_size",
+        "disaggregation_transfer_backend",
+        "disaggregation_ib_device",
+        "disaggregation_decode_tp",
+        "disaggregation_decode_dp",
+        "disaggregation_prefill_pp",
         "num_reserved_decode_tokens",
+        "enable_dp_attention",
+        "failed_bootstrap_addr",
         "check_idle",
     }
 )
@@ -237,7 +248,11 @@ def parse_convert_body(body: dict[str, Any]) -> ConversionRequest:
         decode_cuda_graph_bs=_graph_bs(body),
         decode_cuda_graph_memory_gb=_number(body, "decode_cuda_graph_memory_gb"),
         bootstrap_port=port if port is not None else alias_port,
-        extra={k: v for k, v in body.items() if k in PASS_THROUGH_FIELDS and v is not None},
+        extra={
+            k: v
+            for k, v in body.items()
+            if k in PASS_THROUGH_FIELDS and v is not None and v is not False
+        },
     )
 
 

@@ -74,3 +74,12 @@ async def test_restart_knob_for_a_native_worker_is_400_before_anything_changes(h
     assert "disable_radix_cache" in response.json()["error"]["message"]
     assert (await http.get("/conversions")).json()["conversions"] == []
     assert (await worker_entry(http, decode))["state"] == "active"
+
+
+async def test_pr_9325_knobs_set_to_false_ask_for_nothing_and_convert(http):
+    decode = (await pools(http))["decode"][0]
+    response = await convert(
+        http, server_url=decode, disable_cuda_graph=False, tp_size=None, check_idle=False
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["to_role"] == "prefill"
