@@ -330,6 +330,23 @@ def _row(mode: str, name: str, f: Figures) -> str:
     )
 
 
+def repo_revision() -> str:
+    """The commit the figures were taken at, marked when the work tree had local changes."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "pd_router"],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return f"{head}{' + local pd_router changes' if dirty else ''}" if head else "unknown"
+
+
 def report(
     cfg: BenchConfig, figures: dict[tuple[str, str], Figures], profile: str, command: str
 ) -> str:
@@ -337,7 +354,7 @@ def report(
     lines = [
         f"# Router overhead vs peers ({datetime.now(UTC):%Y-%m-%d %H:%M UTC})",
         "",
-        f"Command: `{command}`",
+        f"Command: `{command}` at `{repo_revision()}`",
         "",
         f"{cfg.prefill}P{cfg.decode}D {BACKENDS[cfg.backend]} on {os.cpu_count()} cores; "
         f"concurrency {cfg.concurrency}; /generate, max_new_tokens {cfg.max_new_tokens}; "
