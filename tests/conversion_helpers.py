@@ -36,11 +36,12 @@ async def worker_role(url: str) -> dict[str, Any]:
 async def wait_for_busy(urls: list[str], within: float = 5.0) -> str:
     """The first of ``urls`` that reports a running request (bounded poll)."""
     deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        for url in urls:
-            if (await worker_role(url))["num_running"]:
-                return url
-        await asyncio.sleep(0.01)
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while time.monotonic() < deadline:
+            for url in urls:
+                if (await http.get(url + "/v1/loads")).json()["aggregate"]["total_running_reqs"]:
+                    return url
+            await asyncio.sleep(0.01)
     raise AssertionError(f"none of {urls} got busy within {within}s")
 
 

@@ -5,9 +5,21 @@ decode peer and reads the new role back from ``internal_states``."""
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 
-from tests.conversion_helpers import CheckedLoad, convert, live_roles, pools, worker_entry
+from pd_worker.testing import pd_generate
+from tests.conversion_helpers import (
+    CheckedLoad,
+    arrange,
+    convert,
+    live_roles,
+    pools,
+    wait_for_busy,
+    worker_entry,
+)
 from tests.router_helpers import fault, running_router
 
 SPEED = 0.05
@@ -33,7 +45,9 @@ async def router(cluster):
 
 @pytest.fixture
 async def http(router):
+    """A client of the router, with the cluster back at two prefills and two decodes."""
     async with router.client() as client:
+        await arrange(client, prefill=2)
         yield client
 
 
@@ -69,10 +83,11 @@ async def test_native_decode_becomes_prefill_with_bootstrap_port_from_server_inf
 
 async def test_restart_knob_for_a_native_worker_is_400_before_anything_changes(http):
     decode = (await pools(http))["decode"][0]
+    history = (await http.get("/conversions")).json()["conversions"]
     response = await convert(http, server_url=decode, disable_radix_cache=True)
     assert response.status_code == 400
     assert "disable_radix_cache" in response.json()["error"]["message"]
-    assert (await http.get("/conversions")).json()["conversions"] == []
+    assert (await http.get("/conversions")).json()["conversions"] == history
     assert (await worker_entry(http, decode))["state"] == "active"
 
 
@@ -83,3 +98,24 @@ async def test_pr_9325_knobs_set_to_false_ask_for_nothing_and_convert(http):
     )
     assert response.status_code == 200, response.text
     assert response.json()["to_role"] == "prefill"
+
+
+async def test_native_worker_busy_with_another_routers_traffic_is_switched_once_idle(http, cluster):
+    current = await pools(http)
+    prefill, decode = current["prefill"][0], current["decode"][0]
+    body = {"text": "from another router", "sampling_params": {"max_new_tokens": 1200}}
+    async with httpx.AsyncClient(timeout=30.0) as direct:
+        foreign = asyncio.create_task(
+            pd_generate(direct, prefill, decode, cluster.bootstrap_port(prefill), body)
+        )
+        await wait_for_busy([decode])
+        response = await convert(http, server_url=decode)
+        prefill_reply, decode_reply = await foreign
+    assert response.status_code == 200, response.text
+    calls = response.json()["worker_replies"]
+    switch_calls = [c for c in calls if c["call"] == "/pd_role_switch"]
+    assert len(switch_calls) >= 2
+    assert switch_calls[0]["status"] == 400
+    assert switch_calls[0]["body"]["safe_to_restore"] is True
+    assert switch_calls[-1]["body"]["success"] is True
+    assert decode_reply.status_code == 200 and prefill_reply.status_code == 200
