@@ -50,6 +50,13 @@ class PayloadTooLarge(RouterError):
     error_type = "payload_too_large"
 
 
+class ClientClosedRequest(RouterError):
+    """The client went away before its answer started (nginx's 499, for the metrics)."""
+
+    status = 499
+    error_type = "client_closed_request"
+
+
 class NoWorkers(RouterError):
     """No selectable prefill or decode: the client should come back shortly."""
 

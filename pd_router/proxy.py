@@ -20,7 +20,13 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
-from pd_router.errors import NoWorkers, UpstreamError, UpstreamTimeout, UpstreamUnavailable
+from pd_router.errors import (
+    ClientClosedRequest,
+    NoWorkers,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from pd_router.http1 import Response
 from pd_router.logprobs import merge_body, merged_events, prefill_logprobs
 from pd_router.requests import (
@@ -270,7 +276,11 @@ class Exchange:
                 pieces = merged_events(pieces, prefill_logprobs(p_result.body))
             first_task = asyncio.create_task(first_piece(pieces, decode, router))
             first = await guarded(first_task, p_task)
-            response = await self.start_stream(d_resp)
+            try:
+                response = await self.start_stream(d_resp)
+            except ConnectionResetError:
+                client_gone = True
+                raise ClientClosedRequest("client closed the connection") from None
             decode_done, client_gone = await self.relay(response, first, pieces, decode)
             if not client_gone:
                 try:

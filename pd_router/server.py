@@ -94,6 +94,9 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
         if key and request.path.startswith(ADMIN_PREFIXES):
             check_admin(request, key)
         response = await handler(request)
+    except asyncio.CancelledError:
+        router.observe_request(endpoint_label(request), 499, loop.time() - started)
+        raise
     except (RouterError, RegistryError, web.HTTPException) as exc:
         response = error_response(exc)
     except Exception:

@@ -245,6 +245,8 @@ async def test_client_leaving_a_unary_request_aborts_both_legs(slow_cluster):
         await wait_until(
             lambda: all(w.inflight == 0 for w in router.state.registry), 5.0, "router in-flight 0"
         )
+        cancelled = router.state.metrics.requests_total.labels("/generate", "499")
+        assert cancelled._value.get() == 1
 
 
 async def _busy(url: str) -> bool:
