@@ -39,7 +39,7 @@ from pd_router.requests import (
     parse_body,
     router_rid,
 )
-from pd_router.state import REQUEST_ID, Router, router_of
+from pd_router.state import REQUEST_ID, UPSTREAM_ID, Router, router_of
 from pd_router.upstream import (
     UPSTREAM_ERRORS,
     LegFailed,
@@ -121,6 +121,7 @@ class Exchange:
         self.samples = samples
         self.started = started
         self.request_id = request[REQUEST_ID]
+        self.upstream_id = request[UPSTREAM_ID]
         self.client_rid = body.get("rid")
         self.headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
         self.stream = bool(body.get("stream"))
@@ -178,7 +179,7 @@ class Exchange:
         if self.client_rid is not None:
             rids = item_rids(self.client_rid, self.items)
         else:
-            base = self.request_id if attempt == 0 else f"{self.request_id}-{attempt}"
+            base = self.upstream_id if attempt == 0 else f"{self.upstream_id}-{attempt}"
             rid, rids = router_rid(self.endpoint, base, self.items, self.samples)
             if rid is not None:
                 self.body["rid"] = rid

@@ -27,7 +27,7 @@ from pd_router.conversion_api import add_conversion_routes
 from pd_router.dashboard import add_dashboard_routes
 from pd_router.errors import RouterError, Unauthorized, error_response
 from pd_router.metrics import RouterMetrics
-from pd_router.state import REQUEST_ID, ROUTER, Router
+from pd_router.state import REQUEST_ID, ROUTER, UPSTREAM_ID, Router
 from pd_router.workers import RegistryError
 
 log = logging.getLogger("pd_router.server")
@@ -55,12 +55,13 @@ class RequestIds:
 REQUEST_IDS = web.AppKey("request_ids", RequestIds)
 
 
-def request_id_of(request: web.Request, ids: RequestIds) -> str:
-    """The client's X-Request-Id when it is sane, else a fresh one."""
+def request_ids(request: web.Request, ids: RequestIds) -> tuple[str, str]:
+    """(request id, upstream id): the client's X-Request-Id when it is sane, else a fresh one."""
     given = request.headers.get("X-Request-Id")
     if given and len(given) <= MAX_REQUEST_ID_LENGTH and given.isascii() and given.isprintable():
-        return given
-    return ids.next()
+        return given, f"{given}-{ids.next()}"
+    fresh = ids.next()
+    return fresh, fresh
 
 
 def check_admin(request: web.Request, key: str) -> None:
@@ -87,8 +88,9 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
     router = request.app[ROUTER]
     loop = asyncio.get_running_loop()
     started = loop.time()
-    request_id = request_id_of(request, request.app[REQUEST_IDS])
+    request_id, upstream_id = request_ids(request, request.app[REQUEST_IDS])
     request[REQUEST_ID] = request_id
+    request[UPSTREAM_ID] = upstream_id
     try:
         key = router.config.admin_api_key
         if key and request.path.startswith(ADMIN_PREFIXES):

@@ -146,6 +146,10 @@ class Router:
 
 ROUTER = web.AppKey("router", Router)
 REQUEST_ID = web.RequestKey("request_id", str)
+# The id workers know a request by (its ``rid``): the request id itself when the router made it,
+# the client's id plus a unique suffix otherwise, so two requests that carry the same
+# X-Request-Id never collide on a worker (SGLang rejects a duplicate rid).
+UPSTREAM_ID = web.RequestKey("upstream_id", str)
 
 
 def router_of(request: web.Request) -> Router:

@@ -4,6 +4,8 @@ decode was paired with the prefill (and room) holding that prompt."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from pd_worker.tokens import chat_prompt, expected_text, tokenize
@@ -36,11 +38,23 @@ async def test_generate_pairs_one_prefill_with_one_decode(http, cluster):
 
 
 async def test_request_id_is_echoed_and_forwarded_to_workers_as_rid(http):
-    response = await http.post(
-        "/generate", json=generate_body("rid check"), headers={"X-Request-Id": "req-42"}
+    response = await http.post("/generate", json=generate_body("rid check"))
+    request_id = response.headers["X-Request-Id"]
+    assert response.json()["meta_info"]["id"] == request_id
+
+
+async def test_client_request_id_is_echoed_and_prefixes_a_unique_rid(http):
+    same = {"X-Request-Id": "req-42"}
+    responses = await asyncio.gather(
+        *(http.post("/generate", json=generate_body(f"id {i}"), headers=same) for i in range(4))
     )
-    assert response.headers["X-Request-Id"] == "req-42"
-    assert response.json()["meta_info"]["id"] == "req-42"
+    rids = set()
+    for response in responses:
+        assert response.status_code == 200
+        assert response.headers["X-Request-Id"] == "req-42"
+        rids.add(response.json()["meta_info"]["id"])
+    assert len(rids) == 4
+    assert all(rid.startswith("req-42-") for rid in rids)
 
 
 async def test_request_without_id_gets_a_fresh_one(http):
