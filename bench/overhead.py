@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import signal
 import subprocess
@@ -77,6 +78,7 @@ class BenchConfig:
     decode: int
     profile_s: float
     backend: str
+    results_dir: Path
 
 
 @dataclass
@@ -115,13 +117,19 @@ class RouterStartError(RuntimeError):
     """A router did not come up and serve a first request in time."""
 
 
+def shown(path: Path) -> str:
+    """A path as the report prints it: relative to the repo when inside it."""
+    resolved = path.resolve()
+    return str(resolved.relative_to(REPO)) if resolved.is_relative_to(REPO) else str(resolved)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100); NaN for no values."""
     if not values:
         return float("nan")
     ordered = sorted(values)
-    rank = max(0, min(len(ordered) - 1, round(q / 100.0 * len(ordered) + 0.5) - 1))
-    return ordered[rank]
+    rank = math.ceil(q / 100.0 * len(ordered))
+    return ordered[max(0, min(len(ordered), rank) - 1)]
 
 
 @dataclass
@@ -261,7 +269,7 @@ def profile_router(router: RouterProcess, cfg: BenchConfig, out_dir: Path) -> st
     header = (
         f"Profiled {cfg.profile_s:.0f}s of {mode} load at concurrency {cfg.concurrency} "
         f"({result['completed'] / result['window_s']:.0f} req/s under the profiler, "
-        f"{result['errors']} errors); raw stacks: `{raw.relative_to(REPO)}`.\n\n"
+        f"{result['errors']} errors); raw stacks: `{shown(raw)}`.\n\n"
     )
     return header + profile_markdown(summarize(raw))
 
@@ -403,6 +411,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     parser.add_argument("--prefill", type=int, default=2)
     parser.add_argument("--decode", type=int, default=2)
     parser.add_argument("--profile", type=float, default=0.0, help="py-spy pd-router for N seconds")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS, help="default: %(default)s")
     parser.add_argument(
         "--backend",
         choices=tuple(BACKENDS),
@@ -432,6 +441,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         decode=args.decode,
         profile_s=args.profile,
         backend=args.backend,
+        results_dir=args.results_dir,
     )
 
 
@@ -445,7 +455,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"peer setup failed: {exc}", file=sys.stderr)
         return 1
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    log_dir = RESULTS / f"overhead-{stamp}"
+    log_dir = cfg.results_dir / f"overhead-{stamp}"
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
         figures, profile = measure(cfg, log_dir)
@@ -454,9 +464,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     command = "python bench/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
     text = report(cfg, figures, profile, command.strip())
-    (RESULTS / f"overhead-{stamp}.md").write_text(text)
+    written = cfg.results_dir / f"overhead-{stamp}.md"
+    written.write_text(text)
     print(text)
-    print(f"# written to {(RESULTS / f'overhead-{stamp}.md').relative_to(REPO)}", file=sys.stderr)
+    print(f"# written to {shown(written)}", file=sys.stderr)
     baseline_errors = (
         sum(figures[(BASELINE, m)].errors for m in cfg.modes) if BASELINE in cfg.peers else 0
     )
