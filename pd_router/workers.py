@@ -263,6 +263,9 @@ class WorkerRegistry:
             self._metrics.worker_inflight.remove(worker.url, worker.role.value)
             worker.role = role
             worker.epoch += 1
+            # Failures seen under the old role (e.g. 503s from its closed admission while it
+            # drained) say nothing about the worker under its new one.
+            worker.circuit.reset()
             worker._inflight_gauge = self._metrics.worker_inflight.labels(worker.url, role.value)
             worker._inflight_gauge.set(worker.inflight)
         if bootstrap_port is not None:
