@@ -188,45 +188,48 @@ class _Connection(asyncio.Protocol):
             self._push(data)
 
     def _feed_chunked(self, data: bytes) -> None:
-        buf = self._pending
-        buf += data
-        pos = 0
-        while not self.done:
-            if self._chunk_state == "size":
-                nl = buf.find(b"\r\n", pos)
+        """Decode chunked framing; a partial size line or CRLF waits in ``_pending``."""
+        if self._pending:
+            data = bytes(self._pending) + data
+            self._pending.clear()
+        pos, end = 0, len(data)
+        state, remaining = self._chunk_state, self._remaining
+        while pos < end:
+            if state == "data":
+                take = min(remaining, end - pos)
+                self._push(data[pos : pos + take])
+                pos += take
+                remaining -= take
+                if remaining:
+                    break
+                state = "crlf"
+            elif state == "crlf":
+                if end - pos < 2:
+                    break
+                pos += 2
+                state = "size"
+            else:
+                nl = data.find(b"\r\n", pos)
                 if nl < 0:
                     break
+                line, pos = data[pos:nl], nl + 2
+                if state == "trailer":
+                    if not line:
+                        self.done = True
+                        break
+                    continue
                 try:
-                    size = int(bytes(buf[pos:nl]).split(b";", 1)[0], 16)
+                    remaining = int(line.split(b";", 1)[0], 16)
                 except ValueError:
                     self._fail(UpstreamProtocolError("malformed chunk size"))
                     return
-                pos = nl + 2
-                self._remaining = size
-                self._chunk_state = "data" if size else "trailer"
-            elif self._chunk_state == "data":
-                take = min(self._remaining, len(buf) - pos)
-                if take == 0:
-                    break
-                self._push(bytes(buf[pos : pos + take]))
-                pos += take
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._chunk_state = "crlf"
-            elif self._chunk_state == "crlf":
-                if len(buf) - pos < 2:
-                    break
-                pos += 2
-                self._chunk_state = "size"
+                state = "data" if remaining else "trailer"
+        self._chunk_state, self._remaining = state, remaining
+        if pos < end:
+            if self.done:
+                self.keep_alive = False
             else:
-                nl = buf.find(b"\r\n", pos)
-                if nl < 0:
-                    break
-                empty = nl == pos
-                pos = nl + 2
-                if empty:
-                    self.done = True
-        del buf[:pos]
+                self._pending += data[pos:]
 
     def _push(self, data: bytes) -> None:
         if not data:
