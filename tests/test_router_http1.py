@@ -145,3 +145,16 @@ async def test_garbage_answer_is_a_protocol_error():
         with pytest.raises(UpstreamDisconnected):
             await client.post(url, b"{}", {})
         client.close()
+
+
+async def test_chunked_trailer_fields_end_the_body_and_keep_the_connection():
+    raw = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"3\r\nabc\r\n0\r\nX-Checksum: 1\r\n\r\n"
+    )
+    async with server([[raw]]) as url:
+        client = pool()
+        for _ in range(2):
+            assert await (await client.post(url, b"{}", {})).read() == b"abc"
+        assert sum(len(idle) for idle in client._idle.values()) == 1
+        client.close()
