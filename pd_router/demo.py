@@ -167,7 +167,7 @@ async def failure(demo: Demo) -> None:
     before = sum(demo.outcomes.values())
     await asyncio.gather(*(send(demo, demo.args.requests + i) for i in range(40)))
     sent = sum(demo.outcomes.values()) - before
-    retries = demo.server.router.metrics.retries_total._value.get()
+    retries = demo.server.router.metrics.registry.get_sample_value("pd_router_retries_total")
     demo.say(f"   {sent} sent, {demo.outcomes[OK]} ok in total; retries so far: {retries:.0f}")
 
 
