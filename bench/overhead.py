@@ -156,7 +156,10 @@ class RouterProcess:
         with httpx.Client(timeout=5.0) as client:
             while time.monotonic() < deadline:
                 if self.process.poll() is not None:
-                    raise RouterStartError(f"{self.peer.name} exited:\n{self.log_tail()}")
+                    raise RouterStartError(
+                        f"{self.peer.name} exited with {self.process.returncode} "
+                        f"(log: {shown(self.log_path)}):\n{self.log_tail()}"
+                    )
                 try:
                     resp = client.post(f"{self.url}/generate", json=body)
                     if resp.status_code == 200 and "text" in resp.json():
@@ -281,39 +284,65 @@ def start_backend(cfg: BenchConfig) -> contextlib.AbstractContextManager:
     return WorkerCluster(cfg.prefill, cfg.decode, speed=0.0, enable_faults=False)
 
 
-def measure(cfg: BenchConfig, log_dir: Path) -> tuple[dict[tuple[str, str], Figures], str]:
+@dataclass
+class Measurement:
+    """What one run found: sums per (peer, mode), the profile, and peers that never served."""
+
+    figures: dict[tuple[str, str], Figures]
+    profile: str = ""
+    not_started: dict[str, str] = field(default_factory=dict)
+
+    def measured(self, peers: Sequence[str]) -> list[str]:
+        return [name for name in peers if name not in self.not_started]
+
+
+def start_routers(
+    cfg: BenchConfig, topology: Topology, log_dir: Path, stack: contextlib.ExitStack
+) -> tuple[list[RouterProcess], dict[str, str]]:
+    """Start every peer and wait until each serves; a peer other than pd-router that does not
+    come up is reported and left out instead of ending the run."""
+    ready, not_started = [], {}
+    for name in cfg.peers:
+        router = stack.enter_context(running_router(PEERS[name], topology, log_dir))
+        try:
+            router.wait_ready()
+        except RouterStartError as exc:
+            if name == BASELINE:
+                raise
+            not_started[name] = str(exc).splitlines()[0]
+            router.stop()
+            continue
+        print(f"# {name} ready on {router.url}", file=sys.stderr)
+        ready.append(router)
+    return ready, not_started
+
+
+def measure(cfg: BenchConfig, log_dir: Path) -> Measurement:
     """Start the cluster and every router, run the interleaved rounds, return the sums."""
-    figures = {(name, mode): Figures() for name in cfg.peers for mode in cfg.modes}
-    profile = ""
+    result = Measurement({(name, mode): Figures() for name in cfg.peers for mode in cfg.modes})
     with start_backend(cfg) as cluster:
         topology = Topology(
             prefills=tuple((url, cluster.bootstrap_port(url)) for url in cluster.prefill_urls),
             decodes=tuple(cluster.decode_urls),
         )
         with contextlib.ExitStack() as stack:
-            routers = [
-                stack.enter_context(running_router(PEERS[name], topology, log_dir))
-                for name in cfg.peers
-            ]
-            for router in routers:
-                router.wait_ready()
-                print(f"# {router.peer.name} ready on {router.url}", file=sys.stderr)
+            routers, result.not_started = start_routers(cfg, topology, log_dir, stack)
             for round_no in range(cfg.rounds):
                 shift = round_no % len(routers)
                 for mode in cfg.modes:
                     for router in routers[shift:] + routers[:shift]:
-                        result = run_load(router, cfg, mode == "stream", log_dir)
-                        figures[(router.peer.name, mode)].add(result)
+                        segment = run_load(router, cfg, mode == "stream", log_dir)
+                        result.figures[(router.peer.name, mode)].add(segment)
                         print(
                             f"# round {round_no + 1} {mode:10} {router.peer.name:10} "
-                            f"{result['completed'] / result['window_s']:8.1f} req/s "
-                            f"errors {result['errors']}",
+                            f"{segment['completed'] / segment['window_s']:8.1f} req/s "
+                            f"errors {segment['errors']}",
                             file=sys.stderr,
                         )
             baseline = next((r for r in routers if r.peer.name == BASELINE), None)
             if cfg.profile_s > 0 and baseline is not None:
-                profile = profile_router(baseline, cfg, log_dir)
-    return figures, profile
+                result.profile = profile_router(baseline, cfg, log_dir)
+    return result
 
 
 def _ratio(numerator: float, denominator: float) -> str:
@@ -355,10 +384,9 @@ def repo_revision() -> str:
     return f"{head}{' + local pd_router changes' if dirty else ''}" if head else "unknown"
 
 
-def report(
-    cfg: BenchConfig, figures: dict[tuple[str, str], Figures], profile: str, command: str
-) -> str:
+def report(cfg: BenchConfig, measurement: Measurement, command: str) -> str:
     """The markdown written to bench/results and printed: setup, figures, ratios, profile."""
+    figures, peers = measurement.figures, measurement.measured(cfg.peers)
     lines = [
         f"# Router overhead vs peers ({datetime.now(UTC):%Y-%m-%d %H:%M UTC})",
         "",
@@ -366,15 +394,16 @@ def report(
         "",
         f"{cfg.prefill}P{cfg.decode}D {BACKENDS[cfg.backend]} on {os.cpu_count()} cores; "
         f"concurrency {cfg.concurrency}; /generate, max_new_tokens {cfg.max_new_tokens}; "
-        f"{cfg.rounds} interleaved round(s) of {cfg.warmup_s:.0f}s warm-up + "
-        f"{cfg.duration_s:.0f}s measured per peer and mode.",
+        f"{cfg.rounds} interleaved round(s) of {cfg.warmup_s:g}s warm-up + "
+        f"{cfg.duration_s:g}s measured per peer and mode.",
         "",
         TABLE_HEAD,
     ]
-    lines += [_row(mode, name, figures[(name, mode)]) for mode in cfg.modes for name in cfg.peers]
+    lines += [_row(mode, name, figures[(name, mode)]) for mode in cfg.modes for name in peers]
     lines += ["", "Peers: " + "; ".join(f"{n}: {PEERS[n].description}" for n in cfg.peers), ""]
-    others = [name for name in cfg.peers if name != BASELINE]
-    if BASELINE in cfg.peers and others:
+    lines += [f"- {name} did not start: {why}" for name, why in measurement.not_started.items()]
+    others = [name for name in peers if name != BASELINE]
+    if BASELINE in peers and others:
         lines += ["| mode | ratio | req/s | router CPU per request |", "|---|---|---:|---:|"]
         for mode in cfg.modes:
             ours = figures[(BASELINE, mode)]
@@ -388,8 +417,8 @@ def report(
     samples = [(key, f.error_samples) for key, f in figures.items() if f.error_samples]
     for (name, mode), errors in samples:
         lines.append(f"- errors of {name} ({mode}): " + "; ".join(e[:160] for e in errors))
-    if profile:
-        lines += ["", "## pd-router profile", "", profile]
+    if measurement.profile:
+        lines += ["", "## pd-router profile", "", measurement.profile]
     return "\n".join(lines) + "\n"
 
 
@@ -458,18 +487,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir = cfg.results_dir / f"overhead-{stamp}"
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        figures, profile = measure(cfg, log_dir)
+        measurement = measure(cfg, log_dir)
     except RouterStartError as exc:
         print(f"router start failed: {exc}", file=sys.stderr)
         return 1
     command = "python bench/overhead.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    text = report(cfg, figures, profile, command.strip())
+    text = report(cfg, measurement, command.strip())
     written = cfg.results_dir / f"overhead-{stamp}.md"
     written.write_text(text)
     print(text)
     print(f"# written to {shown(written)}", file=sys.stderr)
-    baseline_errors = (
-        sum(figures[(BASELINE, m)].errors for m in cfg.modes) if BASELINE in cfg.peers else 0
+    baseline_errors = sum(
+        measurement.figures[(BASELINE, m)].errors for m in cfg.modes if BASELINE in cfg.peers
     )
     return 1 if baseline_errors else 0
 
