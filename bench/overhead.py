@@ -350,9 +350,9 @@ def _ratio(numerator: float, denominator: float) -> str:
 
 
 TABLE_HEAD = (
-    "| mode | router | req/s | p50 ms | p99 ms | errors "
+    "| mode | router | req/s | p50 ms | p99 ms | errors | stream TTFT p50 ms "
     "| router CPU ms/req | router CPU % | loadgen CPU % |\n"
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -361,8 +361,9 @@ def _row(mode: str, name: str, f: Figures) -> str:
     p50, p99 = percentile(f.latencies_ms, 50), percentile(f.latencies_ms, 99)
     router_pct = 100 * f.router_cpu_s / f.window_s
     loadgen_pct = 100 * f.loadgen_cpu_s / f.window_s
+    ttft = f"{percentile(f.ttft_ms, 50):.1f}" if f.ttft_ms else "-"
     return (
-        f"| {mode} | {name} | {f.rps:.0f} | {p50:.1f} | {p99:.1f} | {f.errors} "
+        f"| {mode} | {name} | {f.rps:.0f} | {p50:.1f} | {p99:.1f} | {f.errors} | {ttft} "
         f"| {f.cpu_ms_per_request:.3f} | {router_pct:.0f} | {loadgen_pct:.0f} |"
     )
 
