@@ -4,9 +4,9 @@ Runs as its own process (aiohttp client on uvloop) so its CPU is never charged t
 or to the orchestrator. Each client sends a request, waits for the full answer (non-streaming
 JSON body, or the SSE stream up to `data: [DONE]`), and sends the next one. Only answers that
 complete inside the measurement window (after the warm-up) count toward throughput and
-latency; errors are counted over the whole run. The router's CPU time (its whole process tree)
-is read from /proc exactly at the window's edges. One JSON object is written to --output
-(a file: results hold every latency and can exceed a pipe's buffer).
+latency; errors are counted over the whole run. The CPU time of the router (its whole process
+tree) and of the workers is read from /proc exactly at the window's edges. One JSON object is
+written to --output (a file: results hold every latency and can exceed a pipe's buffer).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class LoadConfig:
     max_new_tokens: int
     request_timeout_s: float
     cpu_pids: tuple[int, ...]
+    backend_pids: tuple[int, ...]
 
 
 @dataclass
@@ -126,9 +127,13 @@ def _own_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _cpu_snapshot(cfg: LoadConfig) -> tuple[float, float]:
-    """(router tree CPU seconds, this process's CPU seconds) right now."""
-    return sum(tree_cpu_seconds(pid) for pid in cfg.cpu_pids), _own_cpu_seconds()
+def _cpu_snapshot(cfg: LoadConfig) -> tuple[float, float, float]:
+    """(router tree, workers' trees, this process) CPU seconds right now."""
+    return (
+        sum(tree_cpu_seconds(pid) for pid in cfg.cpu_pids),
+        sum(tree_cpu_seconds(pid) for pid in cfg.backend_pids),
+        _own_cpu_seconds(),
+    )
 
 
 async def run(cfg: LoadConfig) -> dict[str, object]:
@@ -160,7 +165,8 @@ async def run(cfg: LoadConfig) -> dict[str, object]:
         "latencies_ms": tally.latencies_ms,
         "ttft_ms": tally.ttft_ms,
         "router_cpu_s": cpu_end[0] - cpu_start[0],
-        "loadgen_cpu_s": cpu_end[1] - cpu_start[1],
+        "backend_cpu_s": cpu_end[1] - cpu_start[1],
+        "loadgen_cpu_s": cpu_end[2] - cpu_start[2],
     }
 
 
@@ -173,7 +179,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Path, LoadConfig]:
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--request-timeout", type=float, default=30.0)
-    parser.add_argument("--cpu-pid", type=int, action="append", default=[])
+    parser.add_argument("--cpu-pid", type=int, action="append", default=[], help="the router")
+    parser.add_argument("--backend-pid", type=int, action="append", default=[], help="a worker")
     parser.add_argument("--output", type=Path, required=True, help="where to write the JSON")
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.duration <= 0 or args.warmup < 0:
@@ -187,6 +194,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Path, LoadConfig]:
         max_new_tokens=args.max_new_tokens,
         request_timeout_s=args.request_timeout,
         cpu_pids=tuple(args.cpu_pid),
+        backend_pids=tuple(args.backend_pid),
     )
 
 

@@ -46,7 +46,7 @@ from peers import (
 )
 from profile_summary import markdown as profile_markdown
 from profile_summary import summarize
-from stub_worker import stub_cluster
+from stub_worker import StubCluster, stub_cluster
 
 from pd_worker.cluster import WorkerCluster
 
@@ -89,6 +89,7 @@ class Figures:
     errors: int = 0
     window_s: float = 0.0
     router_cpu_s: float = 0.0
+    backend_cpu_s: float = 0.0
     loadgen_cpu_s: float = 0.0
     latencies_ms: list[float] = field(default_factory=list)
     ttft_ms: list[float] = field(default_factory=list)
@@ -99,6 +100,7 @@ class Figures:
         self.errors += result["errors"]
         self.window_s += result["window_s"]
         self.router_cpu_s += result["router_cpu_s"]
+        self.backend_cpu_s += result["backend_cpu_s"]
         self.loadgen_cpu_s += result["loadgen_cpu_s"]
         self.latencies_ms += result["latencies_ms"]
         self.ttft_ms += result["ttft_ms"]
@@ -110,7 +112,14 @@ class Figures:
 
     @property
     def cpu_ms_per_request(self) -> float:
-        return 1000.0 * self.router_cpu_s / self.completed if self.completed else float("nan")
+        return self._per_request_ms(self.router_cpu_s)
+
+    @property
+    def backend_cpu_ms_per_request(self) -> float:
+        return self._per_request_ms(self.backend_cpu_s)
+
+    def _per_request_ms(self, cpu_s: float) -> float:
+        return 1000.0 * cpu_s / self.completed if self.completed else float("nan")
 
 
 class RouterStartError(RuntimeError):
@@ -205,7 +214,13 @@ def running_router(peer: Peer, topology: Topology, log_dir: Path) -> Iterator[Ro
         router.stop()
 
 
-def run_load(router: RouterProcess, cfg: BenchConfig, stream: bool, out_dir: Path) -> dict:
+def run_load(
+    router: RouterProcess,
+    cfg: BenchConfig,
+    stream: bool,
+    out_dir: Path,
+    backend_pids: Sequence[int] = (),
+) -> dict:
     """One measured segment: the loadgen process against one router."""
     output = out_dir / "loadgen.json"
     argv = [
@@ -226,6 +241,8 @@ def run_load(router: RouterProcess, cfg: BenchConfig, stream: bool, out_dir: Pat
         "--output",
         str(output),
     ]
+    for pid in backend_pids:
+        argv += ["--backend-pid", str(pid)]
     if stream:
         argv.append("--stream")
     bound = cfg.warmup_s + cfg.duration_s + 120.0
@@ -325,13 +342,18 @@ def measure(cfg: BenchConfig, log_dir: Path) -> Measurement:
             prefills=tuple((url, cluster.bootstrap_port(url)) for url in cluster.prefill_urls),
             decodes=tuple(cluster.decode_urls),
         )
+        pids = (
+            cluster.pids
+            if isinstance(cluster, StubCluster)
+            else [worker.process.pid for worker in cluster.workers]
+        )
         with contextlib.ExitStack() as stack:
             routers, result.not_started = start_routers(cfg, topology, log_dir, stack)
             for round_no in range(cfg.rounds):
                 shift = round_no % len(routers)
                 for mode in cfg.modes:
                     for router in routers[shift:] + routers[:shift]:
-                        segment = run_load(router, cfg, mode == "stream", log_dir)
+                        segment = run_load(router, cfg, mode == "stream", log_dir, pids)
                         result.figures[(router.peer.name, mode)].add(segment)
                         print(
                             f"# round {round_no + 1} {mode:10} {router.peer.name:10} "
@@ -351,8 +373,8 @@ def _ratio(numerator: float, denominator: float) -> str:
 
 TABLE_HEAD = (
     "| mode | router | req/s | p50 ms | p99 ms | errors | stream TTFT p50 ms "
-    "| router CPU ms/req | router CPU % | loadgen CPU % |\n"
-    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"
+    "| router CPU ms/req | router CPU % | workers CPU ms/req | loadgen CPU % |\n"
+    "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
 )
 
 
@@ -364,7 +386,8 @@ def _row(mode: str, name: str, f: Figures) -> str:
     ttft = f"{percentile(f.ttft_ms, 50):.1f}" if f.ttft_ms else "-"
     return (
         f"| {mode} | {name} | {f.rps:.0f} | {p50:.1f} | {p99:.1f} | {f.errors} | {ttft} "
-        f"| {f.cpu_ms_per_request:.3f} | {router_pct:.0f} | {loadgen_pct:.0f} |"
+        f"| {f.cpu_ms_per_request:.3f} | {router_pct:.0f} | {f.backend_cpu_ms_per_request:.3f} "
+        f"| {loadgen_pct:.0f} |"
     )
 
 

@@ -108,6 +108,7 @@ class StubCluster:
     prefill_urls: list[str]
     decode_urls: list[str]
     bootstrap_ports: dict[str, int]
+    pids: list[int]
 
     def bootstrap_port(self, url: str) -> int:
         return self.bootstrap_ports[url]
@@ -142,7 +143,7 @@ def stub_cluster(prefill: int, decode: int, ports: Iterator[int]) -> Iterator[St
             urls[role].append(url)
             bootstrap[url] = next(ports)
             _wait_healthy(url, process)
-        yield StubCluster(urls["prefill"], urls["decode"], bootstrap)
+        yield StubCluster(urls["prefill"], urls["decode"], bootstrap, [p.pid for p in processes])
     finally:
         for process in processes:
             process.terminate()
