@@ -442,12 +442,22 @@ class ConversionManager:
         if conv._abort.is_set():
             raise _Stop(Status.ABORTED, "aborted by the operator while draining", restore=True)
 
+    async def _answers(self, worker: Worker) -> bool:
+        """Whether the worker's process still accepts connections. After a switch call that
+        got no reply, a process that is gone took any half-done switch with it (a restart
+        begins from its launch arguments), so only a live worker's role is unknown."""
+        try:
+            await self._control.read_role(worker)
+        except ControlError as exc:
+            return exc.delivered
+        return True
+
     def _lost(self, exc: ControlError) -> _Stop:
-        """The worker stopped answering before any switch reached it: its role did not change,
-        so it goes back to its old pool, marked unhealthy until the health probe sees it again."""
+        """The worker is gone and no switch took effect in a running process: it goes back to
+        its old pool, marked unhealthy until the health probe sees it again."""
         return _Stop(
             Status.RESTORED,
-            f"worker unreachable before the switch ({exc.reason}); back in its old pool, unhealthy",
+            f"worker unreachable ({exc.reason}); back in its old pool, unhealthy",
             restore=True,
             healthy=False,
         )
@@ -540,7 +550,7 @@ class ConversionManager:
                 reply = await self._control.switch(conv.worker, body)
         except ControlError as exc:
             conv.worker_replies.append(_reply_entry(path, None, {"error": exc.reason}))
-            if not exc.delivered:
+            if not exc.delivered or not await self._answers(conv.worker):
                 raise self._lost(exc) from exc
             raise _Stop(
                 Status.FAILED,

@@ -178,7 +178,7 @@ async def test_worker_killed_during_the_drain_goes_back_unhealthy(cluster):
 
         await wait_until(ended, within=10.0, what="conversion ends after the worker died")
         record = (await http.get(f"/conversions/{conversion_id}")).json()
-        assert record["status"] == "restored", record
+        assert record["status"] == "restored", (record["message"], record["worker_replies"])
         assert "unreachable" in record["message"]
         entry = await worker_entry(http, spare.url)
         assert (entry["role"], entry["state"], entry["healthy"]) == ("decode", "active", False)
