@@ -51,11 +51,16 @@ from pd_worker.timing import TimingModel
 LOOPBACK = "127.0.0.1"
 HEALTH_POLL_SECS = 0.05
 STOP_TIMEOUT_SECS = 5.0
+START_ATTEMPTS = 3
 _KNOBS = {f.name for f in fields(TimingModel)}
 
 
 class WorkerStartError(RuntimeError):
     """A worker process exited or did not become healthy in time."""
+
+
+class WorkerExited(WorkerStartError):
+    """A worker process exited while starting (e.g. its port was taken in the meantime)."""
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -128,9 +133,7 @@ class WorkerCluster:
     def start(self) -> WorkerCluster:
         """Start the initial workers and wait until all are healthy."""
         try:
-            started = [self._spawn(role) for role in self._initial]
-            for worker in started:
-                self._wait_healthy(worker)
+            self._launch(self._initial)
         except BaseException:
             self.stop()
             raise
@@ -170,9 +173,7 @@ class WorkerCluster:
 
     def add(self, role: str, **extra_knobs: Any) -> WorkerProcess:
         """Start one more worker of ``role`` and wait until it is healthy."""
-        worker = self._spawn(role, extra_knobs)
-        self._wait_healthy(worker)
-        return worker
+        return self._launch((role,), extra_knobs)[0]
 
     def worker(self, url: str) -> WorkerProcess:
         for worker in self.workers:
@@ -246,12 +247,39 @@ class WorkerCluster:
         self.workers.append(worker)
         return worker
 
+    def _launch(
+        self, roles: tuple[str, ...], extra_knobs: dict[str, Any] | None = None
+    ) -> list[WorkerProcess]:
+        """Spawn workers of ``roles`` at once and wait until all are healthy.
+
+        A free port is only free when it was looked up: another process can bind it before the
+        worker does, and the worker then exits at start-up. Such a worker is started again on
+        new ports (with ``base_port`` the ports are the caller's choice and are not changed)."""
+        pending = [self._spawn(role, extra_knobs) for role in roles]
+        ready: list[WorkerProcess] = []
+        for attempt in range(1, START_ATTEMPTS + 1):
+            exited: list[WorkerProcess] = []
+            for worker in pending:
+                try:
+                    self._wait_healthy(worker)
+                except WorkerExited:
+                    if self._base_port is not None or attempt == START_ATTEMPTS:
+                        raise
+                    self.workers.remove(worker)
+                    exited.append(worker)
+                else:
+                    ready.append(worker)
+            if not exited:
+                break
+            pending = [self._spawn(worker.role, extra_knobs) for worker in exited]
+        return ready
+
     def _wait_healthy(self, worker: WorkerProcess) -> None:
         deadline = time.monotonic() + self._startup_timeout
         with httpx.Client(timeout=1.0) as client:
             while time.monotonic() < deadline:
                 if not worker.alive:
-                    raise WorkerStartError(
+                    raise WorkerExited(
                         f"{worker.role} worker {worker.url} exited with "
                         f"{worker.process.returncode}: {worker.log_tail()}"
                     )
