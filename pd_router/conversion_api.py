@@ -27,38 +27,15 @@ from pd_router.conversion import (
 from pd_router.errors import BadRequest
 from pd_router.state import ROUTER, router_of
 from pd_router.workers import Role
+from server_patch.extension import UNSUPPORTED_KNOBS
 
 ABORT_REPLY_WAIT_SECS = 5.0
 DEFAULT_LIST_LIMIT = 50
 
-# SGLang PR #9325 knobs: passed on to workers whose control API takes them (the extension's
-# /convert_pd_role decides), refused with a 400 naming the field for native workers. A knob that
-# is null or false asks for nothing and is dropped.
-PASS_THROUGH_FIELDS = frozenset(
-    {
-        "disable_cuda_graph",
-        "disable_radix_cache",
-        "enable_hierarchical_cache",
-        "chunked_prefill_size",
-        "max_running_requests",
-        "mem_fraction_static",
-        "cuda_graph_max_bs",
-        "cuda_graph_bs",
-        "tp_size",
-        "dp_size",
-        "pp_size",
-        "page_size",
-        "disaggregation_transfer_backend",
-        "disaggregation_ib_device",
-        "disaggregation_decode_tp",
-        "disaggregation_decode_dp",
-        "disaggregation_prefill_pp",
-        "num_reserved_decode_tokens",
-        "enable_dp_attention",
-        "failed_bootstrap_addr",
-        "check_idle",
-    }
-)
+# SGLang PR #9325 knobs, as the extension protocol lists them: passed on to workers whose
+# control API takes them (the extension's /convert_pd_role decides), refused with a 400 naming
+# the field for native workers. A knob that is null or false asks for nothing and is dropped.
+PASS_THROUGH_FIELDS = UNSUPPORTED_KNOBS | {"check_idle"}
 CONVERT_FIELDS = frozenset(
     {
         "server_url",
