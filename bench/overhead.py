@@ -10,10 +10,11 @@ CPU time per request of the router's process tree, plus pd-router's ratios to ea
 
     .venv/bin/python bench/overhead.py                     # all peers, defaults below
     .venv/bin/python bench/overhead.py --peers pd-router --profile 10
+    .venv/bin/python bench/overhead.py --backend stub      # instant workers: router-bound
 
 Peers are installed on demand into bench/venvs/ (see bench/peers.py). Results go to stdout and
-bench/results/overhead-<timestamp>.md. Exit status 1 if pd-router had any error (or a peer
-failed to start), 0 otherwise.
+bench/results/overhead-<timestamp>.md. Exit status 1 if pd-router had any error or did not
+start, or a peer could not be installed; a peer that does not start is reported and skipped.
 """
 
 from __future__ import annotations
