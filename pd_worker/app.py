@@ -401,6 +401,7 @@ async def _stream_openai(
     response = await _open_sse(request)
     sent: dict[int, int] = {}
     latest: dict[int, Progress] = {}
+    index = 0
     try:
         async for index, progress in merged(state.engine.generate, parsed.items):
             if index not in sent and parsed.kind == "chat":
@@ -411,7 +412,7 @@ async def _stream_openai(
             await _send(response, openai_api.chunk(parsed, index, delta, progress, first=False))
         if parsed.include_usage:
             results = [latest.get(i, Progress()) for i in range(len(parsed.items))]
-            await _send(response, openai_api.usage_chunk(parsed, results))
+            await _send(response, openai_api.usage_chunk(parsed, results, index))
     except RequestAborted as exc:
         await _send(
             response, openai_api.stream_error(exc.message, int(exc.status), "INTERNAL_SERVER_ERROR")

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from pd_worker.errors import BadRequest
-from pd_worker.protocol import Prompt, build_items, is_token_id
+from pd_worker.protocol import Prompt, build_items, is_token_id, item_rids
 from pd_worker.requests import GenItem, Progress
 from pd_worker.tokens import chat_prompt, tokenize
 
@@ -18,10 +17,12 @@ CHAT_DEFAULT_MAX_TOKENS = 128
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """A parsed OpenAI request: its items (prompt-major, ``n`` per prompt) and how to answer."""
+    """A parsed OpenAI request: its items (prompt-major, ``n`` per prompt) and how to answer.
+
+    As in SGLang, a response or chunk carries the rid of the item it reports as its ``id``
+    (the first item's for a whole response)."""
 
     kind: str
-    request_id: str
     model: str
     items: list[GenItem]
     n: int
@@ -34,16 +35,16 @@ def parse_completion(body: Any, model: str) -> OpenAIRequest:
     body = _require_object(body)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        ids_list = [tokenize(prompt)]
+        ids_list, batch = [tokenize(prompt)], False
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        ids_list = [tokenize(p) for p in prompt]
+        ids_list, batch = [tokenize(p) for p in prompt], True
     elif isinstance(prompt, list) and prompt and all(is_token_id(t) for t in prompt):
-        ids_list = [list(prompt)]
+        ids_list, batch = [list(prompt)], False
     elif isinstance(prompt, list) and prompt and all(_is_int_list(p) for p in prompt):
-        ids_list = [list(p) for p in prompt]
+        ids_list, batch = [list(p) for p in prompt], True
     else:
         raise BadRequest("prompt must be a string, a list of strings or token ids")
-    return _build("completion", body, ids_list, model, COMPLETION_DEFAULT_MAX_TOKENS)
+    return _build("completion", body, ids_list, batch, model, COMPLETION_DEFAULT_MAX_TOKENS)
 
 
 def parse_chat(body: Any, model: str) -> OpenAIRequest:
@@ -55,12 +56,20 @@ def parse_chat(body: Any, model: str) -> OpenAIRequest:
         or not all(isinstance(m, dict) for m in messages)
     ):
         raise BadRequest("messages must be a non-empty list of message objects")
-    return _build("chat", body, [tokenize(chat_prompt(messages))], model, CHAT_DEFAULT_MAX_TOKENS)
+    ids_list = [tokenize(chat_prompt(messages))]
+    return _build("chat", body, ids_list, False, model, CHAT_DEFAULT_MAX_TOKENS)
 
 
 def _build(
-    kind: str, body: dict[str, Any], ids_list: list[list[int]], model: str, default_max: int
+    kind: str,
+    body: dict[str, Any],
+    ids_list: list[list[int]],
+    batch: bool,
+    model: str,
+    default_max: int,
 ) -> OpenAIRequest:
+    """The items SGLang's OpenAI layer would hand to ``GenerateReqInput`` (``rid`` passes
+    through unchanged, so it is normalized as on ``/generate``)."""
     n = body.get("n", 1)
     if not _is_int(n) or n < 1:
         raise BadRequest("n must be a positive integer")
@@ -74,16 +83,12 @@ def _build(
         "stop": body.get("stop"),
         "stop_token_ids": body.get("stop_token_ids"),
     }
-    prefix = "cmpl-" if kind == "completion" else "chatcmpl-"
-    request_id = str(body.get("rid") or prefix + uuid.uuid4().hex)
-    total = len(ids_list) * n
-    rids = [request_id] if total == 1 else [f"{request_id}-{i}" for i in range(total)]
+    rids = item_rids(body.get("rid"), len(ids_list), n, batch or n > 1)
     prompts = [Prompt(ids, sampling) for ids in ids_list]
     items = build_items(dict(body, return_logprob=False), prompts, n, rids)
     options = body.get("stream_options") or {}
     return OpenAIRequest(
         kind=kind,
-        request_id=request_id,
         model=str(body.get("model") or model),
         items=items,
         n=n,
@@ -147,7 +152,7 @@ def response(request: OpenAIRequest, results: list[Progress]) -> dict[str, Any]:
         choice.update({"logprobs": None, "finish_reason": finish_reason, "matched_stop": matched})
         choices.append(choice)
     return {
-        "id": request.request_id,
+        "id": request.items[0].rid,
         "object": "chat.completion" if request.kind == "chat" else "text_completion",
         "created": request.created,
         "model": request.model,
@@ -168,7 +173,7 @@ def chunk(
         choice["text"] = delta
     choice.update({"logprobs": None, "finish_reason": finish_reason, "matched_stop": matched})
     return {
-        "id": request.request_id,
+        "id": request.items[index].rid,
         "object": "chat.completion.chunk" if request.kind == "chat" else "text_completion",
         "created": request.created,
         "model": request.model,
@@ -177,10 +182,11 @@ def chunk(
     }
 
 
-def usage_chunk(request: OpenAIRequest, results: list[Progress]) -> dict[str, Any]:
-    """The final chunk of a stream with ``stream_options.include_usage``."""
+def usage_chunk(request: OpenAIRequest, results: list[Progress], last: int) -> dict[str, Any]:
+    """The final chunk of a stream with ``stream_options.include_usage``; its ``id`` is that of
+    the item whose output came last, as in SGLang."""
     return {
-        "id": request.request_id,
+        "id": request.items[last].rid,
         "object": "chat.completion.chunk" if request.kind == "chat" else "text_completion",
         "created": request.created,
         "model": request.model,

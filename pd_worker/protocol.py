@@ -34,19 +34,50 @@ def parse_generate(body: Any) -> tuple[list[GenItem], bool, bool]:
     prompts, batch = _prompts(body)
     n = _sampling_n(prompts)
     batch = batch or n > 1
-    rids = _per_item(body.get("rid"), len(prompts) * n, "rid", broadcast=False)
+    rids = item_rids(body.get("rid"), len(prompts), n, batch)
     items = build_items(body, prompts, n, rids)
     return items, batch, bool(body.get("stream", False))
 
 
+def item_rids(rid: Any, prompts: int, n: int, batch: bool) -> list[str]:
+    """The rid of each item (prompt-major, ``n`` per prompt), assigned as SGLang 0.5.23 does.
+
+    ``GenerateReqInput._normalize_rid``: a single request keeps its string rid; a batch expands
+    a string to ``{rid}_{i}`` for each item, takes a list with one unique rid per prompt, and
+    draws fresh ids without one. With ``n > 1`` the tokenizer manager then gives every sample a
+    fresh rid (the client's rids only name the prefix warm-up), so samples get fresh ids here.
+    """
+    if not batch:
+        if rid is None or isinstance(rid, str):
+            return [new_rid() if rid is None else rid]
+        raise BadRequest("The rid should be a string for a single request.")
+    total = prompts * n
+    if rid is None:
+        rids = [new_rid() for _ in range(total)]
+    elif isinstance(rid, str):
+        rids = [f"{rid}_{i}" for i in range(total)]
+    elif isinstance(rid, list) and all(isinstance(r, str) for r in rid):
+        if len(rid) != prompts:
+            raise BadRequest(
+                "The specified rids length mismatch with the batch_size for batch processing."
+            )
+        rids = list(rid)
+    else:
+        raise BadRequest("The rid should be a string or a list of strings.")
+    duplicates = sorted({r for r in rids if rids.count(r) > 1})
+    if duplicates:
+        raise BadRequest(f"Duplicate request IDs detected within the request: {duplicates}")
+    return rids if n == 1 else [new_rid() for _ in range(total)]
+
+
 def build_items(
-    body: dict[str, Any], prompts: list[Prompt], n: int, rids: list[Any]
+    body: dict[str, Any], prompts: list[Prompt], n: int, rids: list[str]
 ) -> list[GenItem]:
     """Expand prompts by ``n`` and attach per-item bootstrap fields (scalar or one per item)."""
     total = len(prompts) * n
     hosts = _per_item(body.get("bootstrap_host"), total, "bootstrap_host")
     ports = _per_item(body.get("bootstrap_port"), total, "bootstrap_port")
-    rooms = _per_item(body.get("bootstrap_room"), total, "bootstrap_room", broadcast=total == 1)
+    rooms = _rooms(body.get("bootstrap_room"), total)
     logprob = _per_item(body.get("return_logprob", False), total, "return_logprob")
     items = []
     for index in range(total):
@@ -57,7 +88,15 @@ def build_items(
     return items
 
 
-def _item(prompt: Prompt, rid: Any, host: Any, port: Any, room: Any, logprob: Any) -> GenItem:
+def _rooms(room: Any, total: int) -> list[Any]:
+    """One room per item; a scalar room on a batch counts up from it (``room + i``), as in
+    SGLang's ``_normalize_bootstrap_params``."""
+    if isinstance(room, int) and not isinstance(room, bool) and total > 1:
+        return [room + i for i in range(total)]
+    return _per_item(room, total, "bootstrap_room")
+
+
+def _item(prompt: Prompt, rid: str, host: Any, port: Any, room: Any, logprob: Any) -> GenItem:
     if host is not None and not isinstance(host, str):
         raise BadRequest("bootstrap_host must be a string")
     for name, value, high in (("bootstrap_port", port, 65535), ("bootstrap_room", room, MAX_ROOM)):
@@ -74,7 +113,7 @@ def _item(prompt: Prompt, rid: Any, host: Any, port: Any, room: Any, logprob: An
     if not all(isinstance(t, int) for t in stop_ids):
         raise BadRequest("stop_token_ids must be a list of integers")
     return GenItem(
-        rid=str(rid) if rid is not None else new_rid(),
+        rid=rid,
         prompt_ids=prompt.ids,
         max_new_tokens=_max_new_tokens(sampling),
         stop=tuple(stop),
@@ -134,14 +173,12 @@ def _sampling_n(prompts: list[Prompt]) -> int:
     return n
 
 
-def _per_item(value: Any, total: int, name: str, *, broadcast: bool = True) -> list[Any]:
+def _per_item(value: Any, total: int, name: str) -> list[Any]:
     """A scalar broadcast to every item, or a list with exactly one entry per item."""
     if isinstance(value, list):
         if len(value) != total:
             raise BadRequest(f"{name} has {len(value)} entries for {total} items")
         return value
-    if value is not None and not broadcast and total > 1:
-        raise BadRequest(f"{name} must be a list with one entry per item ({total} items)")
     return [value] * total
 
 

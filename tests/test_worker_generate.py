@@ -134,6 +134,71 @@ async def test_sampling_n_expands_one_prompt_into_a_batch(pd_cluster, client):
     assert [o["text"] for o in d.json()] == [expected_text("twice", 2)] * 2
 
 
+async def test_single_request_keeps_its_rid_as_meta_info_id(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    body = {"text": "named", "rid": "solo-rid", "sampling_params": {"max_new_tokens": 1}}
+    response = await client.post(decode + "/generate", json=body)
+    assert response.json()["meta_info"]["id"] == "solo-rid"
+
+
+async def test_batch_string_rid_expands_to_rid_underscore_index(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    body = {"text": ["a", "b", "c"], "rid": "batch", "sampling_params": {"max_new_tokens": 1}}
+    response = await client.post(decode + "/generate", json=body)
+    assert response.status_code == 200
+    assert [o["meta_info"]["id"] for o in response.json()] == ["batch_0", "batch_1", "batch_2"]
+
+
+async def test_batch_rid_list_names_each_prompt(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    body = {"text": ["a", "b"], "rid": ["ra", "rb"], "sampling_params": {"max_new_tokens": 1}}
+    response = await client.post(decode + "/generate", json=body)
+    assert [o["meta_info"]["id"] for o in response.json()] == ["ra", "rb"]
+
+
+async def test_parallel_samples_get_fresh_rids_like_sglang(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    body = {
+        "text": ["a", "b"],
+        "rid": ["ra", "rb"],
+        "sampling_params": {"max_new_tokens": 1, "n": 2},
+    }
+    response = await client.post(decode + "/generate", json=body)
+    ids = [o["meta_info"]["id"] for o in response.json()]
+    assert len(ids) == 4 and len(set(ids)) == 4
+    assert not {"ra", "rb"} & set(ids)
+
+
+async def test_scalar_room_on_a_batch_counts_up_per_item(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    texts = ["one room", "next room"]
+    body = {"text": texts, "sampling_params": {"max_new_tokens": 3}}
+    p, d = await pd_generate(client, prefill, decode, bootstrap_port, body, room=new_room())
+    assert p.status_code == 200 and d.status_code == 200
+    assert [o["text"] for o in d.json()] == [expected_text(t, 3) for t in texts]
+    assert all(o["meta_info"]["kv_source"] == prefill for o in d.json())
+
+
+async def test_openai_id_is_the_rid_of_the_single_item(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    body = {"prompt": "id me", "max_tokens": 1, "rid": "cmpl-mine"}
+    response = await client.post(decode + "/v1/completions", json=body)
+    assert response.json()["id"] == "cmpl-mine"
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    assert len((await client.post(decode + "/v1/chat/completions", json=chat)).json()["id"]) == 32
+
+
+async def test_openai_batch_string_rid_expands_like_generate(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    body = {"prompt": ["p0", "p1"], "max_tokens": 2, "rid": "multi", "stream": True}
+    _, events = await stream_post(client, decode + "/v1/completions", body)
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    ids = {c["choices"][0]["index"]: c["id"] for c in chunks}
+    assert ids == {0: "multi_0", 1: "multi_1"}
+    unary = await client.post(decode + "/v1/completions", json=dict(body, stream=False))
+    assert unary.json()["id"] == "multi_0"
+
+
 async def test_streaming_generate_sends_cumulative_events_then_done(pd_cluster, client):
     _, decode, _ = ports(pd_cluster)
     body = {"text": "stream me", "stream": True, "sampling_params": {"max_new_tokens": 4}}
@@ -246,7 +311,10 @@ async def test_chat_stream_announces_role_then_content_deltas(pd_cluster, client
         ({"text": 5}, "text must be"),
         ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
         ({"text": ["a", "b"], "bootstrap_room": [1]}, "bootstrap_room has 1 entries for 2 items"),
-        ({"text": ["a", "b"], "bootstrap_room": 1}, "bootstrap_room must be a list"),
+        ({"text": ["a", "b"], "rid": ["r"]}, "rids length mismatch with the batch_size"),
+        ({"text": ["a", "b"], "rid": ["r", "r"]}, "Duplicate request IDs"),
+        ({"text": ["a", "b"], "rid": 7}, "The rid should be a string or a list of strings"),
+        ({"text": "a", "rid": ["r"]}, "The rid should be a string for a single request"),
         ({"text": "a", "bootstrap_port": 70000, "bootstrap_room": 1}, "bootstrap_port must be"),
         ({"input_ids": [2**40]}, "input_ids must be"),
         ({"text": "a", "bootstrap_room": 5}, "bootstrap_host and bootstrap_port are required"),
