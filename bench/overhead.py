@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -279,9 +280,7 @@ def profile_router(router: RouterProcess, cfg: BenchConfig, out_dir: Path) -> st
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
-    profiled = BenchConfig(
-        **{**cfg.__dict__, "warmup_s": 1.0, "duration_s": cfg.profile_s + 1.0, "rounds": 1}
-    )
+    profiled = dataclasses.replace(cfg, warmup_s=1.0, duration_s=cfg.profile_s + 1.0, rounds=1)
     mode = cfg.modes[0]
     result = run_load(router, profiled, mode == "stream", out_dir)
     _, err = spy.communicate(timeout=cfg.profile_s + 60.0)
