@@ -52,13 +52,18 @@ class Faults:
     unhealthy: bool = False
 
     def apply(self, body: dict[str, Any]) -> int | None:
-        """Update from a ``POST /fault`` body; returns the requested exit code, if any."""
+        """Update from a ``POST /fault`` body; returns the requested exit code, if any.
+
+        The whole body is checked before anything changes: a refused body leaves no fault set.
+        """
         for key, value in body.items():
             expected = _FIELDS.get(key)
             if expected is None:
                 raise BadRequest(f"unknown fault field {key!r}")
             if not _is_type(value, expected):
                 raise BadRequest(f"fault field {key!r} must be {expected.__name__}")
+        if "fail_status" in body and not 400 <= body["fail_status"] < 600:
+            raise BadRequest("fail_status must be an HTTP error status (400-599)")
         if body.get("clear"):
             self.reset()
         for key in (
@@ -73,8 +78,6 @@ class Faults:
         ):
             if key in body:
                 setattr(self, key, body[key])
-        if not 400 <= self.fail_status < 600:
-            raise BadRequest("fail_status must be an HTTP error status (400-599)")
         return body.get("exit")
 
     def reset(self) -> None:

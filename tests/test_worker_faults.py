@@ -83,6 +83,14 @@ async def test_unknown_fault_field_is_400(cluster, client):
     assert "explode" in response.json()["error"]["message"]
 
 
+async def test_refused_fault_body_sets_no_fault(cluster, client, clear_faults):
+    url = cluster.decode_urls[0]
+    refused = await client.post(url + "/fault", json={"fail_next": 2, "fail_status": 200})
+    assert refused.status_code == 400
+    assert (await client.post(url + "/fault", json={})).json()["faults"]["fail_next"] == 0
+    assert (await client.post(url + "/generate", json={"text": "ok"})).status_code == 200
+
+
 async def test_exit_fault_ends_the_process_with_that_code(cluster_factory, client):
     c = cluster_factory(prefill=0, decode=1)
     url = c.decode_urls[0]
