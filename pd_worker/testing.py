@@ -2,17 +2,23 @@
 
 :func:`pd_generate` does what a PD router does for one request: add the prefill's bootstrap
 address and a fresh room to the body and send it to the prefill and the decode at once.
+:func:`poll_until` waits for a condition on a worker with a deadline (never a fixed sleep).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 
 LOOPBACK = "127.0.0.1"
+POLL_DEADLINE_SECS = 10.0
+POLL_INTERVAL_SECS = 0.01
+
+T = TypeVar("T")
 
 
 def new_room() -> int:
@@ -43,3 +49,22 @@ async def pd_generate(
         client.post(prefill_url + path, json=paired), client.post(decode_url + path, json=paired)
     )
     return prefill, decode
+
+
+async def poll_until(
+    probe: Callable[[], Awaitable[T]], what: str, *, deadline_secs: float = POLL_DEADLINE_SECS
+) -> T:
+    """Await ``probe()`` until it returns something truthy and return that; after
+    ``deadline_secs`` (wall clock, however slow each probe is on a loaded machine) raise
+    AssertionError naming ``what`` and the last value seen."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_secs
+    while True:
+        value = await probe()
+        if value:
+            return value
+        if loop.time() >= deadline:
+            raise AssertionError(
+                f"timed out after {deadline_secs:g}s waiting for {what}: {value!r}"
+            )
+        await asyncio.sleep(POLL_INTERVAL_SECS)

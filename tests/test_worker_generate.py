@@ -14,7 +14,7 @@ import pytest
 
 from pd_worker import chat_prompt, expected_output_ids, expected_text, tokenize
 from pd_worker.cluster import WorkerCluster
-from pd_worker.testing import new_room, pd_generate, with_bootstrap
+from pd_worker.testing import new_room, pd_generate, poll_until, with_bootstrap
 
 TIMEOUT = 10.0
 
@@ -364,12 +364,10 @@ async def test_prefill_without_room_serves_alone(pd_cluster, client):
 
 
 async def wait_until_busy(client: httpx.AsyncClient, url: str) -> None:
-    """Poll /pd_role until the worker is not idle (bounded)."""
-    for _ in range(500):
-        if not (await client.get(url + "/pd_role")).json()["idle"]:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{url} never became busy")
+    async def busy() -> bool:
+        return not (await client.get(url + "/pd_role")).json()["idle"]
+
+    await poll_until(busy, f"{url} to be busy")
 
 
 async def test_same_room_twice_on_a_prefill_is_rejected(pd_cluster, client):

@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from pd_worker import expected_text
-from pd_worker.testing import new_room, pd_generate, with_bootstrap
+from pd_worker.testing import new_room, pd_generate, poll_until, with_bootstrap
 
 TIMEOUT = 10.0
 BOOTSTRAP_TIMEOUT = 0.3
@@ -78,10 +78,11 @@ async def test_decode_may_arrive_before_the_prefill(two_prefills, client):
         new_room(),
     )
     decode_call = asyncio.create_task(client.post(decode + "/generate", json=body))
-    for _ in range(500):
-        if (await client.get(decode + "/pd_role")).json()["num_waiting"] == 1:
-            break
-        await asyncio.sleep(0.01)
+
+    async def decode_waits() -> bool:
+        return (await client.get(decode + "/pd_role")).json()["num_waiting"] == 1
+
+    await poll_until(decode_waits, "the decode to wait for its prefill")
     p = await client.post(prefill + "/generate", json=body)
     d = await decode_call
     assert p.status_code == 200

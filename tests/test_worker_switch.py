@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pd_worker import expected_text
-from pd_worker.testing import new_room, pd_generate, with_bootstrap
+from pd_worker.testing import new_room, pd_generate, poll_until, with_bootstrap
 
 TIMEOUT = 10.0
 GRAPH_GB = {"decode_cuda_graph_memory_gb": 1.0}
@@ -41,11 +41,12 @@ async def hold_prefill_room(
         new_room(),
     )
     task = asyncio.create_task(client.post(prefill + "/generate", json=body))
-    for _ in range(500):
-        if not (await client.get(prefill + "/pd_role")).json()["idle"]:
-            return task, body
-        await asyncio.sleep(0.01)
-    raise AssertionError("prefill never became busy")
+    await poll_until(lambda: pd_role_is(client, prefill, "idle", False), "the prefill to be busy")
+    return task, body
+
+
+async def pd_role_is(client: httpx.AsyncClient, url: str, key: str, value: object) -> bool:
+    return (await client.get(url + "/pd_role")).json()[key] == value
 
 
 async def test_switch_is_refused_without_the_flag(cluster_factory, client):
@@ -194,10 +195,11 @@ async def test_second_switch_during_a_switch_is_refused_unsafely(cluster_factory
     c = cluster_factory(prefill=0, decode=1, speed=1.0, switch_secs=1.0)
     url = c.decode_urls[0]
     first = asyncio.create_task(switch(client, url, new_role="prefill"))
-    for _ in range(500):
-        if (await internal_state(client, url))["pd_role_switch_in_progress"]:
-            break
-        await asyncio.sleep(0.01)
+
+    async def switching() -> bool:
+        return (await internal_state(client, url))["pd_role_switch_in_progress"]
+
+    await poll_until(switching, "the first switch to be in progress")
     status, reply = await switch(client, url, new_role="prefill")
     assert status == 400
     assert reply["message"] == "another role switch is already in progress"
@@ -247,10 +249,7 @@ async def test_convert_drains_in_flight_work_then_switches(cluster_factory, clie
     convert = asyncio.create_task(
         client.post(prefill + "/convert_pd_role", json={"drain_timeout_secs": 5, **GRAPH_GB})
     )
-    for _ in range(500):
-        if (await client.get(prefill + "/pd_role")).json()["draining"]:
-            break
-        await asyncio.sleep(0.01)
+    await poll_until(lambda: pd_role_is(client, prefill, "draining", True), "the drain to start")
     refused = await client.post(prefill + "/generate", json={"text": "late"})
     assert refused.status_code == 503
     await client.post(decode + "/generate", json=body)
