@@ -2,7 +2,8 @@
 /v1/loads, /get_load and /metrics, and /abort_request.
 
 Tests that need work to stay in flight hold it deterministically: a prefill request is busy until
-its KV is pulled, and decodes run at speed 1 with a slow decode step.
+its KV is pulled, and decodes run at speed 1 with a slow decode step, long enough to outlast the
+checks, and are aborted once the checks are done.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ import asyncio
 import httpx
 import pytest
 
-from pd_worker.testing import new_room, with_bootstrap
+from pd_worker.testing import new_room, poll_until, with_bootstrap
 
 TIMEOUT = 10.0
 STEP_SECS = 0.05
-POLL_ROUNDS = 500
+# Requests that would run HOLD_TOKENS steps (3 s; SHARED_HOLD_TOKENS, 1.5 s, when three share
+# the 100-token pool) stay running until the test aborts them, so checks made while they run
+# hold however slow a loaded machine is; BUSY_TOKENS (1 s) is a request left to finish.
+HOLD_TOKENS = 60
+SHARED_HOLD_TOKENS = 30
+BUSY_TOKENS = 20
 
 
 @pytest.fixture
@@ -50,13 +56,13 @@ async def load_of(client: httpx.AsyncClient, url: str) -> dict:
 
 
 async def wait_for(client: httpx.AsyncClient, url: str, check) -> dict:
-    """Poll /v1/loads until ``check(load)`` holds (bounded)."""
-    for _ in range(POLL_ROUNDS):
+    """Poll /v1/loads until ``check(load)`` holds (with a deadline); returns that load."""
+
+    async def probe() -> dict | None:
         load = await load_of(client, url)
-        if check(load):
-            return load
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"condition never held; last load {load}")
+        return load if check(load) else None
+
+    return await poll_until(probe, f"a load of {url} that passes the check")
 
 
 def metric(text: str, name: str) -> float:
@@ -64,48 +70,66 @@ def metric(text: str, name: str) -> float:
     return float(line.rsplit(" ", 1)[1])
 
 
-def generate(client: httpx.AsyncClient, url: str, text: str, max_new_tokens: int) -> asyncio.Task:
+def generate(
+    client: httpx.AsyncClient, url: str, text: str, max_new_tokens: int, rid: str | None = None
+) -> asyncio.Task:
     body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens}}
+    if rid is not None:
+        body["rid"] = rid
     return asyncio.create_task(client.post(url + "/generate", json=body))
+
+
+async def abort(client: httpx.AsyncClient, url: str, **body) -> None:
+    """End held requests (``rid=...`` or ``abort_all=True``) once a test has seen them."""
+    assert (await client.post(url + "/abort_request", json=body)).status_code == 200
+
+
+def finish_type(response: httpx.Response) -> str:
+    return response.json()["meta_info"]["finish_reason"]["type"]
 
 
 async def test_decode_is_busy_until_its_last_token(slow_decode, client):
     url = slow_decode.decode_urls[0]
-    task = generate(client, url, "busy", 6)
+    task = generate(client, url, "busy", BUSY_TOKENS)
     load = await wait_for(client, url, lambda x: x["num_running_reqs"] == 1)
-    assert load["num_used_tokens"] == len("busy") + 6
+    assert load["num_used_tokens"] == len("busy") + BUSY_TOKENS
     assert (await client.get(url + "/pd_role")).json()["idle"] is False
     response = await task
-    assert response.json()["meta_info"]["completion_tokens"] == 6
+    assert response.json()["meta_info"]["completion_tokens"] == BUSY_TOKENS
     assert (await client.get(url + "/pd_role")).json()["idle"] is True
     assert (await load_of(client, url))["num_used_tokens"] == 0
 
 
 async def test_full_kv_pool_queues_requests_in_prealloc(slow_decode, client):
     url = slow_decode.decode_urls[0]
-    first = generate(client, url, "a" * 50, 10)
+    first = generate(client, url, "a" * 30, HOLD_TOKENS, rid="kv-holder")
     await wait_for(client, url, lambda x: x["num_running_reqs"] == 1)
     second = generate(client, url, "b" * 50, 10)
     load = await wait_for(client, url, lambda x: x["num_waiting_reqs"] == 1)
     assert load["disaggregation"]["decode_prealloc_queue_reqs"] == 1
-    assert load["token_usage"] == 0.6
+    assert load["token_usage"] == 0.9
     text = (await client.get(url + "/metrics")).text
     assert metric(text, "sglang:num_queue_reqs") == 1
     assert metric(text, "sglang:num_decode_prealloc_queue_reqs") == 1
-    assert metric(text, "sglang:token_usage") == 0.6
-    assert (await first).status_code == 200 and (await second).status_code == 200
+    assert metric(text, "sglang:token_usage") == 0.9
+    await abort(client, url, rid="kv-holder")
+    assert finish_type(await first) == "abort"
+    assert finish_type(await second) == "length"
 
 
 async def test_max_running_requests_holds_extra_requests_in_the_waiting_queue(slow_decode, client):
     url = slow_decode.decode_urls[0]
-    tasks = [generate(client, url, f"r{i}", 4) for i in range(3)]
+    tasks = [generate(client, url, f"r{i}", SHARED_HOLD_TOKENS) for i in range(3)]
     load = await wait_for(
         client, url, lambda x: x["num_running_reqs"] == 2 and x["num_waiting_reqs"] == 1
     )
     assert load["queues"]["waiting"] == 1
     get_load = (await client.get(url + "/get_load")).json()
     assert get_load[0]["num_reqs"] == 3 and get_load[0]["num_waiting_reqs"] == 1
-    assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
+    await abort(client, url, abort_all=True)
+    responses = await asyncio.gather(*tasks)
+    assert [finish_type(r) for r in responses] == ["abort"] * 3
+    await wait_for(client, url, lambda x: x["num_used_tokens"] == 0)
 
 
 async def test_abort_request_ends_a_running_request_with_an_abort_finish_reason(
@@ -126,11 +150,12 @@ async def test_abort_request_ends_a_running_request_with_an_abort_finish_reason(
 
 async def test_flush_cache_is_refused_while_busy(slow_decode, client):
     url = slow_decode.decode_urls[0]
-    task = generate(client, url, "flush", 4)
+    task = generate(client, url, "flush", HOLD_TOKENS, rid="flush-blocker")
     await wait_for(client, url, lambda x: x["num_running_reqs"] == 1)
     response = await client.post(url + "/flush_cache")
     assert response.status_code == 400
-    assert (await task).status_code == 200
+    await abort(client, url, rid="flush-blocker")
+    assert finish_type(await task) == "abort"
 
 
 async def test_prefill_is_busy_until_the_decode_pulled_its_kv(small_prefill, client):
