@@ -77,6 +77,26 @@ async def test_unhealthy_fault_turns_health_503_until_cleared(cluster, client, c
     assert (await client.get(url + "/health")).status_code == 200
 
 
+async def test_lie_next_switch_claims_success_but_keeps_the_role(cluster, client, clear_faults):
+    url = cluster.decode_urls[0]
+    await client.post(url + "/fault", json={"lie_next_switch": True})
+    reply = await client.post(url + "/pd_role_switch", json={"new_role": "prefill"})
+    assert reply.status_code == 200
+    assert reply.json()["success"] is True and reply.json()["new_role"] == "prefill"
+    info = (await client.get(url + "/server_info")).json()
+    assert info["internal_states"][0]["disaggregation_mode"] == "decode"
+
+
+async def test_native_only_hides_the_extension_routes(cluster, client, clear_faults):
+    url = cluster.decode_urls[0]
+    await client.post(url + "/fault", json={"native_only": True})
+    assert (await client.get(url + "/pd_role")).status_code == 404
+    assert (await client.post(url + "/pd_drain", json={"drain": True})).status_code == 404
+    assert (await client.post(url + "/convert_pd_role", json={})).status_code == 404
+    native = await client.post(url + "/pd_role_switch", json={"new_role": "decode"})
+    assert native.json()["message"] == "already in target role"
+
+
 async def test_unknown_fault_field_is_400(cluster, client):
     response = await client.post(cluster.decode_urls[0] + "/fault", json={"explode": True})
     assert response.status_code == 400
