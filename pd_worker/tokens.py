@@ -34,11 +34,6 @@ def pack_prompt(prompt_ids: Sequence[int]) -> bytes:
     return struct.pack(f"<{len(prompt_ids)}I", *prompt_ids)
 
 
-def unpack_prompt(payload: bytes) -> list[int]:
-    """Inverse of :func:`pack_prompt`."""
-    return list(struct.unpack(f"<{len(payload) // 4}I", payload))
-
-
 def output_ids_from_payload(payload: bytes, n_tokens: int) -> list[int]:
     """The decode's generated token ids: a SHA-256 counter stream seeded by the KV payload."""
     seed = hashlib.sha256(payload).digest()
