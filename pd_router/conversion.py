@@ -39,6 +39,8 @@ DEFAULT_DRAIN_TIMEOUT_SECS = 300.0
 IDLE_POLL_FIRST_SECS = 0.002
 IDLE_POLL_MAX_SECS = 0.05
 HISTORY_SIZE = 200
+STEP_PHASES = ("drain", "switch", "verify")
+PHASES = (*STEP_PHASES, "total")
 
 
 class ConversionRefused(Conflict):
@@ -237,6 +239,19 @@ class ConversionManager:
         self._active: dict[str, Conversion] = {}
         self._history: OrderedDict[str, Conversion] = OrderedDict()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._export_zero_series()
+
+    def _export_zero_series(self) -> None:
+        """Create every conversion series at 0 before the first conversion: a counter series
+        that first appears at 1 is invisible to ``increase()``, so the first failed conversion
+        would neither fire the alert nor mark the dashboard."""
+        for from_role in Role:
+            for outcome in FINAL:
+                self._metrics.conversions_total.labels(
+                    from_role.value, from_role.other.value, outcome.value
+                )
+        for phase in PHASES:
+            self._metrics.conversion_phase_seconds.labels(phase)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -645,7 +660,7 @@ class ConversionManager:
             conv.timings["router_overhead_s"] = (
                 total - conv.timings["drain_s"] - conv.timings["worker_switch_s"]
             )
-        for name in ("drain", "switch", "verify"):
+        for name in STEP_PHASES:
             value = conv.timings.get(f"{name}_s")
             if value is not None:
                 self._metrics.conversion_phase_seconds.labels(name).observe(value)

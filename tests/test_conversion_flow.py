@@ -178,6 +178,18 @@ async def test_conversion_is_counted_and_timed_in_metrics(http):
         assert f'pd_router_conversion_phase_seconds_count{{phase="{phase}"}} 1.0' in text
 
 
+async def test_a_router_that_converted_nothing_exports_every_conversion_series_at_zero(router):
+    async with router.client() as client:
+        text = (await client.get("/metrics")).text
+    outcomes = ("succeeded", "aborted", "drain_timeout", "restored", "failed")
+    for from_role, to_role in (("prefill", "decode"), ("decode", "prefill")):
+        for outcome in outcomes:
+            labels = f'from_role="{from_role}",outcome="{outcome}",to_role="{to_role}"'
+            assert f"pd_router_conversions_total{{{labels}}} 0.0" in text
+    for phase in ("drain", "switch", "verify", "total"):
+        assert f'pd_router_conversion_phase_seconds_count{{phase="{phase}"}} 0.0' in text
+
+
 async def test_mini_lb_pd_role_switch_answers_with_the_worker_reply(http):
     decode = (await pools(http))["decode"][0]
     response = await http.post(

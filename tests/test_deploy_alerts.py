@@ -243,10 +243,12 @@ def test_conversions_failing_counts_rollbacks_but_not_successes_or_aborts(tmp_pa
 
 
 @needs_promtool
-def test_conversions_failing_fires_on_the_first_failure_whose_series_starts_at_one(tmp_path):
+def test_conversions_failing_fires_on_the_first_failure_after_the_series_was_exported_at_zero(
+    tmp_path,
+):
     inputs = [
         series(
-            "pd_router_conversions_total", "_ _ _ 1 1 1 1 1 1 1", from_role="decode",
+            "pd_router_conversions_total", "0 0 0 1 1 1 1 1 1 1", from_role="decode",
             to_role="prefill", outcome="failed",
         ),
     ]  # fmt: skip

@@ -72,17 +72,12 @@ def cluster(module_cluster_factory) -> WorkerCluster:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def prometheus(cluster: WorkerCluster) -> AsyncIterator[httpx.AsyncClient]:
-    """Prometheus (its HTTP API) scraping a router that has served requests and converted
-    a worker there and back."""
-    async with running_router(cluster) as router:
-        async with router.client() as http:
-            for i in range(4):
-                assert (
-                    await http.post("/generate", json=generate_body(f"p {i}"))
-                ).status_code == 200
-            for role in ("decode", "prefill"):
-                body = {"server_url": cluster.prefill_urls[1], "new_role": role}
-                assert (await http.post("/convert_pd_role", json=body)).status_code == 200
+    """Prometheus (its HTTP API) scraping a router that has served requests and, after
+    Prometheus first saw it, converted a worker there and back (as in production, where the
+    router runs under Prometheus before its first conversion)."""
+    async with running_router(cluster) as router, router.client() as http:
+        for i in range(4):
+            assert (await http.post("/generate", json=generate_body(f"p {i}"))).status_code == 200
         with tempfile.TemporaryDirectory(prefix="pd-router-prometheus-") as workdir:
             config = Path(workdir) / "prometheus.yml"
             config.write_text(
@@ -101,6 +96,11 @@ async def prometheus(cluster: WorkerCluster) -> AsyncIterator[httpx.AsyncClient]
                     base_url=f"http://127.0.0.1:{port}", timeout=10.0
                 ) as api:
                     await wait_for_scrapes(api, len(cluster.urls) + 1)
+                    for role in ("decode", "prefill"):
+                        body = {"server_url": cluster.prefill_urls[1], "new_role": role}
+                        response = await http.post("/convert_pd_role", json=body)
+                        assert response.status_code == 200, response.text
+                    await wait_for_conversions_scraped(api, 2)
                     yield api
             finally:
                 process.terminate()
@@ -119,6 +119,15 @@ async def wait_for_scrapes(api: httpx.AsyncClient, targets: int) -> None:
         return len(await query(api, "count_over_time(up[1m]) >= 2")) == targets
 
     await wait_until(scraped, START_TIMEOUT_SECS, "Prometheus scraped every target twice")
+
+
+async def wait_for_conversions_scraped(api: httpx.AsyncClient, count: int) -> None:
+    async def scraped() -> bool:
+        expr = 'sum(pd_router_conversions_total{outcome="succeeded"})'
+        result = await query(api, expr)
+        return bool(result) and float(result[0]["value"][1]) == count
+
+    await wait_until(scraped, START_TIMEOUT_SECS, f"Prometheus scraped {count} conversions")
 
 
 async def query(api: httpx.AsyncClient, expr: str) -> list[dict[str, Any]]:
