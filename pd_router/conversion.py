@@ -47,7 +47,7 @@ class ConversionRefused(Conflict):
     """Refused before anything changed; ``reason`` is a stable code for scripts."""
 
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
+        super().__init__(message, details={"reason": reason})
         self.reason = reason
 
 
@@ -62,7 +62,8 @@ class KnobNotAccepted(BadRequest):
 
     def __init__(self, name: str, worker: Worker) -> None:
         super().__init__(
-            f"{name} is not accepted by the control API of {worker.url} (native /pd_role_switch)"
+            f"{name} is not accepted by the control API of {worker.url} (native /pd_role_switch)",
+            details={"field": name},
         )
         self.field = name
 

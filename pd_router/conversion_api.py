@@ -97,6 +97,14 @@ def _manager(request: web.Request) -> ConversionManager:
     return router_of(request).conversions
 
 
+class InvalidField(BadRequest):
+    """A 400 about one field of the body or query; the reply names it in ``field``."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(message, details={"field": name})
+        self.field = name
+
+
 # --- handlers -------------------------------------------------------------------------------
 
 
@@ -124,10 +132,10 @@ async def pd_role_switch(request: web.Request) -> web.Response:
     _check_known(body, MINI_LB_FIELDS)
     worker_url = body.get("worker_url")
     if not isinstance(worker_url, str) or not worker_url:
-        raise BadRequest("worker_url is required")
+        raise InvalidField("worker_url", "worker_url is required")
     new_role = body.get("new_role")
     if new_role not in ("prefill", "decode"):
-        raise BadRequest(f"invalid new_role={new_role!r}")
+        raise InvalidField("new_role", f"invalid new_role={new_role!r}")
     conversion_request = ConversionRequest(
         worker=worker_url,
         new_role=Role(new_role),
@@ -210,11 +218,11 @@ def parse_convert_body(body: dict[str, Any]) -> ConversionRequest:
     """The router's /convert_pd_role body (PR #9325 shape accepted) as a ConversionRequest."""
     worker = body.get("server_url", body.get("worker_url"))
     if not isinstance(worker, str) or not worker:
-        raise BadRequest("server_url is required")
+        raise InvalidField("server_url", "server_url is required")
     role = _role(body, "new_role")
     alias = _role(body, "disaggregation_mode")
     if role is not None and alias is not None and role is not alias:
-        raise BadRequest("new_role and disaggregation_mode name different roles")
+        raise InvalidField("new_role", "new_role and disaggregation_mode name different roles")
     port = _port(body, "bootstrap_port")
     alias_port = _port(body, "disaggregation_bootstrap_port")
     return ConversionRequest(
@@ -247,7 +255,7 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
 def _check_known(body: dict[str, Any], allowed: frozenset[str]) -> None:
     for name in body:
         if name not in allowed:
-            raise BadRequest(f"unknown field {name!r}")
+            raise InvalidField(name, f"unknown field {name!r}")
 
 
 def _role(body: dict[str, Any], name: str) -> Role | None:
@@ -255,14 +263,14 @@ def _role(body: dict[str, Any], name: str) -> Role | None:
     if value is None:
         return None
     if value not in ("prefill", "decode"):
-        raise BadRequest(f"{name} must be 'prefill' or 'decode'")
+        raise InvalidField(name, f"{name} must be 'prefill' or 'decode'")
     return Role(value)
 
 
 def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
     value = body.get(name, default)
     if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false")
+        raise InvalidField(name, f"{name} must be true or false")
     return value
 
 
@@ -271,7 +279,7 @@ def _number(body: dict[str, Any], name: str) -> float | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise BadRequest(f"{name} must be a non-negative number")
+        raise InvalidField(name, f"{name} must be a non-negative number")
     return float(value)
 
 
@@ -280,7 +288,7 @@ def _port(body: dict[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
-        raise BadRequest(f"{name} must be a port number")
+        raise InvalidField(name, f"{name} must be a port number")
     return value
 
 
@@ -291,7 +299,9 @@ def _graph_bs(body: dict[str, Any]) -> list[int] | None:
     if not isinstance(value, list) or not all(
         isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 for bs in value
     ):
-        raise BadRequest("decode_cuda_graph_bs must be a list of positive integers")
+        raise InvalidField(
+            "decode_cuda_graph_bs", "decode_cuda_graph_bs must be a list of positive integers"
+        )
     return value
 
 
@@ -302,9 +312,9 @@ def _query_int(request: web.Request, name: str, default: int) -> int:
     try:
         value = int(raw)
     except ValueError as exc:
-        raise BadRequest(f"{name} must be an integer") from exc
+        raise InvalidField(name, f"{name} must be an integer") from exc
     if value < 0:
-        raise BadRequest(f"{name} must not be negative")
+        raise InvalidField(name, f"{name} must not be negative")
     return value
 
 

@@ -19,10 +19,17 @@ class RouterError(Exception):
     status = 500
     error_type = "internal_error"
 
-    def __init__(self, message: str, *, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        headers: dict[str, str] | None = None,
+        details: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.headers = headers
+        self.details = details or {}
 
 
 class BadRequest(RouterError):
@@ -96,15 +103,24 @@ REGISTRY_STATUS: dict[type[RegistryError], tuple[int, str]] = {
 }
 
 
-def error_body(status: int, error_type: str, message: str) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": error_type, "code": status}})
+def error_body(
+    status: int, error_type: str, message: str, details: dict[str, str] | None = None
+) -> bytes:
+    """The error object; ``details`` are machine-readable fields (a refusal's ``reason``, the
+    ``field`` a 400 is about) so clients need not parse the message."""
+    error = {"message": message, "type": error_type, "code": status, **(details or {})}
+    return orjson.dumps({"error": error})
 
 
 def json_error(
-    status: int, error_type: str, message: str, headers: dict[str, str] | None = None
+    status: int,
+    error_type: str,
+    message: str,
+    headers: dict[str, str] | None = None,
+    details: dict[str, str] | None = None,
 ) -> web.Response:
     return web.Response(
-        body=error_body(status, error_type, message),
+        body=error_body(status, error_type, message, details),
         status=status,
         content_type="application/json",
         headers=headers,
@@ -114,7 +130,7 @@ def json_error(
 def error_response(exc: Exception) -> web.Response:
     """The HTTP response for any error a handler may raise (the one mapping)."""
     if isinstance(exc, RouterError):
-        return json_error(exc.status, exc.error_type, exc.message, exc.headers)
+        return json_error(exc.status, exc.error_type, exc.message, exc.headers, exc.details)
     if isinstance(exc, RegistryError):
         status, error_type = REGISTRY_STATUS.get(type(exc), (409, "conflict"))
         return json_error(status, error_type, str(exc))

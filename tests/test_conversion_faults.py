@@ -83,7 +83,7 @@ async def test_second_conversion_beyond_the_global_cap_is_refused(http):
     other = (await pools(http))["prefill"][0]
     refused = await convert(http, server_url=other)
     assert refused.status_code == 409
-    assert "the limit is 1" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["reason"] == "too_many_conversions"
     assert (await worker_entry(http, other))["state"] == "active"
     assert (await http.delete(f"/conversions/{started.json()['id']}")).status_code == 200
     assert (await request).status_code == 200

@@ -99,7 +99,7 @@ async def test_two_conversions_at_once_on_the_last_prefills_refuse_one(http):
     statuses = sorted(r.status_code for r in replies)
     assert statuses == [200, 409]
     refused = next(r for r in replies if r.status_code == 409).json()
-    assert "minimum is 1" in refused["error"]["message"]
+    assert refused["error"]["reason"] == "min_prefill"
     assert len((await pools(http))["prefill"]) == 1
 
 
@@ -110,7 +110,7 @@ async def test_two_conversions_at_once_of_one_worker_refuse_the_second(http):
     )
     assert sorted(r.status_code for r in replies) == [200, 409]
     refused = next(r for r in replies if r.status_code == 409).json()
-    assert "already converting" in refused["error"]["message"]
+    assert refused["error"]["reason"] == "already_converting"
     entry = await worker_entry(http, decode)
     assert (entry["role"], entry["state"], entry["epoch"]) == ("prefill", "active", 1)
 
@@ -125,12 +125,17 @@ async def test_converting_the_last_prefill_is_refused_and_changes_nothing(http):
     assert (await http.get("/conversions")).json()["active"] == []
 
 
-async def test_unknown_worker_and_same_role_are_refused_with_409(http):
-    assert (await convert(http, server_url="http://127.0.0.1:1")).status_code == 409
+async def test_unknown_worker_is_refused_with_409(http):
+    response = await convert(http, server_url="http://127.0.0.1:1")
+    assert response.status_code == 409
+    assert response.json()["error"]["reason"] == "unknown_worker"
+
+
+async def test_conversion_to_the_role_the_worker_has_is_refused_with_409(http):
     decode = (await pools(http))["decode"][0]
     response = await convert(http, server_url=decode, new_role="decode")
     assert response.status_code == 409
-    assert "already a decode" in response.json()["error"]["message"]
+    assert response.json()["error"]["reason"] == "already_in_role"
 
 
 async def test_wait_false_answers_202_with_location_of_the_record(http):
@@ -235,13 +240,13 @@ async def test_mini_lb_switch_without_drain_on_a_busy_worker_is_400_and_restores
 async def test_mini_lb_bad_body_is_400_naming_the_field(http, body, field):
     response = await http.post("/pd_role_switch", json=body)
     assert response.status_code == 400
-    assert field in response.json()["error"]["message"]
+    assert response.json()["error"]["field"] == field
 
 
 async def test_unknown_field_in_convert_body_is_400(http):
     response = await convert(http, server_url="http://127.0.0.1:1", colour="blue")
     assert response.status_code == 400
-    assert "colour" in response.json()["error"]["message"]
+    assert response.json()["error"]["field"] == "colour"
 
 
 async def test_restart_knob_of_pr_9325_body_is_refused_naming_it_and_changes_nothing(http):

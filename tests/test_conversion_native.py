@@ -86,7 +86,7 @@ async def test_restart_knob_for_a_native_worker_is_400_before_anything_changes(h
     history = (await http.get("/conversions")).json()["conversions"]
     response = await convert(http, server_url=decode, disable_radix_cache=True)
     assert response.status_code == 400
-    assert "disable_radix_cache" in response.json()["error"]["message"]
+    assert response.json()["error"]["field"] == "disable_radix_cache"
     assert (await http.get("/conversions")).json()["conversions"] == history
     assert (await worker_entry(http, decode))["state"] == "active"
 
