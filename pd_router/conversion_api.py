@@ -187,15 +187,19 @@ async def abort_conversion(request: web.Request) -> web.Response:
 
 
 def mini_lb_reply(conversion: Conversion) -> tuple[int, dict[str, Any]]:
-    """The worker's last switch reply with its status, as mini_lb relays it; a reply in the
-    same shape when the conversion ended before or after the switch call."""
+    """The worker's last switch reply with its status, as mini_lb relays it; a 400 reply in the
+    same shape when the conversion ended before or after the switch call, or the switch call got
+    no reply (mini_lb answers 400 for a lost connection too)."""
     switch_replies = [r for r in conversion.worker_replies if r["call"] != "verify"]
     last = switch_replies[-1] if switch_replies else None
     if conversion.succeeded and last is not None:
         return 200, last["body"]
-    if last is not None and last["status"] is None:
-        return 502, {"success": False, "message": conversion.message}
-    if last is not None and not _reply_succeeded(last) and conversion.status is not Status.ABORTED:
+    if (
+        last is not None
+        and last["status"] is not None
+        and not _reply_succeeded(last)
+        and conversion.status is not Status.ABORTED
+    ):
         return last["status"], last["body"]
     return 400, {
         "success": False,

@@ -183,3 +183,31 @@ async def test_worker_killed_during_the_drain_goes_back_unhealthy(cluster):
         entry = await worker_entry(http, spare.url)
         assert (entry["role"], entry["state"], entry["healthy"]) == ("decode", "active", False)
         await request
+
+
+async def test_mini_lb_switch_of_a_worker_that_dies_is_400_safe_to_restore(cluster):
+    spare = await asyncio.to_thread(cluster.add, "decode")
+    prefill, _ = await live_roles(cluster)
+    async with (
+        running_router(
+            prefill=prefill[:1], decode=[spare.url], conversion={"min_decode": 0}
+        ) as router,
+        router.client() as http,
+    ):
+        endless = {"text": "killed midway", "sampling_params": {"max_new_tokens": 50000}}
+        request = asyncio.create_task(http.post("/generate", json=endless))
+        await wait_for_busy([spare.url])
+        body = {"worker_url": spare.url, "new_role": "prefill"}
+        switch = asyncio.create_task(http.post("/pd_role_switch", json=body))
+
+        async def draining() -> bool:
+            return bool((await http.get("/conversions")).json()["active"])
+
+        await wait_until(draining, within=10.0, what="the mini_lb call started a conversion")
+        await asyncio.to_thread(cluster.kill, spare.url)
+        response = await switch
+        assert response.status_code == 400, response.text
+        reply = response.json()
+        assert (reply["success"], reply["safe_to_restore"]) == (False, True)
+        assert (reply["old_role"], reply["new_role"]) == ("decode", "prefill")
+        await request
