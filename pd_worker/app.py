@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
 from pd_worker import metrics, openai_api
 from pd_worker.config import WorkerConfig
-from pd_worker.control import EngineBackend
+from pd_worker.control import EngineBackend, check_switch_body, tokenizer_switch
 from pd_worker.engine import Engine
 from pd_worker.errors import (
     BadRequest,
@@ -430,23 +430,22 @@ async def _stream_openai(
 async def pd_role_switch(request: web.Request) -> web.Response:
     """Native switch, routed through the extension so its epoch counts the change.
 
-    Bodies the extension refuses for their role (missing or invalid ``new_role``), calls during
-    a running switch and ``prepare_only`` checks (which never change the role) get the native
-    reply, so the messages stay SGLang's.
+    The body is validated as FastAPI validates SGLang's request type. Bodies the extension
+    refuses for their role (no ``new_role``), calls during a running switch and
+    ``prepare_only`` checks (which never change the role) get the native reply, so the messages
+    stay SGLang's.
     """
     _require_admin(request)
     state = request.app[WORKER]
-    body = await _body(request)
-    if state.engine.switch_in_progress or (isinstance(body, dict) and body.get("prepare_only")):
-        return _native_switch_reply(
-            await state.engine.switch_role(body if isinstance(body, dict) else {})
-        )
+    body = check_switch_body(await _body(request))
+    if state.engine.switch_in_progress or body.get("prepare_only"):
+        return _native_switch_reply(await tokenizer_switch(state.engine, body))
     try:
         status, reply = await state.extension.switch(body)
     except ExtensionError as exc:
-        if exc.body.get("field") != "new_role" or not isinstance(body, dict):
+        if exc.body.get("field") != "new_role":
             raise
-        return _native_switch_reply(await state.engine.switch_role(body))
+        return _native_switch_reply(await tokenizer_switch(state.engine, body))
     return _json(reply, status)
 
 

@@ -46,6 +46,16 @@ class BadRequest(WorkerError):
     """A malformed or unsupported request body (SGLang's ValueError path)."""
 
 
+class InvalidBody(WorkerError):
+    """A body that does not fit the route's request type (FastAPI's validation on SGLang, which
+    SGLang answers 400 in the ErrorResponse shape with the status phrase as ``type``)."""
+
+    openai_shape = True
+
+    def error_type(self, openai_route: bool) -> str:
+        return HTTPStatus(self.status).phrase
+
+
 class NotFound(WorkerError):
     """A route that exists only when enabled (``/fault`` without ``--enable-faults``)."""
 

@@ -55,7 +55,7 @@ async def test_switch_is_refused_without_the_flag(cluster_factory, client):
     assert status == 400
     assert reply == {
         "success": False,
-        "message": "--enable-pd-role-switch is not set on this instance",
+        "message": "--enable-pd-role-switch is not set on this server",
         "old_role": "prefill",
         "new_role": "decode",
         "safe_to_restore": True,
@@ -71,15 +71,21 @@ def cluster(module_cluster_factory):
     return module_cluster_factory(prefill=2, decode=1)
 
 
-@pytest.mark.parametrize(
-    ("new_role", "message"),
-    [("sideways", "invalid new_role='sideways'"), (None, "invalid new_role=''")],
-)
-async def test_invalid_role_is_rejected_safely(cluster, client, new_role, message):
-    body = {} if new_role is None else {"new_role": new_role}
-    status, reply = await switch(client, cluster.prefill_urls[0], **body)
+async def test_missing_role_reaches_the_scheduler_and_is_rejected_safely(cluster, client):
+    status, reply = await switch(client, cluster.prefill_urls[0])
     assert status == 400
-    assert reply["message"] == message and reply["safe_to_restore"] is True
+    assert reply["message"] == "invalid new_role=''" and reply["safe_to_restore"] is True
+
+
+@pytest.mark.parametrize("new_role", ["sideways", "Decode", 5])
+async def test_role_outside_the_request_type_fails_validation_with_400(cluster, client, new_role):
+    status, reply = await switch(client, cluster.prefill_urls[0], new_role=new_role)
+    assert status == 400
+    assert (reply["object"], reply["type"], reply["code"]) == ("error", "Bad Request", 400)
+    assert "new_role" in reply["message"]
+    assert (await internal_state(client, cluster.prefill_urls[0]))["disaggregation_mode"] == (
+        "prefill"
+    )
 
 
 async def test_same_role_is_success_without_epoch_change(cluster, client):
@@ -87,7 +93,8 @@ async def test_same_role_is_success_without_epoch_change(cluster, client):
     epoch = (await client.get(url + "/pd_role")).json()["epoch"]
     status, reply = await switch(client, url, new_role="decode")
     assert status == 200
-    assert reply["success"] is True and reply["message"] == "already in target role"
+    assert reply["success"] is True and reply["message"] == "ok"
+    assert (reply["old_role"], reply["new_role"]) == ("decode", "decode")
     assert (await client.get(url + "/pd_role")).json()["epoch"] == epoch
 
 
