@@ -4,7 +4,6 @@ upstream leg and a conversion have given every counter and histogram its series.
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
+from dashboard_helpers import dashboard_queries, load_dashboard
 from router_helpers import fault, generate_body, running_router
 
 yaml = pytest.importorskip("yaml", reason="PyYAML (test extra) parses the alert rules")
@@ -20,7 +20,6 @@ yaml = pytest.importorskip("yaml", reason="PyYAML (test extra) parses the alert 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-DASHBOARD = CONFIGS / "grafana" / "dashboards" / "pd-router.json"
 ALERTS = CONFIGS / "alerts.yml"
 
 PROMQL_WORDS = frozenset(
@@ -65,17 +64,6 @@ def families_with_samples(exposition: str) -> set[str]:
         if not family.endswith("_created")
         and any(s == family or s.startswith(family + "_") for s in samples)
     }
-
-
-def dashboard_queries() -> Iterator[tuple[str, str]]:
-    """(where, expr) for every panel target and every annotation query of the dashboard."""
-    dashboard = json.loads(DASHBOARD.read_text())
-    for panel in dashboard["panels"]:
-        for target in panel.get("targets", []):
-            yield f"panel {panel['title']!r} {target['refId']}", target["expr"]
-    for annotation in dashboard["annotations"]["list"]:
-        if "expr" in annotation:
-            yield f"annotation {annotation['name']!r}", annotation["expr"]
 
 
 def alert_queries() -> Iterator[tuple[str, str]]:
@@ -144,7 +132,7 @@ async def test_traffic_gave_every_router_counter_and_histogram_a_series(exported
 
 
 async def test_every_grafana_query_uses_metrics_a_live_router_or_worker_exports(exported):
-    assert unknown_names(dashboard_queries(), exported) == []
+    assert unknown_names(dashboard_queries(load_dashboard()), exported) == []
 
 
 async def test_every_alert_rule_uses_metrics_a_live_router_or_worker_exports(exported):
@@ -152,14 +140,14 @@ async def test_every_alert_rule_uses_metrics_a_live_router_or_worker_exports(exp
 
 
 async def test_dashboard_shows_every_router_metric_that_has_data(exported):
-    used = {name for _, expr in dashboard_queries() for name in metric_names(expr)}
+    used = {name for _, expr in dashboard_queries(load_dashboard()) for name in metric_names(expr)}
     used_families = {re.sub(r"_(bucket|sum|count)$", "", name) for name in used}
     missing = families_with_samples(exported.router) - used_families
     assert missing == set()
 
 
 async def test_dashboard_shows_sglang_worker_metrics(exported):
-    used = {name for _, expr in dashboard_queries() for name in metric_names(expr)}
+    used = {name for _, expr in dashboard_queries(load_dashboard()) for name in metric_names(expr)}
     worker_names = sample_names(exported.worker)
     assert {"sglang:num_running_reqs", "sglang:num_queue_reqs", "sglang:token_usage"} <= (
         used & worker_names

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from dashboard_helpers import count_expr_keys, dashboard_queries, load_dashboard
 
 from pd_router.cli import config_from_argv
 
@@ -305,3 +306,34 @@ def wait_for_server_info(url: str, process: subprocess.Popen) -> dict[str, Any]:
                 pass
             time.sleep(0.05)
     raise AssertionError(f"worker at {url} not healthy (exit code {process.poll()})")
+
+
+def test_query_walker_finds_every_expr_of_the_shipped_dashboard():
+    dashboard = load_dashboard()
+    found = [w for w, _ in dashboard_queries(dashboard) if not w.startswith("variable ")]
+    assert len(found) == count_expr_keys(dashboard)
+
+
+def test_query_walker_reads_nested_row_panels_annotations_and_query_variables():
+    dashboard = {
+        "annotations": {"list": [{"name": "marks", "expr": "a_total"}]},
+        "templating": {
+            "list": [
+                {"name": "ds", "type": "datasource", "query": "prometheus"},
+                {"name": "worker", "type": "query", "query": "label_values(b_state, worker)"},
+                {"name": "role", "type": "query", "query": {"query": "label_values(role)"}},
+                {"name": "top", "type": "query", "query": {"query": "query_result(topk(1, c))"}},
+            ]
+        },
+        "panels": [
+            {"title": "open", "targets": [{"refId": "A", "expr": "d"}]},
+            {
+                "title": "collapsed row",
+                "type": "row",
+                "panels": [{"title": "inner", "targets": [{"refId": "A", "expr": "e"}]}],
+            },
+        ],
+    }
+    assert sorted(expr for _, expr in dashboard_queries(dashboard)) == [
+        "a_total", "b_state", "d", "e", "topk(1, c)"
+    ]  # fmt: skip

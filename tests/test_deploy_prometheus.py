@@ -5,7 +5,6 @@ cluster."""
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import tempfile
 import time
@@ -16,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from dashboard_helpers import dashboard_queries, load_dashboard
 from router_helpers import generate_body, running_router, wait_until
 
 from pd_worker.cluster import WorkerCluster, free_port
@@ -33,19 +33,14 @@ pytestmark = [
 ]
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-DASHBOARD = CONFIGS / "grafana" / "dashboards" / "pd-router.json"
 RATE_INTERVAL = "10s"  # what Grafana puts in $__rate_interval at a 1 s scrape interval
 START_TIMEOUT_SECS = 30.0
 
 
-def dashboard_queries() -> Iterator[tuple[str, str]]:
-    dashboard = json.loads(DASHBOARD.read_text())
-    for panel in dashboard["panels"]:
-        for target in panel.get("targets", []):
-            yield panel["title"], target["expr"].replace("$__rate_interval", RATE_INTERVAL)
-    for annotation in dashboard["annotations"]["list"]:
-        if "expr" in annotation:
-            yield f"annotation {annotation['name']}", annotation["expr"]
+def live_queries() -> Iterator[tuple[str, str]]:
+    """Every dashboard query as Grafana sends it at a 1 s scrape interval."""
+    for where, expr in dashboard_queries(load_dashboard()):
+        yield where, expr.replace("$__rate_interval", RATE_INTERVAL)
 
 
 def prometheus_config(router: str, workers: list[str]) -> dict[str, Any]:
@@ -140,7 +135,7 @@ async def query(api: httpx.AsyncClient, expr: str) -> list[dict[str, Any]]:
 
 async def test_every_dashboard_query_evaluates_on_live_data(prometheus):
     failures = []
-    for title, expr in dashboard_queries():
+    for title, expr in live_queries():
         try:
             await query(prometheus, expr)
         except AssertionError as exc:
@@ -172,7 +167,8 @@ async def test_every_alert_rule_evaluates_without_error_and_none_fires(prometheu
 
 
 async def test_pool_size_panel_shows_two_prefill_and_two_decode(prometheus):
-    result = await query(prometheus, "sum by (role) (pd_router_pool_size)")
+    (expr,) = [e for where, e in live_queries() if where.startswith("panel 'Pool sizes' ")]
+    result = await query(prometheus, expr)
     assert {r["metric"]["role"]: float(r["value"][1]) for r in result} == {
         "prefill": 2.0,
         "decode": 2.0,
@@ -180,7 +176,7 @@ async def test_pool_size_panel_shows_two_prefill_and_two_decode(prometheus):
 
 
 async def test_worker_role_panel_maps_each_worker_to_its_role(prometheus, cluster):
-    (expr,) = [e for title, e in dashboard_queries() if title == "Worker role"]
+    (expr,) = [e for where, e in live_queries() if where.startswith("panel 'Worker role' ")]
     result = await query(prometheus, expr)
     roles = {r["metric"]["worker"]: float(r["value"][1]) for r in result}
     assert roles == {
@@ -190,7 +186,7 @@ async def test_worker_role_panel_maps_each_worker_to_its_role(prometheus, cluste
 
 
 async def test_conversion_annotation_marks_the_conversions_just_made(prometheus):
-    (expr,) = [e for title, e in dashboard_queries() if title == "annotation Conversions"]
+    (expr,) = [e for where, e in live_queries() if where == "annotation Conversions"]
     result = await query(prometheus, expr)
     directions = {(r["metric"]["from_role"], r["metric"]["to_role"]) for r in result}
     assert directions == {("prefill", "decode"), ("decode", "prefill")}
