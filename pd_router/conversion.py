@@ -673,8 +673,10 @@ class ConversionManager:
         logger.info("conversion %s: %s in %.3fs (%s)", conv.id, conv.status, total, conv.message)
 
     async def _decode_peer_params(self, conv: Conversion) -> dict[str, Any]:
-        """Decode graph parameters of a decode peer, fetched while the drain runs."""
-        if conv.to_role is not Role.DECODE or conv.request.decode_cuda_graph_memory_gb is not None:
+        """Decode graph parameters of a decode peer, fetched while the drain runs, for the ones
+        the caller did not give (it may give one and take the other from the peer)."""
+        given = (conv.request.decode_cuda_graph_bs, conv.request.decode_cuda_graph_memory_gb)
+        if conv.to_role is not Role.DECODE or None not in given:
             return {}
         for peer in self._registry.selectable(Role.DECODE):
             try:

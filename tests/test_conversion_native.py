@@ -119,3 +119,36 @@ async def test_native_worker_busy_with_another_routers_traffic_is_switched_once_
     assert switch_calls[0]["body"]["safe_to_restore"] is True
     assert switch_calls[-1]["body"]["success"] is True
     assert decode_reply.status_code == 200 and prefill_reply.status_code == 200
+
+
+async def live_graph_batch_sizes(url: str) -> list[int] | None:
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        info = (await client.get(url + "/server_info")).json()
+    return info["internal_states"][0]["decode_cuda_graph_bs"]
+
+
+async def test_graph_batch_sizes_come_from_the_peer_when_only_the_memory_is_given(cluster):
+    """Two fresh prefills (no decode graphs captured yet): the first becomes a decode with the
+    caller's batch sizes, the second is given only the memory and takes the sizes from it."""
+    fresh = [await asyncio.to_thread(cluster.add, "prefill") for _ in range(2)]
+    first, second = (worker.url for worker in fresh)
+    custom = [1, 3, 5]
+    try:
+        for url in (first, second):
+            await fault(url, native_only=True)
+        async with (
+            running_router(
+                prefill=[first, second], decode=[], conversion={"min_prefill": 0, "min_decode": 0}
+            ) as router,
+            router.client() as http,
+        ):
+            response = await convert(
+                http, server_url=first, decode_cuda_graph_bs=custom, decode_cuda_graph_memory_gb=0.5
+            )
+            assert response.status_code == 200, response.text
+            response = await convert(http, server_url=second, decode_cuda_graph_memory_gb=0.25)
+            assert response.status_code == 200, response.text
+        assert await live_graph_batch_sizes(second) == custom
+    finally:
+        for url in (first, second):
+            await asyncio.to_thread(cluster.kill, url)
