@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conversion_helpers import (
     conversion_status,
@@ -63,6 +64,32 @@ async def test_abort_during_drain_returns_the_worker_to_its_old_pool(http):
     entry = await worker_entry(http, busy)
     assert (entry["role"], entry["state"], entry["epoch"]) == ("decode", "active", 0)
     assert (await worker_role(busy))["draining"] is False
+    assert (await request).status_code == 200
+
+
+async def sample(http, name: str, **labels: str) -> float | None:
+    """One sample of the router's /metrics, None when the series does not exist."""
+    text = (await http.get("/metrics")).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return None
+
+
+async def test_pool_size_worker_state_and_outcome_follow_a_drain_and_its_abort(http):
+    request, busy = await start_long_request_on_a_decode(http)
+    decodes = await sample(http, "pd_router_pool_size", role="decode")
+    started = await convert(http, server_url=busy, wait=False)
+    assert await sample(http, "pd_router_worker_state", worker=busy, state="draining") == 1.0
+    assert await sample(http, "pd_router_worker_state", worker=busy, state="active") == 0.0
+    assert await sample(http, "pd_router_pool_size", role="decode") == decodes - 1
+    assert (await http.delete(f"/conversions/{started.json()['id']}")).status_code == 200
+    assert await sample(http, "pd_router_worker_state", worker=busy, state="draining") == 0.0
+    assert await sample(http, "pd_router_worker_state", worker=busy, state="active") == 1.0
+    assert await sample(http, "pd_router_pool_size", role="decode") == decodes
+    outcome = {"from_role": "decode", "to_role": "prefill", "outcome": "aborted"}
+    assert await sample(http, "pd_router_conversions_total", **outcome) == 1.0
     assert (await request).status_code == 200
 
 
