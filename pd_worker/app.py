@@ -24,6 +24,7 @@ from pd_worker.control import EngineBackend, check_switch_body, tokenizer_switch
 from pd_worker.engine import Engine
 from pd_worker.errors import (
     BadRequest,
+    ContractError,
     InjectedFault,
     NotAdmitting,
     NotFound,
@@ -319,8 +320,16 @@ def _validate(engine: Engine, items: list[GenItem]) -> None:
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[WORKER]
     await _admit(state)
-    items, batch, stream = parse_generate(await _body(request))
-    _validate(state.engine, items)
+    body = await _body(request)
+    try:
+        items, batch, stream = parse_generate(body)
+        _validate(state.engine, items)
+    except ContractError:
+        raise
+    except BadRequest as exc:
+        if not (isinstance(body, dict) and body.get("stream") is True):
+            raise
+        return await _stream_rejection(request, exc)
     started = time.monotonic()
     if stream:
         return await _stream_generate(request, state, items, batch, started)
@@ -358,13 +367,29 @@ async def _stream_generate(
         aborted = abort_progress(latest.get(index, Progress()), exc.message, int(exc.status))
         await _send(response, _event(items, index, aborted, batch, started))
     except BadRequest as exc:
-        error = {
+        await _send(response, _stream_error_event(exc))
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def _stream_error_event(exc: BadRequest) -> dict[str, Any]:
+    """The event SGLang's streaming ``/generate`` sends for a request error, before [DONE]."""
+    return {
+        "error": {
             "message": exc.message,
             "type": "invalid_request_error",
             "code": 400,
             "retryable": False,
         }
-        await _send(response, {"error": error})
+    }
+
+
+async def _stream_rejection(request: web.Request, exc: BadRequest) -> web.StreamResponse:
+    """A streaming ``/generate`` refused by a check SGLang makes only once the stream is open:
+    200, the error event, then [DONE]."""
+    response = await _open_sse(request)
+    await _send(response, _stream_error_event(exc))
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response

@@ -46,6 +46,18 @@ class BadRequest(WorkerError):
     """A malformed or unsupported request body (SGLang's ValueError path)."""
 
 
+class ContractError(BadRequest):
+    """A ``/generate`` body that breaks SGLang's API schema (a field of the wrong type). SGLang's
+    contract gate answers it before any stream opens, with the violation as a plain string
+    (``{"error": "..."}``); the other request errors of a streaming ``/generate`` arrive as an
+    error event in a 200 stream, since SGLang finds them only while generating."""
+
+    def body(self, openai_route: bool) -> dict[str, Any]:
+        if openai_route:
+            return super().body(openai_route)
+        return {"error": self.message}
+
+
 class InvalidBody(WorkerError):
     """A body that does not fit the route's request type (FastAPI's validation on SGLang, which
     SGLang answers 400 in the ErrorResponse shape with the status phrase as ``type``)."""

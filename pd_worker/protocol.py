@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pd_worker.errors import BadRequest
+from pd_worker.errors import BadRequest, ContractError
 from pd_worker.requests import GenItem, Progress
 from pd_worker.tokens import tokenize
 
@@ -30,7 +30,7 @@ def new_rid() -> str:
 def parse_generate(body: Any) -> tuple[list[GenItem], bool, bool]:
     """Items of a ``/generate`` body, whether it is a batch, and whether it streams."""
     if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
+        raise ContractError("request body must be a JSON object")
     prompts, batch = _prompts(body)
     n = _sampling_n(prompts)
     batch = batch or n > 1
@@ -63,7 +63,7 @@ def item_rids(rid: Any, prompts: int, n: int, batch: bool) -> list[str]:
             )
         rids = list(rid)
     else:
-        raise BadRequest("The rid should be a string or a list of strings.")
+        raise ContractError("The rid should be a string or a list of strings.")
     duplicates = sorted({r for r in rids if rids.count(r) > 1})
     if duplicates:
         raise BadRequest(f"Duplicate request IDs detected within the request: {duplicates}")
@@ -98,20 +98,20 @@ def _rooms(room: Any, total: int) -> list[Any]:
 
 def _item(prompt: Prompt, rid: str, host: Any, port: Any, room: Any, logprob: Any) -> GenItem:
     if host is not None and not isinstance(host, str):
-        raise BadRequest("bootstrap_host must be a string")
+        raise ContractError("bootstrap_host must be a string")
     for name, value, high in (("bootstrap_port", port, 65535), ("bootstrap_room", room, MAX_ROOM)):
         if value is not None and not (
             isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= high
         ):
-            raise BadRequest(f"{name} must be an integer in 0..{high}")
+            raise ContractError(f"{name} must be an integer in 0..{high}")
     sampling = prompt.sampling
     stop = sampling.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else stop
     stop_ids = sampling.get("stop_token_ids") or ()
     if not all(isinstance(s, str) for s in stop):
-        raise BadRequest("stop must be a string or a list of strings")
+        raise ContractError("stop must be a string or a list of strings")
     if not all(isinstance(t, int) for t in stop_ids):
-        raise BadRequest("stop_token_ids must be a list of integers")
+        raise ContractError("stop_token_ids must be a list of integers")
     return GenItem(
         rid=rid,
         prompt_ids=prompt.ids,
@@ -130,7 +130,7 @@ def _max_new_tokens(sampling: dict[str, Any]) -> int:
     if value is None:
         return DEFAULT_MAX_NEW_TOKENS
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise BadRequest("max_new_tokens must be a non-negative integer")
+        raise ContractError("max_new_tokens must be a non-negative integer")
     return value
 
 
@@ -142,16 +142,16 @@ def _prompts(body: dict[str, Any]) -> tuple[list[Prompt], bool]:
         batch = isinstance(text, list)
         texts = text if batch else [text]
         if not texts or not all(isinstance(t, str) for t in texts):
-            raise BadRequest("text must be a string or a non-empty list of strings")
+            raise ContractError("text must be a string or a non-empty list of strings")
         ids_list = [tokenize(t) for t in texts]
     else:
         batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
         ids_list = input_ids if batch else [input_ids]
         if not all(_is_id_list(ids) for ids in ids_list):
-            raise BadRequest("input_ids must be a list of integers or a list of such lists")
+            raise ContractError("input_ids must be a list of integers or a list of such lists")
     sampling = _per_item(body.get("sampling_params") or {}, len(ids_list), "sampling_params")
     if not all(isinstance(s, dict) for s in sampling):
-        raise BadRequest("sampling_params must be an object or a list of objects")
+        raise ContractError("sampling_params must be an object or a list of objects")
     return [Prompt(list(ids), s) for ids, s in zip(ids_list, sampling, strict=True)], batch
 
 
@@ -169,7 +169,7 @@ def _sampling_n(prompts: list[Prompt]) -> int:
         raise BadRequest("sampling_params.n must be the same for every prompt")
     n = values.pop()
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise BadRequest("sampling_params.n must be a positive integer")
+        raise ContractError("sampling_params.n must be a positive integer")
     return n
 
 

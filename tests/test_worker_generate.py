@@ -303,28 +303,58 @@ async def test_chat_stream_announces_role_then_content_deltas(pd_cluster, client
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-@pytest.mark.parametrize(
-    ("body", "fragment"),
-    [
-        ({}, "Either text or input_ids"),
-        ({"text": "x", "input_ids": [1]}, "Either text or input_ids"),
-        ({"text": 5}, "text must be"),
-        ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
-        ({"text": ["a", "b"], "bootstrap_room": [1]}, "bootstrap_room has 1 entries for 2 items"),
-        ({"text": ["a", "b"], "rid": ["r"]}, "rids length mismatch with the batch_size"),
-        ({"text": ["a", "b"], "rid": ["r", "r"]}, "Duplicate request IDs"),
-        ({"text": ["a", "b"], "rid": 7}, "The rid should be a string or a list of strings"),
-        ({"text": "a", "rid": ["r"]}, "The rid should be a string for a single request"),
-        ({"text": "a", "bootstrap_port": 70000, "bootstrap_room": 1}, "bootstrap_port must be"),
-        ({"input_ids": [2**40]}, "input_ids must be"),
-        ({"text": "a", "bootstrap_room": 5}, "bootstrap_host and bootstrap_port are required"),
-    ],
-)
-async def test_invalid_generate_body_is_400_with_error_message(pd_cluster, client, body, fragment):
+# Errors SGLang finds while generating (ValueError in GenerateReqInput's normalization or the
+# tokenizer manager's checks): 400 {"error": {"message"}}, or an error event in a 200 stream.
+REQUEST_ERRORS = [
+    ({}, "Either text or input_ids"),
+    ({"text": "x", "input_ids": [1]}, "Either text or input_ids"),
+    ({"text": ["a", "b"], "bootstrap_room": [1]}, "bootstrap_room has 1 entries for 2 items"),
+    ({"text": ["a", "b"], "rid": ["r"]}, "rids length mismatch with the batch_size"),
+    ({"text": ["a", "b"], "rid": ["r", "r"]}, "Duplicate request IDs"),
+    ({"text": "a", "rid": ["r"]}, "The rid should be a string for a single request"),
+    ({"text": "a", "bootstrap_room": 5}, "bootstrap_host and bootstrap_port are required"),
+]
+# Fields of the wrong type, refused by SGLang's contract gate before any stream opens:
+# 400 {"error": "<violation>"}.
+CONTRACT_ERRORS = [
+    ({"text": 5}, "text must be"),
+    ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"text": ["a", "b"], "rid": 7}, "The rid should be a string or a list of strings"),
+    ({"text": "a", "bootstrap_port": 70000, "bootstrap_room": 1}, "bootstrap_port must be"),
+    ({"input_ids": [2**40]}, "input_ids must be"),
+]
+
+
+@pytest.mark.parametrize(("body", "fragment"), REQUEST_ERRORS)
+async def test_request_error_is_400_with_error_message(pd_cluster, client, body, fragment):
     _, decode, _ = ports(pd_cluster)
     response = await client.post(decode + "/generate", json=body)
     assert response.status_code == 400
     assert fragment in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(("body", "fragment"), REQUEST_ERRORS)
+async def test_request_error_of_a_stream_is_an_error_event_then_done(
+    pd_cluster, client, body, fragment
+):
+    _, decode, _ = ports(pd_cluster)
+    status, events = await stream_post(client, decode + "/generate", dict(body, stream=True))
+    assert status == 200
+    assert events[-1] == "[DONE]" and len(events) == 2
+    error = orjson.loads(events[0])["error"]
+    assert fragment in error["message"]
+    assert (error["code"], error["retryable"]) == (400, False)
+
+
+@pytest.mark.parametrize(("body", "fragment"), CONTRACT_ERRORS)
+@pytest.mark.parametrize("stream", [False, True])
+async def test_wrong_field_type_is_400_before_any_stream(
+    pd_cluster, client, body, fragment, stream
+):
+    _, decode, _ = ports(pd_cluster)
+    response = await client.post(decode + "/generate", json=dict(body, stream=stream))
+    assert response.status_code == 400
+    assert fragment in response.json()["error"]
 
 
 async def test_malformed_json_is_400(pd_cluster, client):
