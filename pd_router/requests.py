@@ -34,6 +34,15 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+# The strings pydantic's lax mode (SGLang's request models) reads as booleans.
+TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
+
+# Most items (prompts x samples) one request may fan out to: each gets a bootstrap room the
+# router draws and serialises, so a huge ``n`` would stall the router before any worker saw it.
+MAX_BATCH_ITEMS = 65536
+
+
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -43,18 +52,28 @@ def check_optional(body: dict[str, Any], key: str, kind: type, what: str) -> Non
     value = body.get(key)
     if value is None:
         return
-    ok = (
-        isinstance(value, bool)
-        if kind is bool
-        else (isinstance(value, kind) and not isinstance(value, bool))
-    )
-    if not ok:
+    if not isinstance(value, kind) or isinstance(value, bool):
         raise BadRequest(f"'{key}' must be {what}, got {type(value).__name__}")
+
+
+def normalize_bool(body: dict[str, Any], key: str) -> None:
+    """Replace ``body[key]`` by the boolean SGLang would read it as (pydantic's lax rules:
+    ``1``, ``"true"``, ``"yes"``... are true), so the router streams or merges exactly when the
+    worker does; BadRequest for a value SGLang would reject."""
+    value = body.get(key)
+    if value is None or isinstance(value, bool):
+        return
+    if is_int(value) and value in (0, 1):
+        body[key] = bool(value)
+    elif isinstance(value, str) and value.lower() in TRUE_WORDS | FALSE_WORDS:
+        body[key] = value.lower() in TRUE_WORDS
+    else:
+        raise BadRequest(f"'{key}' must be a boolean, got {type(value).__name__} {value!r}")
 
 
 def check_common(body: dict[str, Any]) -> None:
     """Fields every generation endpoint shares."""
-    check_optional(body, "stream", bool, "a boolean")
+    normalize_bool(body, "stream")
     rid = body.get("rid")
     if rid is not None and not (
         isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
@@ -99,6 +118,11 @@ Items = tuple[int | None, int]
 
 def scaled(batch: int | None, n: int) -> Items:
     """Items of a batch of ``batch`` prompts with ``n`` samples each."""
+    if (batch or 1) * n > MAX_BATCH_ITEMS:
+        raise BadRequest(
+            f"a request may fan out to at most {MAX_BATCH_ITEMS} items (prompts x n), "
+            f"got {batch or 1} x {n}"
+        )
     if n > 1:
         return (batch or 1) * n, n
     return batch, n
@@ -107,7 +131,7 @@ def scaled(batch: int | None, n: int) -> Items:
 def generate_items(body: dict[str, Any]) -> Items:
     """Items of a native /generate request."""
     check_common(body)
-    check_optional(body, "return_logprob", bool, "a boolean")
+    normalize_bool(body, "return_logprob")
     if body.get("text") is not None:
         batch = string_list_kind(body["text"], "text")
     elif body.get("input_ids") is not None:

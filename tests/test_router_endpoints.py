@@ -109,6 +109,13 @@ async def test_generate_stream_relays_events_until_done(http):
     assert events[-2]["text"] == expected_text("stream me", TOKENS)
 
 
+async def test_stream_given_as_the_string_true_is_streamed(http):
+    response = await http.post("/generate", json=generate_body("lax flag", TOKENS, stream="true"))
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert sse_events(response.text)[-1] == "[DONE]"
+
+
 async def test_batch_stream_relays_every_item(http):
     prompts = ["one", "two"]
     response = await http.post("/generate", json=generate_body(prompts, TOKENS, stream=True))

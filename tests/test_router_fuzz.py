@@ -23,13 +23,13 @@ WRONG_VALUES: dict[str, list[Any]] = {
     "text": [5, [], {}, [1], True, 3.5, [None], ["a", 1]],
     "input_ids": ["x", [], {}, [[]], [["a"]], True, [True], [1.5]],
     "sampling_params": ["x", 5, [1], True],
-    "stream": ["yes", 1, [], {}],
-    "return_logprob": ["no", 1, [], {}],
+    "stream": ["maybe", 2, [], {}],
+    "return_logprob": ["nope", -1, [], {}],
     "rid": [5, [1], {}, True],
     "prompt": [5, [], {}, [None], True, [["a"]], [1.5]],
     "messages": ["x", [], [1], {}, 5, ["a"]],
     "model": [5, [], {}, True],
-    "n": [0, -3, "2", 1.5, True],
+    "n": [0, -3, "2", 1.5, True, 10**9],
 }
 KEYS_OF = {
     "/generate": ["text", "input_ids", "sampling_params", "stream", "return_logprob", "rid"],

@@ -100,3 +100,41 @@ def test_rids_the_router_assigns_and_aborts_by():
     assert router_rid(GENERATE, "r1", 4, 4) == (None, [])
     assert router_rid(COMPLETIONS, "r1", 2, 1) == ("r1", ["r1_0", "r1_1"])
     assert router_rid(CHAT, "r1", None, 1) == ("r1", ["r1"])
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [(1, True), (0, False), ("true", True), ("No", False), ("yes", True)]
+)
+def test_stream_flag_is_read_as_sglang_reads_it(value, expected):
+    body = {"text": "x", "stream": value}
+    generate_items(body)
+    assert body["stream"] is expected
+
+
+@pytest.mark.parametrize("value", [2, -1, "maybe", 1.5, [], {}])
+def test_stream_flag_sglang_would_reject_is_a_bad_request(value):
+    with pytest.raises(BadRequest):
+        generate_items({"text": "x", "stream": value})
+
+
+def test_return_logprob_string_is_normalized_to_a_boolean():
+    body = {"text": "x", "return_logprob": "false"}
+    generate_items(body)
+    assert body["return_logprob"] is False
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"text": "x", "sampling_params": {"n": 10**8}},
+        {"text": ["a"] * 300, "sampling_params": {"n": 300}},
+    ],
+)
+def test_fan_out_beyond_the_item_limit_is_a_bad_request(body):
+    with pytest.raises(BadRequest, match="at most"):
+        generate_items(body)
+
+
+def test_huge_n_on_completions_is_a_bad_request():
+    with pytest.raises(BadRequest, match="at most"):
+        completion_items({"prompt": "x", "n": 10**9})
