@@ -6,6 +6,10 @@ of a worker decides at once (at start-up an unreachable worker is registered unh
 picked up when it comes up). A prefill whose bootstrap port is unknown gets it from its
 ``/server_info`` before it counts as healthy. Workers in the middle of a role switch are left to
 the conversion manager.
+
+A worker that turns healthy may be a restarted process: SGLang comes back in the role it was
+launched with, which is not the pool a conversion put it in. So before it counts as healthy its
+live role is read, and a worker in the wrong pool is moved (with its bootstrap port) first.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import aiohttp
 import orjson
 
 from pd_router.config import HealthConfig
+from pd_router.control import ControlError, WorkerControl
 from pd_router.workers import DEFAULT_BOOTSTRAP_PORT, Role, Worker, WorkerRegistry, WorkerState
 
 log = logging.getLogger("pd_router.health")
@@ -91,11 +96,40 @@ class HealthMonitor:
             and ok
             and (first or record.successes >= self._config.success_threshold)
         ):
+            error = await self._adopt_live_role(worker)
+            if error is not None:
+                worker.last_error = error
+                return False
             log.info("worker healthy", extra={"worker": worker.url})
             self._registry.set_health(worker, True)
         elif not ok and error is not None:
             worker.last_error = error
         return worker.healthy
+
+    async def _adopt_live_role(self, worker: Worker) -> str | None:
+        """Put a recovering ACTIVE worker in the pool of the role it reports (``/pd_role``, else
+        ``/server_info``); returns an error when the role cannot be read (it stays unhealthy).
+        A worker that reports no role (no PD support) stays where it was registered."""
+        if worker.state is not WorkerState.ACTIVE:
+            return None
+        worker.has_extensions = None
+        control = WorkerControl(self._session, timeout_secs=self._config.timeout_secs)
+        try:
+            reading = await control.read_role(worker)
+        except ControlError as exc:
+            return f"reading the live role failed: {exc}"
+        port = reading.bootstrap_port if reading.role is Role.PREFILL else None
+        if reading.role is not None and reading.role is not worker.role:
+            log.warning(
+                "worker came back in another role; moving it",
+                extra={"worker": worker.url, "from": worker.role.value, "to": reading.role.value},
+            )
+            self._registry.set_state(
+                worker, WorkerState.ACTIVE, role=reading.role, bootstrap_port=port
+            )
+        elif worker.role is Role.PREFILL and port is not None:
+            worker.bootstrap_port = port
+        return None
 
     async def _probe(self, worker: Worker) -> tuple[bool, str | None]:
         if self._session is None:

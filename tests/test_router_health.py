@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import socket
 
+import httpx
 import pytest
 
+from pd_router.workers import Role
 from pd_worker.cluster import WorkerCluster
 from tests.router_helpers import assert_paired, fault, generate_body, running_router, wait_until
 
@@ -155,3 +157,26 @@ async def test_client_errors_do_not_count_against_the_circuit(cluster):
                 await http.post("/generate", json=generate_body("f", TOKENS))
             ).status_code == 400
         assert router.state.registry.get(decode).circuit.state.value == "closed"
+
+
+TO_DECODE = {"new_role": "decode", "decode_cuda_graph_memory_gb": 0.6}
+
+
+async def test_worker_restarted_in_its_launch_role_rejoins_that_pool(cluster):
+    port = free_port_pair()
+    url = f"http://127.0.0.1:{port}"
+    with WorkerCluster(prefill=1, decode=0, base_port=port) as converted:
+        async with httpx.AsyncClient(timeout=10.0) as control:
+            switched = await control.post(url + "/pd_role_switch", json=TO_DECODE)
+        assert switched.json()["success"]
+        async with running_router(cluster, decode=[*cluster.decode_urls, url]) as router:
+            worker = router.state.registry.get(url)
+            assert worker.role is Role.DECODE and worker.healthy
+            converted.kill(url)
+            await wait_until(lambda: not worker.healthy, 5.0, "crashed worker unhealthy")
+            with WorkerCluster(prefill=1, decode=0, base_port=port) as restarted:
+                await wait_until(lambda: worker.healthy, 10.0, "restarted worker healthy")
+                assert worker.role is Role.PREFILL
+                assert worker.bootstrap_port == restarted.bootstrap_port(url)
+                assert worker in router.state.registry.selectable(Role.PREFILL)
+                assert worker not in router.state.registry.selectable(Role.DECODE)
