@@ -62,7 +62,9 @@ WORKER = web.AppKey("worker", WorkerState)
 
 def build_app(config: WorkerConfig) -> web.Application:
     """The worker application; the engine starts and stops with the app."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024 * 1024)
+    app = web.Application(
+        middlewares=[error_middleware, api_key_middleware], client_max_size=64 * 1024 * 1024
+    )
     faults = Faults()
     engine = Engine(config, faults)
     extension = PDExtension(EngineBackend(engine))
@@ -121,6 +123,20 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         return _json(exc.body(openai_route), int(exc.status), headers)
     except ExtensionError as exc:
         return _json(exc.body, exc.status)
+
+
+@web.middleware
+async def api_key_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    """SGLang's ``--api-key``: with a key, every route but ``/health*`` and ``/metrics`` needs
+    ``Authorization: Bearer <key>``."""
+    key = request.app[WORKER].config.api_key
+    if (
+        key is not None
+        and not request.path.startswith(("/health", "/metrics"))
+        and request.headers.get("Authorization") != f"Bearer {key}"
+    ):
+        raise Unauthorized("Unauthorized")
+    return await handler(request)
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

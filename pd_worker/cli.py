@@ -62,6 +62,10 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-pd-role-switch", action="store_true")
     serve.add_argument("--enable-faults", action="store_true", help="serve POST /fault (tests)")
     serve.add_argument("--admin-api-key", default=None)
+    serve.add_argument(
+        "--api-key", default=None, help="SGLang's --api-key: every route but /health* and "
+        "/metrics needs Authorization: Bearer <key>",
+    )  # fmt: skip
     serve.add_argument("--model-path", default="pd-worker/toy-model")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--decode-cuda-graph-memory-gb", type=float, default=0.6)
@@ -103,6 +107,7 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         model_path=args.model_path,
         served_model_name=args.served_model_name,
         admin_api_key=args.admin_api_key,
+        api_key=args.api_key,
         enable_faults=args.enable_faults,
         decode_cuda_graph_memory_gb=args.decode_cuda_graph_memory_gb,
         gpu_free_memory_gb=args.gpu_free_memory_gb,

@@ -22,6 +22,7 @@ class WorkerConfig:
     model_path: str = "pd-worker/toy-model"
     served_model_name: str | None = None
     admin_api_key: str | None = None
+    api_key: str | None = None
     enable_faults: bool = False
     decode_cuda_graph_memory_gb: float = 0.6
     gpu_free_memory_gb: float = 8.0
