@@ -12,6 +12,7 @@ make sense for this router, so an existing mini_lb command line works unchanged:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 from pd_router.config import ConfigError, RouterConfig, load_config
 
 SUBCOMMANDS = ("serve", "demo", "status", "convert")
+WORKER_API_KEY_ENV = "PD_ROUTER_WORKER_API_KEY"
 POLICY_CHOICES = ("random", "round_robin", "least_inflight", "power_of_two", "cache_aware")
 
 
@@ -50,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", choices=("debug", "info", "warn", "warning", "error"))
     p.add_argument("--log-format", choices=("json", "text"))
     p.add_argument("--admin-api-key", help="key guarding the admin API (Authorization: Bearer)")
+    p.add_argument(
+        "--worker-api-key", "--api-key", dest="worker_api_key",
+        default=os.environ.get(WORKER_API_KEY_ENV),
+        help="key of workers launched with --api-key, sent as Authorization: Bearer on every "
+        f"call to a worker (default: ${WORKER_API_KEY_ENV}; sglang_router's --api-key)",
+    )  # fmt: skip
     p.add_argument("--health-check-interval-secs", type=float)
     p.add_argument("--health-check-timeout-secs", type=float)
     p.add_argument("--health-failure-threshold", type=int)
@@ -96,6 +104,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "log_level": args.log_level,
         "log_format": args.log_format,
         "admin_api_key": args.admin_api_key,
+        "worker_api_key": args.worker_api_key,
     }
     out.update({k: v for k, v in flat.items() if v is not None})
     sections = {

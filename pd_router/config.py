@@ -74,7 +74,8 @@ class RouterConfig:
     max_connections: int = 2048
     max_payload_size: int = 512 * 1024 * 1024
     worker_removal_timeout_secs: float = 300.0
-    admin_api_key: str | None = None
+    admin_api_key: str | None = field(default=None, repr=False)
+    worker_api_key: str | None = field(default=None, repr=False)
     log_level: str = "info"
     log_format: str = "json"
     health: HealthConfig = field(default_factory=HealthConfig)

@@ -82,7 +82,7 @@ async def _conversions(app: web.Application) -> AsyncIterator[None]:
         manager = ConversionManager(
             router.registry,
             router.metrics,
-            WorkerControl(session),
+            WorkerControl(session, headers=router.worker_headers),
             min_prefill=settings.min_prefill,
             min_decode=settings.min_decode,
             max_concurrent=settings.max_concurrent,

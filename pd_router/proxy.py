@@ -123,7 +123,11 @@ class Exchange:
         self.request_id = request[REQUEST_ID]
         self.upstream_id = request[UPSTREAM_ID]
         self.client_rid = body.get("rid")
-        self.headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
+        self.headers = {
+            "Content-Type": "application/json",
+            "X-Request-Id": self.request_id,
+            **router.worker_headers,
+        }
         self.stream = bool(body.get("stream"))
         self.merge = endpoint.native and bool(body.get("return_logprob"))
 

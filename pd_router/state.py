@@ -41,6 +41,10 @@ class Router:
         }
         self.health = HealthMonitor(self.registry, config.health)
         self.conversions: Any = None
+        # Sent on every call to a worker (legs, probes, fan-outs, aborts, control).
+        self.worker_headers: dict[str, str] = (
+            {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else {}
+        )
         self._session: aiohttp.ClientSession | None = None
         self.legs = Http1Pool(
             connect_timeout=config.connect_timeout_secs,
@@ -82,6 +86,7 @@ class Router:
             ),
             auto_decompress=False,
             cookie_jar=aiohttp.DummyCookieJar(),
+            headers=self.worker_headers,
         )
         self.health.start(self._session)
         await self.health.probe_all()
