@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+from collections.abc import Callable
 
 import pytest
 
@@ -65,34 +66,41 @@ async def test_conversion_with_the_key_works_and_the_key_is_never_logged(router,
     assert any("conversion" in r.getMessage() for r in caplog.records)
 
 
-async def test_cli_convert_and_status_print_the_outcome_and_the_pools(router):
+async def cli(command: Callable[..., int], argv: list[str]) -> tuple[int, str]:
+    """Run ``pd-router convert``/``status`` (in a thread: they are blocking httpx clients)."""
+    out = io.StringIO()
+    code = await asyncio.to_thread(command, [*argv, "--admin-key", KEY], out)
+    return code, out.getvalue()
+
+
+async def test_cli_convert_prints_the_outcome_and_exits_zero(router):
     async with router.client(headers=AUTH) as http:
         decode = (await pools(http))["decode"][0]
-    converted = io.StringIO()
-    code = await asyncio.to_thread(
-        admin_client.convert,
-        [decode, "--to", "prefill", "--router", router.url, "--admin-key", KEY],
-        converted,
+    code, text = await cli(
+        admin_client.convert, [decode, "--to", "prefill", "--router", router.url]
     )
-    assert code == 0, converted.getvalue()
-    assert "decode -> prefill: succeeded" in converted.getvalue()
-    shown = io.StringIO()
-    code = await asyncio.to_thread(
-        admin_client.status, ["--router", router.url, "--admin-key", KEY], shown
-    )
+    assert code == 0, text
+    assert f"{decode} decode -> prefill: succeeded" in text
+    assert KEY not in text
+    code, _ = await cli(admin_client.convert, [decode, "--router", router.url])
     assert code == 0
-    text = shown.getvalue()
-    assert "Pools" in text and "Recent conversions" in text
-    prefill_row = next(line for line in text.splitlines() if line.startswith("prefill"))
-    assert prefill_row.split()[1] == "3"
-    assert decode in text
-    back = io.StringIO()
-    assert (
-        await asyncio.to_thread(
-            admin_client.convert, [decode, "--router", router.url, "--admin-key", KEY], back
-        )
-        == 0
-    )
+
+
+async def test_cli_status_prints_the_pools_every_worker_and_recent_conversions(router, cluster):
+    async with router.client(headers=AUTH) as http:
+        decode = (await pools(http))["decode"][0]
+        await http.post("/convert_pd_role", json={"server_url": decode})
+        code, text = await cli(admin_client.status, ["--router", router.url])
+        await http.post("/convert_pd_role", json={"server_url": decode})
+    assert code == 0, text
+    pool_rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[:4]}
+    assert pool_rows["prefill"][0] == "3" and pool_rows["decode"][0] == "1"
+    for url in cluster.urls:
+        assert url in text
+    recent = text.split("Recent conversions\n", 1)[1].splitlines()
+    (row,) = [line.split() for line in recent if decode in line]
+    assert row[1:5] == [decode, "decode", "prefill", "succeeded"]
+    assert KEY not in text
 
 
 async def test_cli_without_the_key_fails_with_an_exit_code(router, monkeypatch):
