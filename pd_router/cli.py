@@ -12,6 +12,7 @@ make sense for this router, so an existing mini_lb command line works unchanged:
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -21,6 +22,18 @@ from pd_router.config import ConfigError, RouterConfig, load_config
 
 SUBCOMMANDS = ("serve", "demo", "status", "convert")
 WORKER_API_KEY_ENV = "PD_ROUTER_WORKER_API_KEY"
+log = logging.getLogger("pd_router.cli")
+
+# sglang-router flags with no meaning for this router: accepted so that an existing mini_lb
+# command line starts unchanged, and named in a start-up warning. (flag, type, why)
+IGNORED_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--worker-startup-timeout-secs", int, "start-up never waits for workers; an unreachable "
+     "one joins its pool once its health probes pass"),
+    ("--worker-startup-check-interval", int, "see --health-check-interval-secs"),
+    ("--prometheus-host", str, "metrics are served at /metrics on --host/--port"),
+    ("--prometheus-port", int, "metrics are served at /metrics on --host/--port"),
+    ("--log-dir", str, "logs go to stderr"),
+)  # fmt: skip
 POLICY_CHOICES = ("random", "round_robin", "least_inflight", "power_of_two", "cache_aware")
 
 
@@ -68,7 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--retry-max-retries", type=int, help="retries after the first attempt")
     p.add_argument("--retry-initial-backoff-ms", type=float)
     p.add_argument("--retry-max-backoff-ms", type=float)
+    p.add_argument("--disable-retries", action="store_true", help="one attempt per request")
+    for flag, kind, why in IGNORED_FLAGS:
+        p.add_argument(flag, type=kind, help=f"accepted for compatibility, ignored: {why}")
     return p
+
+
+def ignored_flags(argv: Sequence[str]) -> list[str]:
+    """The IGNORED_FLAGS given in ``argv``."""
+    args = build_parser().parse_args(list(argv))
+    return [
+        flag
+        for flag, _, _ in IGNORED_FLAGS
+        if getattr(args, flag[2:].replace("-", "_")) is not None
+    ]
 
 
 def parse_prefill(values: list[str]) -> dict[str, Any]:
@@ -120,7 +146,9 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             "cooldown_secs": args.cb_timeout_duration_secs,
         },
         "retry": {
-            "max_attempts": None if args.retry_max_retries is None else args.retry_max_retries + 1,
+            "max_attempts": 1
+            if args.disable_retries
+            else (None if args.retry_max_retries is None else args.retry_max_retries + 1),
             "backoff_base_secs": ms_to_secs(args.retry_initial_backoff_ms),
             "backoff_max_secs": ms_to_secs(args.retry_max_backoff_ms),
         },
@@ -157,6 +185,8 @@ def serve(argv: Sequence[str]) -> int:
         print(f"pd-router: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
+    for flag in ignored_flags(argv):
+        log.warning("%s is accepted for compatibility and ignored", flag)
     run_server(config)
     return 0
 
