@@ -93,13 +93,13 @@ async def test_pool_size_worker_state_and_outcome_follow_a_drain_and_its_abort(h
     assert (await request).status_code == 200
 
 
-async def test_abort_after_the_conversion_ended_is_409(http):
-    decode = (await pools(http))["decode"][0]
-    done = await convert(http, server_url=decode, drain_timeout_secs=0.0, new_role="decode")
-    assert done.status_code == 409
+async def test_abort_after_the_conversion_ended_is_409_not_abortable(http):
     request, busy = await start_long_request_on_a_decode(http)
     record = (await convert(http, server_url=busy, drain_timeout_secs=0.05)).json()
-    assert (await http.delete(f"/conversions/{record['id']}")).status_code == 409
+    assert record["status"] == "drain_timeout"
+    refused = await http.delete(f"/conversions/{record['id']}")
+    assert refused.status_code == 409
+    assert refused.json()["error"]["reason"] == "not_abortable"
     assert (await request).status_code == 200
 
 
