@@ -183,12 +183,15 @@ def _switch_body(body: dict[str, Any], new_role: str | None) -> dict[str, Any]:
 
 
 def parse_switch_body(body: object) -> dict[str, Any]:
-    """Validate a native /pd_role_switch body; `new_role` is required there."""
+    """Validate a native /pd_role_switch body; `new_role` is required there, spelled exactly
+    as SGLang's request type allows (it refuses "Decode" before its handler runs)."""
     body = _require_object(body)
     _check_fields(body, _SWITCH_FIELDS)
-    new_role = _role_field(body, "new_role")
+    new_role = body.get("new_role")
     if new_role is None:
         raise ExtensionError("new_role is required", field="new_role")
+    if new_role not in ROLES:
+        raise ExtensionError("new_role must be 'prefill' or 'decode'", field="new_role")
     return _switch_body(body, new_role)
 
 

@@ -288,6 +288,15 @@ async def test_convert_is_refused_before_draining_when_switch_is_not_enabled():
     assert extension.admits() is True
 
 
+@pytest.mark.parametrize("new_role", ["Decode", "sideways", 5, ""])
+async def test_native_switch_takes_only_the_exact_role_names(new_role):
+    backend = SchedulerStandIn("prefill")
+    with pytest.raises(ExtensionError) as refused:
+        await _extension(backend).switch({"new_role": new_role})
+    assert refused.value.body["field"] == "new_role"
+    assert backend.switch_requests == []
+
+
 async def test_native_switch_counts_role_changes_in_the_epoch_only():
     backend = SchedulerStandIn("prefill")
     extension = _extension(backend)
