@@ -373,7 +373,7 @@ class ConversionManager:
         peer_params = asyncio.create_task(self._decode_peer_params(conv))
         try:
             await self._drain(conv, deadline)
-            reply = await self._switch(conv, deadline, await peer_params)
+            reply = await self._switch(conv, deadline, await self._peer_params(conv, peer_params))
             await self._verify(conv, reply)
         except _Stop as stop:
             await self._stop(conv, stop)
@@ -444,6 +444,19 @@ class ConversionManager:
                 "through this router",
                 restore=True,
             )
+
+    async def _peer_params(
+        self, conv: Conversion, fetch: asyncio.Task[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """The decode peer's graph parameters once fetched; the conversion is still DRAINING
+        (abortable) until the switch call, so an abort meanwhile ends it at once."""
+        abort = asyncio.ensure_future(conv._abort.wait())
+        try:
+            await asyncio.wait({fetch, abort}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            abort.cancel()
+        self._check_abort(conv)
+        return fetch.result()
 
     async def _read_load(self, conv: Conversion) -> LoadReading:
         try:

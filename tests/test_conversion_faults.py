@@ -6,8 +6,10 @@ or FAILED and out of every pool until an operator re-adds it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conversion_helpers import (
@@ -238,3 +240,67 @@ async def test_mini_lb_switch_of_a_worker_that_dies_is_400_safe_to_restore(clust
         assert (reply["success"], reply["safe_to_restore"]) == (False, True)
         assert (reply["old_role"], reply["new_role"]) == ("decode", "prefill")
         await request
+
+
+@contextlib.asynccontextmanager
+async def decode_peer_with_a_held_server_info(release: asyncio.Event):
+    """A healthy decode whose /server_info, once ``hold`` is set, answers only at ``release``:
+    the conversion to decode waits there for the peer's graph parameters after its drain."""
+    hold = asyncio.Event()
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def server_info(_request: web.Request) -> web.Response:
+        if hold.is_set():
+            await release.wait()
+        state = {"disaggregation_mode": "decode", "decode_cuda_graph_bs": [1, 2]}
+        return web.json_response(
+            {"internal_states": [{**state, "decode_cuda_graph_memory_gb": 0.1}]}
+        )
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/server_info", server_info)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}", hold
+    finally:
+        release.set()
+        await runner.cleanup()
+
+
+async def test_abort_while_waiting_for_the_decode_peer_after_the_drain_is_an_abort(cluster):
+    prefill, _ = await live_roles(cluster)
+    release = asyncio.Event()
+    async with (
+        decode_peer_with_a_held_server_info(release) as (peer, hold),
+        running_router(prefill=prefill[:1], decode=[peer], conversion={"min_prefill": 0}) as router,
+        router.client() as http,
+    ):
+        await wait_until(
+            lambda: worker_healthy(http, peer), within=10.0, what="the decode peer is healthy"
+        )
+        hold.set()
+        started = await convert(http, server_url=prefill[0], new_role="decode", wait=False)
+        conversion_id = started.json()["id"]
+
+        async def drained() -> bool:
+            record = (await http.get(f"/conversions/{conversion_id}")).json()
+            return record["phases"][0]["ended_at"] is not None
+
+        await wait_until(drained, within=10.0, what="the drain ended, the peer still holds")
+        aborted = await http.delete(f"/conversions/{conversion_id}")
+        release.set()
+        assert aborted.status_code == 200, aborted.text
+        assert aborted.json()["status"] == "aborted"
+        entry = await worker_entry(http, prefill[0])
+        assert (entry["role"], entry["state"], entry["epoch"]) == ("prefill", "active", 0)
+
+
+async def worker_healthy(http, url: str) -> bool:
+    return (await worker_entry(http, url))["healthy"] is True
