@@ -34,7 +34,7 @@ from pd_worker.errors import (
     WorkerError,
 )
 from pd_worker.faults import Faults
-from pd_worker.protocol import abort_progress, parse_generate, response_dict
+from pd_worker.protocol import abort_progress, parse_generate, response_dict, wants_stream
 from pd_worker.requests import GenItem, Progress
 from pd_worker.streams import final_results, merged
 from server_patch.extension import ExtensionError, PDExtension
@@ -343,7 +343,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except ContractError:
         raise
     except BadRequest as exc:
-        if not (isinstance(body, dict) and body.get("stream") is True):
+        if not wants_stream(body):
             raise
         return await _stream_rejection(request, exc)
     started = time.monotonic()

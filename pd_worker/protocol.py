@@ -36,7 +36,15 @@ def parse_generate(body: Any) -> tuple[list[GenItem], bool, bool]:
     batch = batch or n > 1
     rids = item_rids(body.get("rid"), len(prompts), n, batch)
     items = build_items(body, prompts, n, rids)
-    return items, batch, bool(body.get("stream", False))
+    if not isinstance(body.get("stream", False), bool | None):
+        raise ContractError("stream: invalid type, expected a boolean")
+    return items, batch, wants_stream(body)
+
+
+def wants_stream(body: Any) -> bool:
+    """Whether a ``/generate`` body asks for a stream (also read when its other fields fail);
+    SGLang's contract gate takes only a JSON boolean there, not ``1`` or ``"true"``."""
+    return isinstance(body, dict) and body.get("stream") is True
 
 
 def item_rids(rid: Any, prompts: int, n: int, batch: bool) -> list[str]:

@@ -357,6 +357,14 @@ async def test_wrong_field_type_is_400_before_any_stream(
     assert fragment in response.json()["error"]
 
 
+@pytest.mark.parametrize("stream", [1, "true"])
+async def test_stream_flag_must_be_a_json_boolean(pd_cluster, client, stream):
+    _, decode, _ = ports(pd_cluster)
+    response = await client.post(decode + "/generate", json={"text": "a", "stream": stream})
+    assert response.status_code == 400
+    assert "stream" in response.json()["error"]
+
+
 async def test_malformed_json_is_400(pd_cluster, client):
     _, decode, _ = ports(pd_cluster)
     response = await client.post(decode + "/generate", content=b"{not json")
