@@ -11,6 +11,7 @@ import dataclasses
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,12 +85,14 @@ class RouterConfig:
     conversion: ConversionConfig = field(default_factory=ConversionConfig)
 
 
-SECTIONS: dict[str, type] = {
-    "health": HealthConfig,
-    "circuit": CircuitConfig,
-    "retry": RetryConfig,
-    "conversion": ConversionConfig,
-}
+SECTIONS: Mapping[str, type] = types.MappingProxyType(
+    {
+        "health": HealthConfig,
+        "circuit": CircuitConfig,
+        "retry": RetryConfig,
+        "conversion": ConversionConfig,
+    }
+)
 
 
 def load_config(

@@ -7,6 +7,9 @@ SGLang clients already parse), so a client never sees a stack trace or an HTML p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import orjson
 from aiohttp import web
 
@@ -96,11 +99,13 @@ class UpstreamTimeout(RouterError):
     error_type = "upstream_timeout"
 
 
-REGISTRY_STATUS: dict[type[RegistryError], tuple[int, str]] = {
-    UnknownWorker: (404, "not_found"),
-    DuplicateWorker: (409, "conflict"),
-    InvalidTransition: (409, "conflict"),
-}
+REGISTRY_STATUS: Mapping[type[RegistryError], tuple[int, str]] = MappingProxyType(
+    {
+        UnknownWorker: (404, "not_found"),
+        DuplicateWorker: (409, "conflict"),
+        InvalidTransition: (409, "conflict"),
+    }
+)
 
 
 def error_body(

@@ -8,7 +8,8 @@ implement :class:`Policy` and register in :data:`POLICIES`.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 from typing import Protocol
 
 from pd_router.workers import Worker
@@ -71,17 +72,21 @@ class LeastInflightPolicy:
         return b if b.inflight < a.inflight else a
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {
-    "random": RandomPolicy,
-    "round_robin": RoundRobinPolicy,
-    "least_inflight": LeastInflightPolicy,
-}
+POLICIES: Mapping[str, Callable[[], Policy]] = MappingProxyType(
+    {
+        "random": RandomPolicy,
+        "round_robin": RoundRobinPolicy,
+        "least_inflight": LeastInflightPolicy,
+    }
+)
 
 # Names accepted for compatibility with sglang_router's command line.
-POLICY_ALIASES: dict[str, str] = {
-    "power_of_two": "least_inflight",
-    "cache_aware": "least_inflight",
-}
+POLICY_ALIASES: Mapping[str, str] = MappingProxyType(
+    {
+        "power_of_two": "least_inflight",
+        "cache_aware": "least_inflight",
+    }
+)
 
 
 def canonical_policy_name(name: str) -> str:

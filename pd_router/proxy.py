@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 import orjson
@@ -56,7 +57,9 @@ log = logging.getLogger("pd_router.proxy")
 
 T = TypeVar("T")
 
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS: Mapping[str, str] = MappingProxyType(
+    {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+)
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:

@@ -8,14 +8,19 @@ from collections import Counter
 
 import pytest
 
+from pd_router.config import SECTIONS
+from pd_router.errors import REGISTRY_STATUS
 from pd_router.metrics import RouterMetrics
 from pd_router.policies import (
+    POLICIES,
+    POLICY_ALIASES,
     LeastInflightPolicy,
     RandomPolicy,
     RoundRobinPolicy,
     canonical_policy_name,
     make_policy,
 )
+from pd_router.proxy import SSE_HEADERS
 from pd_router.workers import Role, WorkerRegistry
 from tests.router_helpers import assert_paired, generate_body, running_router
 
@@ -103,3 +108,11 @@ async def test_random_reaches_both_prefills_through_the_router(cluster):
     async with running_router(cluster, policy="random") as router, router.client() as http:
         sources = {await served_by(http, f"rnd {i}") for i in range(30)}
     assert sources == set(cluster.prefill_urls)
+
+
+@pytest.mark.parametrize(
+    "table", [POLICIES, POLICY_ALIASES, SECTIONS, REGISTRY_STATUS, SSE_HEADERS]
+)
+def test_module_level_tables_are_read_only(table):
+    with pytest.raises(TypeError):
+        table["injected"] = None
