@@ -89,6 +89,20 @@ def check_n(value: Any) -> int:
     return value
 
 
+def normalize_openai_n(body: dict[str, Any]) -> int:
+    """The OpenAI ``n``, read as SGLang's pydantic model reads an int (``2.0`` and ``"2"`` are
+    2) and written back as an int; BadRequest for anything else."""
+    value = body.get("n")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    n = check_n(value)
+    if "n" in body and body["n"] is not None:
+        body["n"] = n
+    return n
+
+
 def token_list_kind(value: Any, key: str) -> int | None:
     """None for a flat list of token ids, the row count for a list of such lists."""
     if not isinstance(value, list) or not value:
@@ -168,7 +182,7 @@ def completion_items(body: dict[str, Any]) -> Items:
         batch = string_list_kind(prompt, "prompt")
     else:
         batch = token_list_kind(prompt, "prompt")
-    return scaled(batch, check_n(body.get("n")))
+    return scaled(batch, normalize_openai_n(body))
 
 
 def chat_items(body: dict[str, Any]) -> Items:
@@ -180,7 +194,7 @@ def chat_items(body: dict[str, Any]) -> Items:
         raise BadRequest("'messages' must be a non-empty list of message objects")
     if not all(isinstance(m, dict) for m in messages):
         raise BadRequest("each entry of 'messages' must be an object")
-    return scaled(None, check_n(body.get("n")))
+    return scaled(None, normalize_openai_n(body))
 
 
 @dataclass(frozen=True, slots=True)

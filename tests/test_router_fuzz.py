@@ -29,7 +29,7 @@ WRONG_VALUES: dict[str, list[Any]] = {
     "prompt": [5, [], {}, [None], True, [["a"]], [1.5]],
     "messages": ["x", [], [1], {}, 5, ["a"]],
     "model": [5, [], {}, True],
-    "n": [0, -3, "2", 1.5, True, 10**9],
+    "n": [0, -3, "two", 1.5, True, 10**9],
 }
 KEYS_OF = {
     "/generate": ["text", "input_ids", "sampling_params", "stream", "return_logprob", "rid"],

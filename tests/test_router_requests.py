@@ -138,3 +138,17 @@ def test_fan_out_beyond_the_item_limit_is_a_bad_request(body):
 def test_huge_n_on_completions_is_a_bad_request():
     with pytest.raises(BadRequest, match="at most"):
         completion_items({"prompt": "x", "n": 10**9})
+
+
+@pytest.mark.parametrize("value", [2.0, "2", " 2 "])
+def test_openai_n_is_read_as_pydantic_reads_an_int(value):
+    body = {"prompt": "x", "n": value}
+    assert completion_items(body) == (2, 2)
+    assert body["n"] == 2 and isinstance(body["n"], int)
+
+
+@pytest.mark.parametrize("value", [1.5, "two", "-2", True, [2]])
+def test_openai_n_that_is_no_integer_is_a_bad_request(value):
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(BadRequest, match="'n'"):
+        chat_items({"messages": messages, "n": value})
