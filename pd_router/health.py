@@ -118,6 +118,8 @@ class HealthMonitor:
             reading = await control.read_role(worker)
         except ControlError as exc:
             return f"reading the live role failed: {exc}"
+        if worker.state is not WorkerState.ACTIVE:
+            return None  # a conversion took the worker while its role was read: it owns it now
         port = reading.bootstrap_port if reading.role is Role.PREFILL else None
         if reading.role is not None and reading.role is not worker.role:
             log.warning(
