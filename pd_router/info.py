@@ -5,7 +5,10 @@ health_generate) that SGLang clients and benchmark scripts call on a router as o
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
 
 import aiohttp
 import orjson
@@ -18,6 +21,11 @@ from pd_router.workers import Role, Worker, WorkerState
 
 FAN_OUT_TIMEOUT = aiohttp.ClientTimeout(total=30.0)
 INFO_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
+# mini_lb's stand-in when no decode reported its state: SGLang's bench_one_batch_server reads
+# ``internal_states[0]`` unconditionally.
+NO_DECODE_STATE: Mapping[str, Any] = MappingProxyType(
+    {"last_gen_throughput": 0.0, "avg_spec_accept_length": None}
+)
 
 
 @dataclass(slots=True)
@@ -148,7 +156,7 @@ async def handle_server_info(request: web.Request) -> web.Response:
         states = entry.get("internal_states")
         if reply.worker.role is Role.DECODE and isinstance(states, list):
             internal_states.extend(states)
-    return json_response({**pools, "internal_states": internal_states})
+    return json_response({**pools, "internal_states": internal_states or [dict(NO_DECODE_STATE)]})
 
 
 def parse_info(reply: Reply) -> dict:

@@ -221,6 +221,13 @@ async def test_server_info_is_aggregated_per_pool(http, cluster):
         assert len(info["internal_states"]) == 2
 
 
+async def test_server_info_without_a_decode_state_has_mini_lb_stand_in(cluster, free_port):
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with running_router(cluster, decode=[dead]) as router, router.client() as http:
+        info = (await http.get("/server_info")).json()
+    assert info["internal_states"] == [{"last_gen_throughput": 0.0, "avg_spec_accept_length": None}]
+
+
 async def test_health_is_always_ok_and_readiness_needs_both_pools(http):
     assert (await http.get("/health")).status_code == 200
     readiness = await http.get("/readiness")
