@@ -39,8 +39,7 @@ DEFAULT_DRAIN_TIMEOUT_SECS = 300.0
 IDLE_POLL_FIRST_SECS = 0.002
 IDLE_POLL_MAX_SECS = 0.05
 HISTORY_SIZE = 200
-STEP_PHASES = ("drain", "switch", "verify")
-PHASES = (*STEP_PHASES, "total")
+PHASES = ("drain", "switch", "verify", "total")
 
 
 class ConversionRefused(Conflict):
@@ -674,10 +673,9 @@ class ConversionManager:
             conv.timings["router_overhead_s"] = (
                 total - conv.timings["drain_s"] - conv.timings["worker_switch_s"]
             )
-        for name in STEP_PHASES:
-            value = conv.timings.get(f"{name}_s")
-            if value is not None:
-                self._metrics.conversion_phase_seconds.labels(name).observe(value)
+        for phase in conv.phases:
+            if phase.duration_s is not None:
+                self._metrics.conversion_phase_seconds.labels(phase.name).observe(phase.duration_s)
         self._metrics.conversion_phase_seconds.labels("total").observe(total)
         self._metrics.conversions_total.labels(
             conv.from_role.value, conv.to_role.value, conv.status.value

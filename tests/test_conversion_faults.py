@@ -95,6 +95,16 @@ async def test_pool_size_worker_state_and_outcome_follow_a_drain_and_its_abort(h
     assert (await request).status_code == 200
 
 
+async def test_an_aborted_drain_is_timed_in_the_drain_phase(http):
+    request, busy = await start_long_request_on_a_decode(http)
+    started = await convert(http, server_url=busy, wait=False)
+    assert (await http.delete(f"/conversions/{started.json()['id']}")).status_code == 200
+    assert await sample(http, "pd_router_conversion_phase_seconds_count", phase="drain") == 1.0
+    assert await sample(http, "pd_router_conversion_phase_seconds_count", phase="switch") == 0.0
+    assert await sample(http, "pd_router_conversion_phase_seconds_count", phase="total") == 1.0
+    assert (await request).status_code == 200
+
+
 async def test_abort_after_the_conversion_ended_is_409_not_abortable(http):
     request, busy = await start_long_request_on_a_decode(http)
     record = (await convert(http, server_url=busy, drain_timeout_secs=0.05)).json()
