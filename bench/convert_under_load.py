@@ -48,6 +48,7 @@ OVERHEAD_GOAL_S = 0.020
 IDLE_TO_SWITCH_GOAL_S = 0.050
 ROUTER_START_TIMEOUT_S = 30.0
 MAX_BENCH_SECS = 600.0
+WARM_UP_TIMEOUT_SECS = 30.0
 ROUTER_MAIN = "import sys; from pd_router.cli import main; sys.exit(main())"
 
 
@@ -277,6 +278,16 @@ def report(records: list[dict], load: Load, elapsed: float, args: argparse.Names
 # --- main -----------------------------------------------------------------------------------
 
 
+async def warmed_up(load: Load, clients: int) -> None:
+    """Return once as many requests have succeeded as there are clients (every client is past
+    its first connection), polling every 10 ms for at most WARM_UP_TIMEOUT_SECS."""
+    deadline = time.monotonic() + WARM_UP_TIMEOUT_SECS
+    while load.ok < clients:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"warm-up: {load.ok} of {clients} requests done in time")
+        await asyncio.sleep(0.01)
+
+
 async def soak(url: str, args: argparse.Namespace) -> tuple[list[dict], Load, float, list[str]]:
     load = Load()
     stop = asyncio.Event()
@@ -290,7 +301,7 @@ async def soak(url: str, args: argparse.Namespace) -> tuple[list[dict], Load, fl
         ]
         started = time.monotonic()
         try:
-            await asyncio.sleep(1.0)  # warm up: every client has requests in flight
+            await warmed_up(load, args.concurrency)
             problems = await asyncio.wait_for(
                 flip_loop(session, url, args.flips, records), MAX_BENCH_SECS
             )
