@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from aiohttp import web
 
+from pd_router.server import start_server
 from pd_worker.tokens import chat_prompt, expected_text, tokenize
 from tests.router_helpers import assert_paired, generate_body, running_router, sse_events
 
@@ -241,10 +243,40 @@ async def test_health_generate_asks_every_worker(http):
     assert len(response.json()["workers"]) == 4
 
 
-async def test_flush_cache_fans_out_with_its_timeout(http):
+async def test_flush_cache_fans_out_to_every_worker(http):
     response = await http.post("/flush_cache", params={"timeout": "1"})
     assert response.status_code == 200
     assert [w["status"] for w in response.json()["workers"]] == [200] * 4
+
+
+async def test_flush_cache_forwards_its_timeout():
+    timeouts: list[str | None] = []
+
+    async def flush(request: web.Request) -> web.Response:
+        timeouts.append(request.query.get("timeout"))
+        return web.Response(text="Cache flushed.")
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    def recording_worker() -> web.Application:
+        app = web.Application()
+        app.router.add_route("*", "/flush_cache", flush)
+        app.router.add_get("/health", ok)
+        app.router.add_get("/server_info", ok)
+        return app
+
+    p, d = await start_server(recording_worker()), await start_server(recording_worker())
+    try:
+        async with (
+            running_router(prefill=[(p.url, 8998)], decode=[d.url]) as router,
+            router.client() as http,
+        ):
+            assert (await http.post("/flush_cache", params={"timeout": "7.5"})).status_code == 200
+    finally:
+        await p.stop()
+        await d.stop()
+    assert timeouts == ["7.5", "7.5"]
 
 
 async def test_abort_request_fans_out(http):
