@@ -245,6 +245,12 @@ def validate(config: RouterConfig) -> None:
     check_positive("conversion.min_decode", c.min_decode, allow_zero=True)
     check_positive("conversion.max_concurrent", c.max_concurrent)
     check_positive("conversion.drain_timeout_secs", c.drain_timeout_secs)
+    for key in ("admin_api_key", "worker_api_key"):
+        value = getattr(config, key)
+        if value is not None and not (
+            value.isascii() and value.isprintable() and value.split() == [value]
+        ):
+            raise ConfigError(key, "must be non-empty printable ASCII without spaces")
     urls = [w.url for w in (*config.prefill, *config.decode)]
     duplicates = sorted({u for u in urls if urls.count(u) > 1})
     if duplicates:
