@@ -109,7 +109,8 @@ class HealthMonitor:
     async def _adopt_live_role(self, worker: Worker) -> str | None:
         """Put a recovering ACTIVE worker in the pool of the role it reports (``/pd_role``, else
         ``/server_info``); returns an error when the role cannot be read (it stays unhealthy).
-        A worker that reports no role (no PD support) stays where it was registered."""
+        A worker that reports no role (no PD support) stays where it was registered; one in its
+        registered role keeps its bootstrap port (a port given on the command line wins)."""
         if worker.state is not WorkerState.ACTIVE:
             return None
         worker.has_extensions = None
@@ -129,8 +130,6 @@ class HealthMonitor:
             self._registry.set_state(
                 worker, WorkerState.ACTIVE, role=reading.role, bootstrap_port=port
             )
-        elif worker.role is Role.PREFILL and port is not None:
-            worker.bootstrap_port = port
         return None
 
     async def _probe(self, worker: Worker) -> tuple[bool, str | None]:

@@ -100,6 +100,14 @@ async def test_prefill_bootstrap_port_comes_from_server_info_unless_given(cluste
         assert router.state.registry.get(prefill).bootstrap_port == discovered
 
 
+async def test_bootstrap_port_given_for_a_prefill_is_kept_over_its_server_info(cluster):
+    prefill = cluster.prefill_urls[0]
+    given = cluster.bootstrap_port(prefill) + 1
+    async with running_router(cluster, prefill=[(prefill, given)]) as router:
+        assert router.state.registry.get(prefill).healthy
+        assert router.state.registry.get(prefill).bootstrap_port == given
+
+
 async def test_circuit_opens_on_failures_and_closes_after_a_good_trial(cluster):
     decode = cluster.decode_urls[0]
     async with (
