@@ -188,3 +188,23 @@ async def test_worker_restarted_in_its_launch_role_rejoins_that_pool(cluster):
                 assert worker.bootstrap_port == restarted.bootstrap_port(url)
                 assert worker in router.state.registry.selectable(Role.PREFILL)
                 assert worker not in router.state.registry.selectable(Role.DECODE)
+
+
+async def test_restarted_worker_without_extensions_is_placed_by_its_server_info(cluster):
+    port = free_port_pair()
+    url = f"http://127.0.0.1:{port}"
+    with WorkerCluster(prefill=0, decode=1, base_port=port) as first:
+        async with running_router(
+            cluster,
+            decode=[*cluster.decode_urls, url],
+            health={"interval_secs": 60.0, "failure_threshold": 1, "success_threshold": 1},
+        ) as router:
+            worker = router.state.registry.get(url)
+            first.kill(url)
+            assert not await router.state.health.check(worker)
+            with WorkerCluster(prefill=1, decode=0, base_port=port) as restarted:
+                await fault(url, native_only=True)
+                assert await router.state.health.check(worker)
+                assert worker.has_extensions is False
+                assert worker.role is Role.PREFILL
+                assert worker.bootstrap_port == restarted.bootstrap_port(url)
