@@ -37,6 +37,7 @@ from pd_router.requests import (
     Endpoint,
     inject_bootstrap,
     item_rids,
+    logprobs_requested,
     parse_body,
     router_rid,
 )
@@ -132,7 +133,7 @@ class Exchange:
             **router.worker_headers,
         }
         self.stream = bool(body.get("stream"))
-        self.merge = endpoint.native and bool(body.get("return_logprob"))
+        self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
 
     async def run(self) -> web.StreamResponse:
         retry = self.router.config.retry

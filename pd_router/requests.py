@@ -34,7 +34,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
-# The strings pydantic's lax mode (SGLang's request models) reads as booleans.
+# The strings pydantic's lax mode (SGLang's OpenAI request models) reads as booleans.
 TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
 FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
 
@@ -52,13 +52,17 @@ def check_optional(body: dict[str, Any], key: str, kind: type, what: str) -> Non
     value = body.get(key)
     if value is None:
         return
-    if not isinstance(value, kind) or isinstance(value, bool):
+    if kind is bool:
+        ok = isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind) and not isinstance(value, bool)
+    if not ok:
         raise BadRequest(f"'{key}' must be {what}, got {type(value).__name__}")
 
 
 def normalize_bool(body: dict[str, Any], key: str) -> None:
-    """Replace ``body[key]`` by the boolean SGLang would read it as (pydantic's lax rules:
-    ``1``, ``"true"``, ``"yes"``... are true), so the router streams or merges exactly when the
+    """Replace ``body[key]`` by the boolean SGLang's OpenAI models read it as (pydantic's lax
+    rules: ``1``, ``"true"``, ``"yes"``... are true), so the router streams exactly when the
     worker does; BadRequest for a value SGLang would reject."""
     value = body.get(key)
     if value is None or isinstance(value, bool):
@@ -71,9 +75,7 @@ def normalize_bool(body: dict[str, Any], key: str) -> None:
         raise BadRequest(f"'{key}' must be a boolean, got {type(value).__name__} {value!r}")
 
 
-def check_common(body: dict[str, Any]) -> None:
-    """Fields every generation endpoint shares."""
-    normalize_bool(body, "stream")
+def check_rid(body: dict[str, Any]) -> None:
     rid = body.get("rid")
     if rid is not None and not (
         isinstance(rid, str) or (isinstance(rid, list) and all(isinstance(r, str) for r in rid))
@@ -142,10 +144,23 @@ def scaled(batch: int | None, n: int) -> Items:
     return batch, n
 
 
+def logprobs_requested(value: Any) -> bool:
+    """Whether ``return_logprob`` (a boolean, or one per item of a batch) asks for any."""
+    return any(value) if isinstance(value, list) else value is True
+
+
 def generate_items(body: dict[str, Any]) -> Items:
-    """Items of a native /generate request."""
-    check_common(body)
-    normalize_bool(body, "return_logprob")
+    """Items of a native /generate request. SGLang's contract gate takes only JSON booleans
+    here: ``stream`` a boolean, ``return_logprob`` a boolean or a list of them."""
+    check_rid(body)
+    check_optional(body, "stream", bool, "a boolean")
+    flags = body.get("return_logprob")
+    if not (
+        flags is None
+        or isinstance(flags, bool)
+        or (isinstance(flags, list) and all(isinstance(f, bool) for f in flags))
+    ):
+        raise BadRequest("'return_logprob' must be a boolean or a list of booleans")
     if body.get("text") is not None:
         batch = string_list_kind(body["text"], "text")
     elif body.get("input_ids") is not None:
@@ -171,7 +186,8 @@ def generate_items(body: dict[str, Any]) -> Items:
 
 def completion_items(body: dict[str, Any]) -> Items:
     """Items of an OpenAI /v1/completions request."""
-    check_common(body)
+    check_rid(body)
+    normalize_bool(body, "stream")
     check_optional(body, "model", str, "a string")
     prompt = body.get("prompt")
     if prompt is None:
@@ -187,7 +203,8 @@ def completion_items(body: dict[str, Any]) -> Items:
 
 def chat_items(body: dict[str, Any]) -> Items:
     """Items of an OpenAI /v1/chat/completions request."""
-    check_common(body)
+    check_rid(body)
+    normalize_bool(body, "stream")
     check_optional(body, "model", str, "a string")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:

@@ -111,8 +111,9 @@ async def test_generate_stream_relays_events_until_done(http):
     assert events[-2]["text"] == expected_text("stream me", TOKENS)
 
 
-async def test_stream_given_as_the_string_true_is_streamed(http):
-    response = await http.post("/generate", json=generate_body("lax flag", TOKENS, stream="true"))
+async def test_openai_stream_given_as_the_string_true_is_streamed(http):
+    body = {"prompt": "lax flag", "max_tokens": TOKENS, "stream": "true"}
+    response = await http.post("/v1/completions", json=body)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     assert sse_events(response.text)[-1] == "[DONE]"
@@ -150,6 +151,15 @@ async def test_logprobs_are_merged_per_batch_item(http):
     body = generate_body(prompts, TOKENS, return_logprob=True)
     items = (await http.post("/generate", json=body)).json()
     for prompt, item in zip(prompts, items, strict=True):
+        assert [e[1] for e in item["meta_info"]["input_token_logprobs"]] == tokenize(prompt)
+
+
+async def test_logprobs_asked_per_item_are_merged(http):
+    prompts = ["ab", "cdef"]
+    body = generate_body(prompts, TOKENS, return_logprob=[True, True])
+    response = await http.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+    for prompt, item in zip(prompts, response.json(), strict=True):
         assert [e[1] for e in item["meta_info"]["input_token_logprobs"]] == tokenize(prompt)
 
 

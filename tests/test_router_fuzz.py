@@ -24,7 +24,7 @@ WRONG_VALUES: dict[str, list[Any]] = {
     "input_ids": ["x", [], {}, [[]], [["a"]], True, [True], [1.5]],
     "sampling_params": ["x", 5, [1], True],
     "stream": ["maybe", 2, [], {}],
-    "return_logprob": ["nope", -1, [], {}],
+    "return_logprob": ["yes", 1, [1], {}],
     "rid": [5, [1], {}, True],
     "prompt": [5, [], {}, [None], True, [["a"]], [1.5]],
     "messages": ["x", [], [1], {}, 5, ["a"]],

@@ -15,6 +15,7 @@ from pd_router.requests import (
     completion_items,
     generate_items,
     inject_bootstrap,
+    logprobs_requested,
     parse_body,
     router_rid,
 )
@@ -105,22 +106,34 @@ def test_rids_the_router_assigns_and_aborts_by():
 @pytest.mark.parametrize(
     ("value", "expected"), [(1, True), (0, False), ("true", True), ("No", False), ("yes", True)]
 )
-def test_stream_flag_is_read_as_sglang_reads_it(value, expected):
-    body = {"text": "x", "stream": value}
-    generate_items(body)
+def test_openai_stream_flag_is_read_as_pydantic_reads_it(value, expected):
+    body = {"prompt": "x", "stream": value}
+    completion_items(body)
     assert body["stream"] is expected
 
 
 @pytest.mark.parametrize("value", [2, -1, "maybe", 1.5, [], {}])
-def test_stream_flag_sglang_would_reject_is_a_bad_request(value):
+def test_openai_stream_flag_pydantic_would_reject_is_a_bad_request(value):
     with pytest.raises(BadRequest):
+        chat_items({"messages": [{"role": "user", "content": "hi"}], "stream": value})
+
+
+@pytest.mark.parametrize("value", [1, "true", "yes"])
+def test_generate_stream_flag_must_be_a_json_boolean(value):
+    with pytest.raises(BadRequest, match="'stream'"):
         generate_items({"text": "x", "stream": value})
 
 
-def test_return_logprob_string_is_normalized_to_a_boolean():
-    body = {"text": "x", "return_logprob": "false"}
-    generate_items(body)
-    assert body["return_logprob"] is False
+def test_generate_return_logprob_may_be_one_flag_per_item():
+    assert generate_items({"text": ["a", "b"], "return_logprob": [False, True]}) == (2, 1)
+    assert logprobs_requested([False, True])
+    assert not logprobs_requested([False, False])
+
+
+@pytest.mark.parametrize("value", ["true", 1, [1], {}])
+def test_generate_return_logprob_of_another_type_is_a_bad_request(value):
+    with pytest.raises(BadRequest, match="'return_logprob'"):
+        generate_items({"text": "x", "return_logprob": value})
 
 
 @pytest.mark.parametrize(
