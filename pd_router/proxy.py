@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
 
@@ -215,25 +215,36 @@ class Exchange:
     def observe_ttft(self) -> None:
         self.router.metrics.ttft_seconds.observe(asyncio.get_running_loop().time() - self.started)
 
+    def start_legs(
+        self,
+        prefill: Worker,
+        decode: Worker,
+        payload: bytes,
+        decode_leg: Callable[..., Awaitable[T]],
+    ) -> tuple[asyncio.Task[LegResult], asyncio.Task[T]]:
+        """Count the request in flight on both workers and send ``payload`` to both at once;
+        the prefill's answer is always read whole, the decode's by ``decode_leg``."""
+        router = self.router
+        router.registry.acquire(prefill)
+        router.registry.acquire(decode)
+        path = self.endpoint.path
+        p_task = asyncio.create_task(
+            fetch(router.legs, Role.PREFILL, prefill, prefill.url + path, payload, self.headers,
+                  router.count_upstream_error)
+        )  # fmt: skip
+        d_task = asyncio.create_task(
+            decode_leg(router.legs, Role.DECODE, decode, decode.url + path, payload, self.headers,
+                       router.count_upstream_error)
+        )  # fmt: skip
+        return p_task, d_task
+
     # --- non-streaming ----------------------------------------------------------------------
 
     async def unary_attempt(
         self, prefill: Worker, decode: Worker, payload: bytes, rids: list[str]
     ) -> web.Response:
-        router = self.router
-        registry = router.registry
-        legs = router.legs
-        path = self.endpoint.path
-        registry.acquire(prefill)
-        registry.acquire(decode)
-        p_task = asyncio.create_task(
-            fetch(legs, Role.PREFILL, prefill, prefill.url + path, payload, self.headers,
-                  router.count_upstream_error)
-        )  # fmt: skip
-        d_task = asyncio.create_task(
-            fetch(legs, Role.DECODE, decode, decode.url + path, payload, self.headers,
-                  router.count_upstream_error)
-        )  # fmt: skip
+        registry = self.router.registry
+        p_task, d_task = self.start_legs(prefill, decode, payload, fetch)
         client_gone = False
         try:
             p_result, d_result = await join_unary(p_task, d_task)
@@ -261,18 +272,7 @@ class Exchange:
     ) -> web.StreamResponse:
         router = self.router
         registry = router.registry
-        legs = router.legs
-        path = self.endpoint.path
-        registry.acquire(prefill)
-        registry.acquire(decode)
-        p_task = asyncio.create_task(
-            fetch(legs, Role.PREFILL, prefill, prefill.url + path, payload, self.headers,
-                  router.count_upstream_error)
-        )  # fmt: skip
-        d_task = asyncio.create_task(
-            open_stream(legs, Role.DECODE, decode, decode.url + path, payload, self.headers,
-                        router.count_upstream_error)
-        )  # fmt: skip
+        p_task, d_task = self.start_legs(prefill, decode, payload, open_stream)
         first_task: asyncio.Task | None = None
         d_resp: Response | None = None
         decode_done = False
