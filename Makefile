@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser demo test lint bench screenshot clean
+.PHONY: install browser demo test lint bench bench-worker bench-overhead bench-convert screenshot clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -35,8 +35,17 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-bench: $(STAMP)
+# Benchmarks (minutes, not part of make test); figures and commands in docs/PERFORMANCE.md.
+bench: bench-worker bench-overhead bench-convert
+
+bench-worker: $(STAMP)
 	$(VENV)/bin/python bench/worker_throughput.py
+
+bench-overhead: $(STAMP)
+	$(VENV)/bin/python bench/overhead.py
+
+bench-convert: $(STAMP)
+	$(VENV)/bin/python bench/convert_under_load.py
 
 screenshot: $(STAMP) browser
 	$(VENV)/bin/python bench/screenshot.py
