@@ -3,8 +3,9 @@
 Each worker runs a :class:`BootstrapServer` on its bootstrap port for its whole life (like SGLang
 with ``--enable-pd-role-switch``, the listener survives role switches). A prefill request
 registers its ``bootstrap_room`` in the :class:`RoomRegistry` and publishes the KV payload once its
-forward is done. A decode request connects with :func:`pull_kv`, names its room, and receives the
-payload bytes on that connection. Protocol (one request per connection):
+forward is done. A decode request (:class:`~pd_worker.kv_pull.KVPuller`) names its room on a
+connection and receives the payload bytes on it. The protocol is framed, so a connection carries
+any number of requests one after another (the decode keeps a few open per prefill):
 
     decode -> prefill   {"room": <int>}\\n
     prefill -> decode   {"ok": true, "nbytes": <int>, "source": "<prefill url>"}\\n <payload bytes>
@@ -16,17 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import orjson
 
-from pd_worker.errors import KVTransferError
-
 log = logging.getLogger(__name__)
-
-RECONNECT_INTERVAL_SECS = 0.05
 
 
 @dataclass
@@ -105,7 +101,12 @@ class BootstrapServer:
         self._before_send = before_send
         self._is_hung = is_hung
         self._server: asyncio.Server | None = None
-        self._hung: set[asyncio.StreamWriter] = set()
+        self._connections: set[asyncio.StreamWriter] = set()
+
+    @property
+    def num_connections(self) -> int:
+        """Open decode connections (a decode keeps its pooled ones open between pulls)."""
+        return len(self._connections)
 
     async def start(self) -> None:
         """Bind the listener (raises OSError when the port is taken)."""
@@ -115,30 +116,27 @@ class BootstrapServer:
         """Close the listener and every open connection."""
         if self._server is not None:
             self._server.close()
-            for writer in list(self._hung):
+            for writer in list(self._connections):
                 writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answer the requests of one connection in order until the decode closes it."""
+        self._connections.add(writer)
         try:
-            if self._is_hung():
-                await self._hang(reader, writer)
-                return
-            request = orjson.loads(await reader.readline())
-            await self._serve_room(int(request["room"]), writer)
+            while line := await reader.readline():
+                if self._is_hung():
+                    # Fault hang_bootstrap: never answer; wait until the decode gives up.
+                    await reader.read()
+                    return
+                request = orjson.loads(line)
+                await self._serve_room(int(request["room"]), writer)
         except (OSError, ValueError, KeyError, TypeError, orjson.JSONDecodeError) as exc:
             log.debug("bootstrap connection dropped: %s", exc)
         finally:
+            self._connections.discard(writer)
             writer.close()
-
-    async def _hang(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Fault ``hang_bootstrap``: accept, then never answer until the peer gives up."""
-        self._hung.add(writer)
-        try:
-            await reader.read()
-        finally:
-            self._hung.discard(writer)
 
     async def _serve_room(self, room_id: int, writer: asyncio.StreamWriter) -> None:
         room = await self._rooms.wait_for(room_id, self._room_wait_secs)
@@ -163,49 +161,3 @@ class BootstrapServer:
     async def _reply_error(writer: asyncio.StreamWriter, message: str) -> None:
         writer.write(orjson.dumps({"ok": False, "error": message}) + b"\n")
         await writer.drain()
-
-
-@dataclass(frozen=True)
-class PulledKV:
-    """What a decode received: the payload and the prefill that sent it."""
-
-    payload: bytes
-    source: str
-
-
-async def pull_kv(host: str, port: int, room_id: int, timeout_secs: float) -> PulledKV:
-    """Connect to a prefill's bootstrap server and pull the KV of ``room_id``.
-
-    Refused connections are retried until ``timeout_secs`` (a prefill may be starting), as SGLang
-    keeps polling the bootstrap server; any failure raises :class:`KVTransferError`.
-    """
-    started = time.monotonic()
-    try:
-        async with asyncio.timeout(timeout_secs):
-            reader, writer = await _connect(host, port)
-            try:
-                writer.write(orjson.dumps({"room": room_id}) + b"\n")
-                await writer.drain()
-                header = orjson.loads(await reader.readline())
-                if not header.get("ok"):
-                    raise KVTransferError(room_id, str(header.get("error")))
-                payload = await reader.readexactly(int(header["nbytes"]))
-                return PulledKV(payload, str(header.get("source", f"{host}:{port}")))
-            finally:
-                writer.close()
-    except TimeoutError:
-        elapsed = time.monotonic() - started
-        raise KVTransferError(
-            room_id, f"Request {room_id} timed out after {elapsed:.1f}s in KVPoll.WaitingForInput"
-        ) from None
-    except (OSError, asyncio.IncompleteReadError, ValueError, orjson.JSONDecodeError) as exc:
-        raise KVTransferError(room_id, f"KV transfer from {host}:{port} failed: {exc}") from None
-
-
-async def _connect(host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """Open a connection, retrying refused ones until the caller's timeout cancels us."""
-    while True:
-        try:
-            return await asyncio.open_connection(host, port)
-        except OSError:
-            await asyncio.sleep(RECONNECT_INTERVAL_SECS)

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pd_worker.bootstrap import pull_kv
 from pd_worker.errors import BadRequest, KVTransferError, RequestAborted
+from pd_worker.kv_pull import KVPuller
 from pd_worker.requests import GenItem, Progress, token_logprob
 from pd_worker.tokens import WORDS, detokenize, output_ids_from_payload, pack_prompt
 
@@ -144,12 +144,14 @@ class DecodeRole:
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        self._puller = KVPuller()
 
     def start(self) -> None:
         """Nothing to start: decode work runs inside each request."""
 
     async def teardown(self) -> None:
-        """Nothing to release: an idle decode holds no connections."""
+        """Close the pooled bootstrap connections (a role switch needs an idle decode)."""
+        self._puller.close()
 
     async def run(self, item: GenItem, req: Req, emit: Emit) -> None:
         engine = self._engine
@@ -174,7 +176,7 @@ class DecodeRole:
         engine.set_stage(req, "transfer")
         started = time.monotonic()
         try:
-            pulled = await pull_kv(
+            pulled = await self._puller.pull(
                 item.bootstrap_host or "",
                 item.bootstrap_port or 0,
                 item.bootstrap_room or 0,
