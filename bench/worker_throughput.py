@@ -9,7 +9,8 @@ Three closed-loop scenarios, each for a fixed duration with a fixed number of co
   room, the decode pulling the KV over the prefill's bootstrap connection (pairs per second).
 
 The load generator runs in this process and shares the machine's cores with the workers, so the
-figures are a lower bound.
+figures are a lower bound. ``worker_cpu_ms`` is the CPU the worker processes (both, for pd-pair)
+spent per request, read from /proc: the cost a router benchmark's backend adds per request.
 
     .venv/bin/python bench/worker_throughput.py [--duration 5] [--concurrency 32]
                                                 [--max-new-tokens 16]
@@ -26,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+from proc_cpu import tree_cpu_seconds
 
 from pd_worker.cluster import WorkerCluster
 
@@ -95,6 +97,11 @@ def pair_sender(prefill: str, decode: str, bootstrap_port: int, max_new_tokens: 
     return send
 
 
+def workers_cpu_seconds(cluster: WorkerCluster) -> float:
+    """CPU seconds used so far by all the cluster's worker processes."""
+    return sum(tree_cpu_seconds(cluster.worker(url).process.pid) for url in cluster.urls)
+
+
 async def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
     async with WorkerCluster(prefill=1, decode=1, speed=0.0) as cluster:
@@ -107,7 +114,11 @@ async def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
             ),
         }
         for name, send in scenarios.items():
-            results[name] = await closed_loop(send, args.concurrency, args.duration)
+            cpu_before = workers_cpu_seconds(cluster)
+            result = await closed_loop(send, args.concurrency, args.duration)
+            cpu_ms = (workers_cpu_seconds(cluster) - cpu_before) * 1000
+            result["worker_cpu_ms"] = round(cpu_ms / max(result["requests"], 1), 3)
+            results[name] = result
     return results
 
 
@@ -120,9 +131,12 @@ def main() -> None:
     results = asyncio.run(run(args))
     setup = f"cores={os.cpu_count()} concurrency={args.concurrency}"
     print(f"{setup} max_new_tokens={args.max_new_tokens}")
-    print(f"{'scenario':15s} {'req/s':>8s} {'ok':>8s} {'failed':>7s}")
+    print(f"{'scenario':15s} {'req/s':>8s} {'ok':>8s} {'failed':>7s} {'worker_cpu_ms':>14s}")
     for name, r in results.items():
-        print(f"{name:15s} {r['rps']:8.1f} {r['requests']:8d} {r['failed']:7d}")
+        print(
+            f"{name:15s} {r['rps']:8.1f} {r['requests']:8d} {r['failed']:7d}"
+            f" {r['worker_cpu_ms']:14.3f}"
+        )
     print(json.dumps(results))
 
 
