@@ -7,9 +7,11 @@ release everything when the decode role is torn down.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import orjson
 import pytest
 
 from pd_worker.bootstrap import BootstrapServer, Room, RoomRegistry
@@ -123,3 +125,32 @@ async def test_closing_the_puller_closes_its_idle_connections(prefill: Prefill):
         return server.num_connections == 0
 
     await poll_until(no_connections, "the prefill sees the pooled connection closed")
+
+
+async def test_a_pooled_connection_closed_without_an_answer_is_retried_once_on_a_new_one(
+    puller: KVPuller,
+):
+    accepted: list[int] = []
+
+    async def flaky_prefill(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Answers every request, except that its first connection dies on the second one."""
+        accepted.append(len(accepted))
+        first_connection = len(accepted) == 1
+        served = 0
+        while await reader.readline():
+            if first_connection and served == 1:
+                break
+            payload = b"kv %d" % served
+            header = {"ok": True, "nbytes": len(payload), "source": SOURCE}
+            writer.write(orjson.dumps(header) + b"\n" + payload)
+            await writer.drain()
+            served += 1
+        writer.close()
+
+    port = free_port()
+    server = await asyncio.start_server(flaky_prefill, LOOPBACK, port)
+    async with server:
+        first = await puller.pull(LOOPBACK, port, 1, TIMEOUT_SECS)
+        second = await puller.pull(LOOPBACK, port, 2, TIMEOUT_SECS)
+    assert (first.payload, second.payload) == (b"kv 0", b"kv 0")
+    assert accepted == [0, 1]
