@@ -188,6 +188,7 @@ async def test_killed_prefill_is_skipped_and_its_circuit_opens(cluster_factory):
             cluster,
             health={"interval_secs": 60.0},
             circuit={"failure_threshold": 2, "cooldown_secs": 60.0},
+            prefill_policy="round_robin",  # the dead prefill is picked often enough, every run
         ) as router,
         router.client() as http,
     ):
