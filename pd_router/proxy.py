@@ -50,6 +50,7 @@ from pd_router.upstream import (
     fetch,
     open_stream,
     record_outcome,
+    recorded,
     transport_failure,
 )
 from pd_router.workers import Role, Worker
@@ -392,15 +393,13 @@ async def first_piece(pieces: AsyncIterator[bytes], decode: Worker, router: Rout
         piece = b""
     except UPSTREAM_ERRORS as exc:
         failure = transport_failure(Role.DECODE, decode, exc)
-        record_outcome(decode, failure, router.count_upstream_error)
-        raise failure from exc
+        raise recorded(decode, failure, router.count_upstream_error) from exc
     if not piece:
         failure = LegFailed(
             Role.DECODE, decode, "disconnect",
             f"decode worker {decode.url} ended its stream without data", retryable=True,
         )  # fmt: skip
-        record_outcome(decode, failure, router.count_upstream_error)
-        raise failure
+        raise recorded(decode, failure, router.count_upstream_error)
     return piece
 
 

@@ -107,6 +107,12 @@ def record_outcome(worker: Worker, failure: LegFailed | None, count_error: Error
         worker.circuit.record_failure()
 
 
+def recorded(worker: Worker, failure: LegFailed, count_error: ErrorCounter) -> LegFailed:
+    """``failure``, after it was fed to the worker's circuit and the error metric (to raise)."""
+    record_outcome(worker, failure, count_error)
+    return failure
+
+
 async def fetch(
     pool: Http1Pool,
     role: Role,
@@ -129,14 +135,10 @@ async def fetch(
     except UPSTREAM_ERRORS as exc:
         if response is not None:
             response.close()
-        failure = transport_failure(role, worker, exc)
-        record_outcome(worker, failure, count_error)
-        raise failure from exc
+        raise recorded(worker, transport_failure(role, worker, exc), count_error) from exc
     result = LegResult(response.status, body, response.content_type)
     if result.status >= 300:
-        failure = status_failure(role, worker, result)
-        record_outcome(worker, failure, count_error)
-        raise failure
+        raise recorded(worker, status_failure(role, worker, result), count_error)
     record_outcome(worker, None, count_error)
     return result
 
@@ -158,9 +160,7 @@ async def open_stream(
         worker.circuit.release_trial()
         raise
     except UPSTREAM_ERRORS as exc:
-        failure = transport_failure(role, worker, exc)
-        record_outcome(worker, failure, count_error)
-        raise failure from exc
+        raise recorded(worker, transport_failure(role, worker, exc), count_error) from exc
     if response.status < 300:
         return response
     try:
@@ -168,9 +168,8 @@ async def open_stream(
     except UPSTREAM_ERRORS:
         response.close()
         body = b""
-    failure = status_failure(role, worker, LegResult(response.status, body, response.content_type))
-    record_outcome(worker, failure, count_error)
-    raise failure
+    result = LegResult(response.status, body, response.content_type)
+    raise recorded(worker, status_failure(role, worker, result), count_error)
 
 
 async def abort(session: aiohttp.ClientSession, worker: Worker, rids: list[str]) -> None:
