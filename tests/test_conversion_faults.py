@@ -196,7 +196,10 @@ async def test_unsafe_switch_failure_is_failed_out_of_every_pool(http, cluster):
     assert refused.status_code == 409
 
 
-async def test_worker_killed_during_the_drain_goes_back_unhealthy(cluster):
+@contextlib.asynccontextmanager
+async def router_over_a_busy_spare_decode(cluster):
+    """A router over one prefill and a fresh decode busy with an endless generation; yields
+    (client, the decode's process, the request's task) for a test that kills the decode."""
     spare = await asyncio.to_thread(cluster.add, "decode")
     prefill, _ = await live_roles(cluster)
     async with (
@@ -208,6 +211,11 @@ async def test_worker_killed_during_the_drain_goes_back_unhealthy(cluster):
         endless = {"text": "killed midway", "sampling_params": {"max_new_tokens": 50000}}
         request = asyncio.create_task(http.post("/generate", json=endless))
         await wait_for_busy([spare.url])
+        yield http, spare, request
+
+
+async def test_worker_killed_during_the_drain_goes_back_unhealthy(cluster):
+    async with router_over_a_busy_spare_decode(cluster) as (http, spare, request):
         started = await convert(http, server_url=spare.url, wait=False)
         conversion_id = started.json()["id"]
         await asyncio.to_thread(cluster.kill, spare.url)
@@ -225,17 +233,7 @@ async def test_worker_killed_during_the_drain_goes_back_unhealthy(cluster):
 
 
 async def test_mini_lb_switch_of_a_worker_that_dies_is_400_safe_to_restore(cluster):
-    spare = await asyncio.to_thread(cluster.add, "decode")
-    prefill, _ = await live_roles(cluster)
-    async with (
-        running_router(
-            prefill=prefill[:1], decode=[spare.url], conversion={"min_decode": 0}
-        ) as router,
-        router.client() as http,
-    ):
-        endless = {"text": "killed midway", "sampling_params": {"max_new_tokens": 50000}}
-        request = asyncio.create_task(http.post("/generate", json=endless))
-        await wait_for_busy([spare.url])
+    async with router_over_a_busy_spare_decode(cluster) as (http, spare, request):
         body = {"worker_url": spare.url, "new_role": "prefill"}
         switch = asyncio.create_task(http.post("/pd_role_switch", json=body))
 
