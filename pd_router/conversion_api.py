@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from pd_protocol.wire import UNSUPPORTED_KNOBS
 from pd_router.control import WorkerControl, open_control_session
 from pd_router.conversion import (
     AlreadyInRole,
@@ -27,12 +28,11 @@ from pd_router.conversion import (
 from pd_router.errors import BadRequest
 from pd_router.state import ROUTER, router_of
 from pd_router.workers import Role
-from server_patch.extension import UNSUPPORTED_KNOBS
 
 ABORT_REPLY_WAIT_SECS = 5.0
 DEFAULT_LIST_LIMIT = 50
 
-# SGLang PR #9325 knobs, as the extension protocol lists them: passed on to workers whose
+# SGLang PR #9325 knobs, as the extension's wire contract lists them: passed on to workers whose
 # control API takes them (the extension's /convert_pd_role decides), refused with a 400 naming
 # the field for native workers. A knob that is null or false asks for nothing and is dropped.
 PASS_THROUGH_FIELDS = UNSUPPORTED_KNOBS | {"check_idle"}

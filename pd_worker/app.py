@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
+from pd_protocol.wire import CONVERT_PATH, DRAIN_PATH, ROLE_PATH, SWITCH_PATH
 from pd_worker import metrics, openai_api
 from pd_worker.config import WorkerConfig
 from pd_worker.control import EngineBackend, check_switch_body, tokenizer_switch
@@ -102,10 +103,10 @@ def _add_routes(app: web.Application) -> None:
     r.add_get("/metrics", prometheus_metrics)
     r.add_route("*", "/flush_cache", flush_cache)
     r.add_post("/abort_request", abort_request)
-    r.add_post("/pd_role_switch", pd_role_switch)
-    r.add_get("/pd_role", pd_role)
-    r.add_post("/pd_drain", pd_drain)
-    r.add_post("/convert_pd_role", convert_pd_role)
+    r.add_post(SWITCH_PATH, pd_role_switch)
+    r.add_get(ROLE_PATH, pd_role)
+    r.add_post(DRAIN_PATH, pd_drain)
+    r.add_post(CONVERT_PATH, convert_pd_role)
     r.add_post("/fault", fault)
 
 

@@ -18,7 +18,8 @@ import sys
 from dataclasses import fields
 from typing import NoReturn
 
-from pd_worker.config import ROLES, WorkerConfig
+from pd_protocol.wire import ROLES
+from pd_worker.config import WorkerConfig
 from pd_worker.timing import TimingModel
 
 USAGE_ERROR = 2

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pd_protocol.wire import ROLES
 from pd_worker.timing import TimingModel
 
-ROLES = ("prefill", "decode")
 DEFAULT_DECODE_CUDA_GRAPH_BS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 256)
 
 

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from pd_protocol.wire import ROLES
 from pd_worker.engine import Engine
 from pd_worker.errors import InvalidBody
 from server_patch.extension import Load
 
-SWITCH_ROLES = ("prefill", "decode", "")
+SWITCH_ROLES = (*ROLES, "")
 
 
 def check_switch_body(body: Any) -> dict[str, Any]:

@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pd_protocol.wire import ROLES
 from pd_worker.bootstrap import BootstrapServer, Room, RoomRegistry
-from pd_worker.config import DEFAULT_DECODE_CUDA_GRAPH_BS, ROLES, WorkerConfig
+from pd_worker.config import DEFAULT_DECODE_CUDA_GRAPH_BS, WorkerConfig
 from pd_worker.errors import BadRequest, WorkerError
 from pd_worker.faults import Faults
 from pd_worker.kvpool import KVPool

@@ -11,6 +11,8 @@ from __future__ import annotations
 from http import HTTPStatus
 from typing import Any
 
+from pd_protocol.wire import RETRY_AFTER_SECS
+
 
 class WorkerError(Exception):
     """Base class: ``status`` is the HTTP status; ``openai_shape`` picks the ErrorResponse body."""
@@ -85,7 +87,7 @@ class NotAdmitting(WorkerError):
 
     status = HTTPStatus.SERVICE_UNAVAILABLE
     openai_shape = True
-    retry_after = 1
+    retry_after = RETRY_AFTER_SECS
 
 
 class Unhealthy(WorkerError):

@@ -15,7 +15,8 @@ from typing import Any
 
 import orjson
 
-from server_patch.extension import RETRY_AFTER_SECS, PDExtension
+from pd_protocol.wire import RETRY_AFTER_SECS
+from server_patch.extension import PDExtension
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -1,11 +1,12 @@
-"""The extension endpoints of DESIGN.md (`/pd_role`, `/pd_drain`, `/convert_pd_role`), written once.
+"""The extension endpoints (`/pd_role`, `/pd_drain`, `/convert_pd_role`), written once.
 
 SGLang's in-process role switch leaves draining to the caller and says nothing about idleness or
 the bootstrap port. This module adds those on top of any server that can report its role and load
 and switch in process (a `RoleBackend`): SGLang's tokenizer manager in `server_patch`, the
 reference engine in `pd_worker`. It imports no web framework: each server maps its HTTP routes
 onto `PDExtension` and turns `ExtensionError` into a 4xx reply, so the router's tests against
-pd_worker exercise the same code that runs on SGLang.
+pd_worker exercise the same code that runs on SGLang. The endpoints are described in
+docs/server_patch.md; the paths, fields and knobs both sides share are in `pd_protocol.wire`.
 """
 
 from __future__ import annotations
@@ -16,51 +17,16 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-logger = logging.getLogger(__name__)
-
-ROLES = ("prefill", "decode")
-DEFAULT_DRAIN_TIMEOUT_SECS = 300.0
-RETRY_AFTER_SECS = 1
-
-# Fields of the SGLang PR #9325 body (and of the router's admin API) that address the server or
-# the router, or ask for what a conversion does anyway (`check_idle` true, `drain`): accepted and
-# ignored (`check_idle` false is refused when the body is parsed).
-_ROUTING_FIELDS = frozenset({"server_url", "worker_url", "check_idle", "drain"})
-
-# Knobs of the original proposal that need a server restart: SGLang's in-process switch keeps the
-# weights, the KV pool and the launch arguments, so asking for any of these is refused (400).
-UNSUPPORTED_KNOBS = frozenset(
-    {
-        "disable_cuda_graph",
-        "disable_radix_cache",
-        "enable_hierarchical_cache",
-        "chunked_prefill_size",
-        "max_running_requests",
-        "mem_fraction_static",
-        "cuda_graph_max_bs",
-        "cuda_graph_bs",
-        "tp_size",
-        "dp_size",
-        "pp_size",
-        "page_size",
-        "disaggregation_transfer_backend",
-        "disaggregation_ib_device",
-        "disaggregation_decode_tp",
-        "disaggregation_decode_dp",
-        "disaggregation_prefill_pp",
-        "num_reserved_decode_tokens",
-        "enable_dp_attention",
-        "failed_bootstrap_addr",
-    }
+from pd_protocol.wire import (
+    CONVERT_FIELDS,
+    DEFAULT_DRAIN_TIMEOUT_SECS,
+    ROLES,
+    ROUTING_FIELDS,
+    SWITCH_FIELDS,
+    UNSUPPORTED_KNOBS,
 )
 
-_SWITCH_FIELDS = frozenset({"new_role", "decode_cuda_graph_bs", "decode_cuda_graph_memory_gb"})
-_CONVERT_FIELDS = _SWITCH_FIELDS | {
-    "drain_timeout_secs",
-    "disaggregation_mode",
-    "bootstrap_port",
-    "disaggregation_bootstrap_port",
-}
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -141,7 +107,7 @@ def _check_fields(body: dict[str, Any], allowed: frozenset[str]) -> None:
                 "with the new setting instead",
                 field=name,
             )
-        if name not in allowed and name not in _ROUTING_FIELDS:
+        if name not in allowed and name not in ROUTING_FIELDS:
             raise ExtensionError(f"unknown field {name!r}", field=name)
 
 
@@ -186,7 +152,7 @@ def parse_switch_body(body: object) -> dict[str, Any]:
     """Validate a native /pd_role_switch body; `new_role` is required there, spelled exactly
     as SGLang's request type allows (it refuses "Decode" before its handler runs)."""
     body = _require_object(body)
-    _check_fields(body, _SWITCH_FIELDS)
+    _check_fields(body, SWITCH_FIELDS)
     new_role = body.get("new_role")
     if new_role is None:
         raise ExtensionError("new_role is required", field="new_role")
@@ -198,7 +164,7 @@ def parse_switch_body(body: object) -> dict[str, Any]:
 def _parse_convert_body(body: object, bootstrap_port: int | None) -> _ConvertRequest:
     """Validate a /convert_pd_role body: ours or the SGLang PR #9325 shape."""
     body = _require_object(body)
-    _check_fields(body, _CONVERT_FIELDS)
+    _check_fields(body, CONVERT_FIELDS)
     new_role = _role_field(body, "new_role")
     alias = _role_field(body, "disaggregation_mode")
     if new_role is not None and alias is not None and new_role != alias:

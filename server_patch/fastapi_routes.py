@@ -15,6 +15,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from pd_protocol.wire import CONVERT_PATH, DRAIN_PATH, ROLE_PATH, SWITCH_PATH
 from server_patch.admission import AdmissionMiddleware, InFlight
 from server_patch.extension import ExtensionError, PDExtension
 
@@ -46,10 +47,10 @@ def install(
     async def pd_role_switch(request: Request) -> Response:
         return await _answer(request, extension.switch)
 
-    app.add_api_route("/pd_role", pd_role, methods=["GET"])
-    app.add_api_route("/pd_drain", control_auth(pd_drain), methods=["POST"])
-    app.add_api_route("/convert_pd_role", control_auth(convert_pd_role), methods=["POST"])
-    app.add_api_route("/pd_role_switch", control_auth(pd_role_switch), methods=["POST"])
+    app.add_api_route(ROLE_PATH, pd_role, methods=["GET"])
+    app.add_api_route(DRAIN_PATH, control_auth(pd_drain), methods=["POST"])
+    app.add_api_route(CONVERT_PATH, control_auth(convert_pd_role), methods=["POST"])
+    app.add_api_route(SWITCH_PATH, control_auth(pd_role_switch), methods=["POST"])
     app.router.routes.insert(0, app.router.routes.pop())
     app.add_middleware(AdmissionMiddleware, extension=extension, in_flight=in_flight)
 
