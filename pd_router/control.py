@@ -18,16 +18,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pd_router.workers import Role, Worker
+from pd_protocol.wire import CONVERT_PATH, DRAIN_PATH, ROLE_PATH, SWITCH_PATH
+from pd_router.workers import Role, Worker, WorkerRegistry
 
 DEFAULT_TIMEOUT_SECS = 10.0
 DEFAULT_SWITCH_TIMEOUT_SECS = 600.0
-
-# Body fields of the router's /convert_pd_role that only the extension's /convert_pd_role takes
-# (SGLang PR #9325 knobs); the native /pd_role_switch takes none of them.
-NATIVE_SWITCH_FIELDS = frozenset(
-    {"new_role", "decode_cuda_graph_bs", "decode_cuda_graph_memory_gb"}
-)
 
 
 class ControlError(Exception):
@@ -101,17 +96,20 @@ def open_control_session() -> aiohttp.ClientSession:
 
 
 class WorkerControl:
-    """Control calls on a session from :func:`open_control_session`."""
+    """Control calls on a session from :func:`open_control_session`; what they learn about a
+    worker's protocol is kept in ``registry``."""
 
     def __init__(
         self,
         session: aiohttp.ClientSession,
+        registry: WorkerRegistry,
         *,
         timeout_secs: float = DEFAULT_TIMEOUT_SECS,
         switch_timeout_secs: float = DEFAULT_SWITCH_TIMEOUT_SECS,
         headers: dict[str, str] | None = None,
     ) -> None:
         self._session = session
+        self._registry = registry
         self._timeout = aiohttp.ClientTimeout(total=timeout_secs)
         self._switch_timeout = aiohttp.ClientTimeout(total=switch_timeout_secs)
         self._headers = headers or {}
@@ -119,10 +117,12 @@ class WorkerControl:
     # --- discovery --------------------------------------------------------------------------
 
     async def detect_extensions(self, worker: Worker) -> bool:
-        """Whether the worker serves ``GET /pd_role``; remembered on the worker."""
+        """Whether the worker serves ``GET /pd_role``; remembered on the worker (registry)."""
         if worker.has_extensions is None:
-            status, body = await self._get(worker.url, "/pd_role")
-            worker.has_extensions = status == 200 and isinstance(body, dict) and "role" in body
+            status, body = await self._get(worker.url, ROLE_PATH)
+            found = status == 200 and isinstance(body, dict) and "role" in body
+            self._registry.set_extensions(worker, found)
+            return found
         return worker.has_extensions
 
     # --- readings ---------------------------------------------------------------------------
@@ -131,7 +131,7 @@ class WorkerControl:
         """The worker's live role (``/pd_role``, else ``internal_states[0]`` of ``/server_info``:
         the top level of ``/server_info`` holds the launch arguments, not the live role)."""
         if await self.detect_extensions(worker):
-            body = await self._get_ok(worker.url, "/pd_role")
+            body = await self._get_ok(worker.url, ROLE_PATH)
             return RoleReading(_role(body.get("role")), _port(body.get("bootstrap_port")))
         info = await self.server_info(worker.url)
         return RoleReading(
@@ -142,7 +142,7 @@ class WorkerControl:
     async def read_load(self, worker: Worker) -> LoadReading:
         """The worker's load (``/pd_role``, else ``/v1/loads``)."""
         if await self.detect_extensions(worker):
-            body = await self._get_ok(worker.url, "/pd_role")
+            body = await self._get_ok(worker.url, ROLE_PATH)
             return LoadReading(
                 bool(body.get("idle")), _int(body.get("num_running")), _int(body.get("num_waiting"))
             )
@@ -166,21 +166,19 @@ class WorkerControl:
 
     async def set_admission(self, worker: Worker, *, open_: bool) -> None:
         """``POST /pd_drain``: close (``open_`` false) or reopen the worker's admission."""
-        status, body = await self._post(
-            worker.url, "/pd_drain", {"drain": not open_}, self._timeout
-        )
+        status, body = await self._post(worker.url, DRAIN_PATH, {"drain": not open_}, self._timeout)
         if status != 200:
             raise ControlError(
-                worker.url, "/pd_drain", f"HTTP {status}: {_short(body)}", status=status
+                worker.url, DRAIN_PATH, f"HTTP {status}: {_short(body)}", status=status
             )
 
     async def switch(self, worker: Worker, body: dict[str, Any]) -> SwitchReply:
         """Native ``POST /pd_role_switch`` (HTTP 200 on success, 400 on any failure)."""
-        return await self._switch_call(worker, "/pd_role_switch", body)
+        return await self._switch_call(worker, SWITCH_PATH, body)
 
     async def convert(self, worker: Worker, body: dict[str, Any]) -> SwitchReply:
         """Extension ``POST /convert_pd_role``: the worker drains itself, then switches."""
-        return await self._switch_call(worker, "/convert_pd_role", body)
+        return await self._switch_call(worker, CONVERT_PATH, body)
 
     async def _switch_call(self, worker: Worker, path: str, body: dict[str, Any]) -> SwitchReply:
         status, reply = await self._post(worker.url, path, body, self._switch_timeout)

@@ -18,13 +18,8 @@ from aiohttp import web
 
 from pd_protocol.wire import UNSUPPORTED_KNOBS
 from pd_router.control import WorkerControl, open_control_session
-from pd_router.conversion import (
-    AlreadyInRole,
-    Conversion,
-    ConversionManager,
-    ConversionRequest,
-    Status,
-)
+from pd_router.conversion import AlreadyInRole, ConversionManager
+from pd_router.conversion_history import Conversion, ConversionRequest, Status
 from pd_router.errors import BadRequest
 from pd_router.state import ROUTER, router_of
 from pd_router.workers import Role
@@ -82,7 +77,7 @@ async def _conversions(app: web.Application) -> AsyncIterator[None]:
         manager = ConversionManager(
             router.registry,
             router.metrics,
-            WorkerControl(session, headers=router.worker_headers),
+            WorkerControl(session, router.registry, headers=router.worker_headers),
             min_prefill=settings.min_prefill,
             min_decode=settings.min_decode,
             max_concurrent=settings.max_concurrent,
@@ -94,7 +89,10 @@ async def _conversions(app: web.Application) -> AsyncIterator[None]:
 
 
 def _manager(request: web.Request) -> ConversionManager:
-    return router_of(request).conversions
+    manager = router_of(request).conversions
+    if manager is None:
+        raise RuntimeError("the conversion manager starts with the application")
+    return manager
 
 
 class InvalidField(BadRequest):

@@ -98,12 +98,12 @@ class HealthMonitor:
         ):
             error = await self._adopt_live_role(worker)
             if error is not None:
-                worker.last_error = error
+                self._registry.note_error(worker, error)
                 return False
             log.info("worker healthy", extra={"worker": worker.url})
             self._registry.set_health(worker, True)
         elif not ok and error is not None:
-            worker.last_error = error
+            self._registry.note_error(worker, error)
         return worker.healthy
 
     async def _adopt_live_role(self, worker: Worker) -> str | None:
@@ -113,8 +113,10 @@ class HealthMonitor:
         registered role keeps its bootstrap port (a port given on the command line wins)."""
         if worker.state is not WorkerState.ACTIVE:
             return None
-        worker.has_extensions = None
-        control = WorkerControl(self._session, timeout_secs=self._config.timeout_secs)
+        self._registry.set_extensions(worker, None)
+        control = WorkerControl(
+            self._session, self._registry, timeout_secs=self._config.timeout_secs
+        )
         try:
             reading = await control.read_role(worker)
         except ControlError as exc:
@@ -127,9 +129,7 @@ class HealthMonitor:
                 "worker came back in another role; moving it",
                 extra={"worker": worker.url, "from": worker.role.value, "to": reading.role.value},
             )
-            self._registry.set_state(
-                worker, WorkerState.ACTIVE, role=reading.role, bootstrap_port=port
-            )
+            self._registry.adopt_role(worker, reading.role, port)
         return None
 
     async def _probe(self, worker: Worker) -> tuple[bool, str | None]:
@@ -144,7 +144,8 @@ class HealthMonitor:
                 if resp.status != 200:
                     return False, f"health probe answered {resp.status}"
             if worker.role is Role.PREFILL and worker.bootstrap_port is None:
-                worker.bootstrap_port = await self._bootstrap_port(worker, timeout)
+                port = await self._bootstrap_port(worker, timeout)
+                self._registry.set_bootstrap_port(worker, port)
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
             return False, f"health probe failed: {type(exc).__name__}: {exc}"
         return True, None

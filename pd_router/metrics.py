@@ -8,6 +8,7 @@ live in one process, as they do in tests.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -82,8 +83,9 @@ class RouterMetrics:
             ["action"], registry=r,
         )  # fmt: skip
 
-    def forget_worker(self, worker: str, role: str) -> None:
-        """Drop a removed worker's labelled series so dashboards stop showing it."""
+    def forget_worker(self, worker: str, role: str, states: Iterable[str]) -> None:
+        """Drop a removed worker's labelled series (``worker_state`` for each of ``states``) so
+        dashboards stop showing it."""
         for gauge, labels in (
             (self.worker_inflight, (worker, role)),
             (self.worker_healthy, (worker,)),
@@ -91,7 +93,7 @@ class RouterMetrics:
         ):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)
-        for state in ("active", "draining", "switching", "failed"):
+        for state in states:
             with contextlib.suppress(KeyError):
                 self.worker_state.remove(worker, state)
 

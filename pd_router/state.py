@@ -3,8 +3,12 @@
 It owns the configuration, the worker registry, the metrics, the one shared aiohttp client
 session (probes, fan-outs, aborts, worker control), the keep-alive pool of the request legs
 (:attr:`Router.legs`), the selection policies and the health monitor; handlers reach everything
-through it.
-The conversion engineer sets :attr:`Router.conversions`.
+through it. :attr:`Router.conversions` is set by ``conversion_api`` when the application starts
+(its conversion manager lives as long as its control session).
+
+Worker lifecycle lives in the registry alone. To end the legs still running on a worker that
+stops taking requests (unhealthy, FAILED, removed), subscribe with
+``router.registry.on_unavailable(callback)``.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -24,6 +28,9 @@ from pd_router.http1 import Http1Pool
 from pd_router.metrics import RouterMetrics
 from pd_router.policies import Policy, make_policy
 from pd_router.workers import Role, Worker, WorkerRegistry
+
+if TYPE_CHECKING:
+    from pd_router.conversion import ConversionManager
 
 log = logging.getLogger("pd_router")
 
@@ -40,7 +47,7 @@ class Router:
             Role.DECODE: make_policy(config.decode_policy),
         }
         self.health = HealthMonitor(self.registry, config.health)
-        self.conversions: Any = None
+        self.conversions: ConversionManager | None = None
         # Sent on every call to a worker (legs, probes, fan-outs, aborts, control).
         self.worker_headers: dict[str, str] = (
             {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else {}
@@ -54,7 +61,6 @@ class Router:
         self._request_children: dict[tuple[str, int], Any] = {}
         self._duration_children: dict[str, Any] = {}
         self._upstream_error_children: dict[tuple[str, str], Any] = {}
-        self.removing: set[str] = set()
         for spec in config.prefill:
             self.registry.add(spec.url, Role.PREFILL, spec.bootstrap_port, healthy=False)
         for spec in config.decode:

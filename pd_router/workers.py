@@ -1,16 +1,19 @@
 """Workers and the registry of the prefill and decode pools.
 
-The registry is the one place where worker state lives: role, state, epoch, health, circuit and
-the router's in-flight count. Everything else (policies, the request path, the conversion
-manager, the health monitor, the admin API) asks it and changes state only through it, so the
-metrics always follow the state. It knows nothing of HTTP handlers.
+The registry is the one owner of worker lifecycle: role, state, epoch, health, the extension
+protocol, the bootstrap port, which conversion holds a worker, and the router's in-flight count.
+Everything else (policies, the request path, the conversion runner, the health monitor, the admin
+API) reads workers and changes them only through the registry's methods, so every state change
+goes through :data:`TRANSITIONS` and the metrics always follow the state. It knows nothing of
+HTTP handlers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Iterable, Iterator
+import logging
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -18,6 +21,8 @@ from urllib.parse import urlsplit
 
 from pd_router.circuit import CIRCUIT_STATE_VALUES, CircuitBreaker, CircuitConfig, CircuitState
 from pd_router.metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BOOTSTRAP_PORT = 8998
 
@@ -32,46 +37,91 @@ class Role(StrEnum):
 
 
 class WorkerState(StrEnum):
-    """ACTIVE -> DRAINING -> SWITCHING -> ACTIVE (new role); DRAINING -> ACTIVE on abort;
-    SWITCHING -> FAILED on an unsafe failure. Only ACTIVE workers are selectable."""
+    """A conversion: ACTIVE -> DRAINING -> SWITCHING -> ACTIVE (new role), DRAINING -> ACTIVE on
+    abort, -> FAILED on an unsafe failure (out of every pool until re-added). A removal: ACTIVE or
+    FAILED -> REMOVING (waiting for the router's in-flight requests) -> forgotten. Only ACTIVE
+    workers are selectable."""
 
     ACTIVE = "active"
     DRAINING = "draining"
     SWITCHING = "switching"
     FAILED = "failed"
+    REMOVING = "removing"
 
 
-ALLOWED_TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
-    WorkerState.ACTIVE: frozenset({WorkerState.DRAINING, WorkerState.FAILED}),
+TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.ACTIVE: frozenset({WorkerState.DRAINING, WorkerState.REMOVING}),
     WorkerState.DRAINING: frozenset(
         {WorkerState.ACTIVE, WorkerState.SWITCHING, WorkerState.FAILED}
     ),
     WorkerState.SWITCHING: frozenset({WorkerState.ACTIVE, WorkerState.FAILED}),
-    WorkerState.FAILED: frozenset({WorkerState.ACTIVE}),
+    WorkerState.FAILED: frozenset({WorkerState.ACTIVE, WorkerState.REMOVING}),
+    WorkerState.REMOVING: frozenset(),
 }
+
+# The states in which a conversion holds the worker (and only those).
+CONVERTING = frozenset({WorkerState.DRAINING, WorkerState.SWITCHING})
+
+
+class Unavailability(StrEnum):
+    """Why a worker stopped taking requests, as :meth:`WorkerRegistry.on_unavailable` reports it."""
+
+    UNHEALTHY = "unhealthy"
+    FAILED = "failed"
+    REMOVED = "removed"
 
 
 class RegistryError(Exception):
-    """Base of the registry's refusals; the server maps each to a status code."""
+    """Base of the registry's refusals; ``reason`` is a stable code for scripts."""
+
+    reason = "conflict"
 
 
 class UnknownWorker(RegistryError):
+    reason = "unknown_worker"
+
     def __init__(self, key: str) -> None:
         super().__init__(f"no worker with url or id {key!r}")
         self.key = key
 
 
 class DuplicateWorker(RegistryError):
+    reason = "duplicate_worker"
+
     def __init__(self, url: str) -> None:
         super().__init__(f"worker {url} is already registered")
         self.url = url
 
 
 class InvalidTransition(RegistryError):
+    reason = "not_active"
+
     def __init__(self, worker: Worker, target: WorkerState) -> None:
         super().__init__(f"worker {worker.url} cannot go from {worker.state} to {target}")
         self.worker = worker
         self.target = target
+
+
+class WorkerConverting(RegistryError):
+    """A conversion holds the worker: nothing else may change its state."""
+
+    reason = "already_converting"
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__(
+            f"worker {worker.url} is {worker.state} for conversion {worker.conversion_id}"
+        )
+        self.worker = worker
+
+
+class WorkerRemoving(RegistryError):
+    """The worker is being removed: it only waits for its in-flight requests now."""
+
+    reason = "removing"
+
+    def __init__(self, worker: Worker) -> None:
+        super().__init__(f"worker {worker.url} is being removed")
+        self.worker = worker
 
 
 def normalize_url(url: str) -> str:
@@ -108,6 +158,7 @@ class Worker:
     inflight: int = 0
     has_extensions: bool | None = None
     last_error: str | None = None
+    conversion_id: str | None = None
     bootstrap_host: str = ""
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # The worker_inflight{worker,role} child for the current role, so the hot path does no
@@ -139,11 +190,22 @@ class Worker:
             "circuit": self.circuit.state.value,
             "has_extensions": self.has_extensions,
             "last_error": self.last_error,
+            "conversion": self.conversion_id,
         }
 
 
+UnavailableCallback = Callable[[Worker, Unavailability], None]
+
+
 class WorkerRegistry:
-    """The prefill and decode pools: the single owner of worker state."""
+    """The prefill and decode pools: the single owner of worker lifecycle.
+
+    Membership, state, role, epoch, health and which conversion holds a worker change only here.
+    A conversion claims a worker (:meth:`claim_for_conversion`), moves it on
+    (:meth:`advance_conversion`) and hands it back (:meth:`end_conversion`); a removal marks it
+    REMOVING (:meth:`begin_removal`) and then forgets it (:meth:`forget`). Each is one
+    synchronous step, so two actors cannot both pass a check before either acts.
+    """
 
     def __init__(self, metrics: RouterMetrics, circuit_config: CircuitConfig | None = None) -> None:
         self._metrics = metrics
@@ -152,6 +214,7 @@ class WorkerRegistry:
         self._by_id: dict[str, Worker] = {}
         self._ids = itertools.count(1)
         self._changed = asyncio.Event()
+        self._unavailable_callbacks: list[UnavailableCallback] = []
         for role in Role:
             self._metrics.pool_size.labels(role.value).set(0)
 
@@ -175,7 +238,7 @@ class WorkerRegistry:
             existing.circuit.reset()
             existing.last_error = None
             self.set_health(existing, healthy)
-            self.set_state(existing, WorkerState.ACTIVE, role=role, bootstrap_port=bootstrap_port)
+            self._move(existing, WorkerState.ACTIVE, role=role, bootstrap_port=bootstrap_port)
             return existing
         worker_id = f"w{next(self._ids)}"
         worker = Worker(
@@ -199,12 +262,24 @@ class WorkerRegistry:
         self._notify()
         return worker
 
-    def remove(self, worker: Worker) -> None:
-        self._by_url.pop(worker.url, None)
-        self._by_id.pop(worker.id, None)
-        self._metrics.forget_worker(worker.url, worker.role.value)
+    def begin_removal(self, worker: Worker) -> None:
+        """ACTIVE or FAILED -> REMOVING: out of every pool at once, the in-flight requests left
+        to finish. Refused (WorkerConverting, WorkerRemoving) while a conversion holds the
+        worker or another removal runs, so a removal and a conversion never both start."""
+        self._require_free(worker)
+        self._move(worker, WorkerState.REMOVING)
+
+    def forget(self, worker: Worker) -> None:
+        """Drop a REMOVING worker and its metric series (the end of a removal)."""
+        self._require_registered(worker)
+        if worker.state is not WorkerState.REMOVING:
+            raise InvalidTransition(worker, WorkerState.REMOVING)
+        del self._by_url[worker.url]
+        del self._by_id[worker.id]
+        self._metrics.forget_worker(worker.url, worker.role.value, [s.value for s in WorkerState])
         self._export_pools()
         self._notify()
+        self._tell_unavailable(worker, Unavailability.REMOVED)
 
     def get(self, key: str) -> Worker:
         """Look a worker up by id (``w3``) or url (with or without a trailing slash)."""
@@ -218,6 +293,10 @@ class WorkerRegistry:
         if worker is None:
             raise UnknownWorker(key)
         return worker
+
+    def registered(self, worker: Worker) -> bool:
+        """Whether ``worker`` is still in the registry (not forgotten since it was looked up)."""
+        return self._by_url.get(worker.url) is worker
 
     def __iter__(self) -> Iterator[Worker]:
         return iter(list(self._by_url.values()))
@@ -246,36 +325,65 @@ class WorkerRegistry:
             if w.role is role and w.state is WorkerState.ACTIVE and w.healthy
         )
 
-    # --- state changes ----------------------------------------------------------------------
+    def converting(self) -> list[Worker]:
+        """The workers a conversion holds (DRAINING or SWITCHING)."""
+        return [w for w in self._by_url.values() if w.conversion_id is not None]
 
-    def set_state(
+    # --- conversions ------------------------------------------------------------------------
+
+    def claim_for_conversion(
+        self, worker: Worker, conversion_id: str, check: Callable[[], None]
+    ) -> None:
+        """Hand an ACTIVE worker to conversion ``conversion_id`` and move it to DRAINING.
+
+        Refused before anything changes: UnknownWorker (removed meanwhile), WorkerConverting,
+        WorkerRemoving, InvalidTransition (not ACTIVE); then ``check`` runs, the caller's own
+        policy (target role, pool minimum, cap on conversions), which raises to refuse. No await
+        happens between the checks and the claim, so two claims or a claim and a removal cannot
+        both pass.
+        """
+        self._require_free(worker)
+        if worker.state is not WorkerState.ACTIVE:
+            raise InvalidTransition(worker, WorkerState.DRAINING)
+        check()
+        worker.conversion_id = conversion_id
+        self._move(worker, WorkerState.DRAINING)
+
+    def advance_conversion(self, worker: Worker, conversion_id: str, state: WorkerState) -> None:
+        """Move a worker the conversion holds to another converting state (DRAINING ->
+        SWITCHING)."""
+        self._require_holder(worker, conversion_id)
+        if state not in CONVERTING:
+            raise InvalidTransition(worker, state)
+        self._move(worker, state)
+
+    def end_conversion(
         self,
         worker: Worker,
+        conversion_id: str,
         state: WorkerState,
         *,
         role: Role | None = None,
         bootstrap_port: int | None = None,
+        error: str | None = None,
     ) -> None:
-        """Move ``worker`` to ``state``; a new ``role`` bumps its epoch."""
-        if state is not worker.state and state not in ALLOWED_TRANSITIONS[worker.state]:
+        """The conversion lets the worker go: ACTIVE (under ``role`` when it changed, epoch + 1)
+        or FAILED (with ``error`` as its last error)."""
+        self._require_holder(worker, conversion_id)
+        if state in CONVERTING:
             raise InvalidTransition(worker, state)
-        if role is not None and role is not worker.role:
-            self._metrics.worker_inflight.remove(worker.url, worker.role.value)
-            worker.role = role
-            worker.epoch += 1
-            # Failures seen under the old role (e.g. 503s from its closed admission while it
-            # drained) say nothing about the worker under its new one.
-            worker.circuit.reset()
-            worker._inflight_gauge = self._metrics.worker_inflight.labels(worker.url, role.value)
-            worker._inflight_gauge.set(worker.inflight)
-        if bootstrap_port is not None:
-            worker.bootstrap_port = bootstrap_port
-        worker.state = state
-        self._export_state(worker)
-        self._export_pools()
-        self._notify()
+        if error is not None:
+            worker.last_error = error
+        worker.conversion_id = None
+        self._move(worker, state, role=role, bootstrap_port=bootstrap_port)
+
+    # --- what probes learn ------------------------------------------------------------------
+    # A probe may answer after its worker was forgotten; what it learnt is then dropped, so a
+    # removed worker's series never come back.
 
     def set_health(self, worker: Worker, healthy: bool, error: str | None = None) -> None:
+        if not self.registered(worker):
+            return
         if error is not None:
             worker.last_error = error
         if worker.healthy is healthy:
@@ -283,6 +391,32 @@ class WorkerRegistry:
         worker.healthy = healthy
         self._metrics.worker_healthy.labels(worker.url).set(1 if healthy else 0)
         self._notify()
+        if not healthy:
+            self._tell_unavailable(worker, Unavailability.UNHEALTHY)
+
+    def note_error(self, worker: Worker, error: str) -> None:
+        """Keep ``error`` as the worker's last error (shown in ``/workers``)."""
+        if self.registered(worker):
+            worker.last_error = error
+
+    def set_bootstrap_port(self, worker: Worker, port: int) -> None:
+        """The KV bootstrap port a prefill reported for itself."""
+        if self.registered(worker):
+            worker.bootstrap_port = port
+
+    def set_extensions(self, worker: Worker, has_extensions: bool | None) -> None:
+        """Whether the worker serves the extension endpoints; None: unknown, detect again (a
+        restarted process may be another build)."""
+        if self.registered(worker):
+            worker.has_extensions = has_extensions
+
+    def adopt_role(self, worker: Worker, role: Role, bootstrap_port: int | None = None) -> None:
+        """Move an ACTIVE worker that no conversion holds to the pool of ``role`` (epoch + 1):
+        its live role changed outside this router (a restart, another router)."""
+        self._require_free(worker)
+        if worker.state is not WorkerState.ACTIVE:
+            raise InvalidTransition(worker, WorkerState.ACTIVE)
+        self._move(worker, WorkerState.ACTIVE, role=role, bootstrap_port=bootstrap_port)
 
     # --- in-flight accounting (hot path) ----------------------------------------------------
 
@@ -306,14 +440,81 @@ class WorkerRegistry:
         """Return at the next change of membership, state or health (wrap in a timeout)."""
         await self._changed.wait()
 
+    def on_unavailable(self, callback: UnavailableCallback) -> None:
+        """Call ``callback(worker, why)`` whenever a worker stops taking requests for good or
+        for a while: it turns unhealthy, FAILED, or is forgotten after a removal, so the request
+        path can end the legs still running on it. Not called at DRAINING or REMOVING, whose
+        point is to let in-flight requests finish. Called after the registry changed, from the
+        code that changed it: a callback must not block."""
+        self._unavailable_callbacks.append(callback)
+
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    def _tell_unavailable(self, worker: Worker, why: Unavailability) -> None:
+        for callback in list(self._unavailable_callbacks):
+            try:
+                callback(worker, why)
+            except Exception:
+                # The state change has happened; a failing listener must not undo it for the
+                # caller (a conversion, the health monitor) or keep the others from hearing.
+                logger.exception("on_unavailable callback failed for %s (%s)", worker.url, why)
+
+    # --- the transition table ---------------------------------------------------------------
+
+    def _require_registered(self, worker: Worker) -> None:
+        if not self.registered(worker):
+            raise UnknownWorker(worker.url)
+
+    def _require_free(self, worker: Worker) -> None:
+        """Registered, held by no conversion, not being removed."""
+        self._require_registered(worker)
+        if worker.conversion_id is not None:
+            raise WorkerConverting(worker)
+        if worker.state is WorkerState.REMOVING:
+            raise WorkerRemoving(worker)
+
+    def _require_holder(self, worker: Worker, conversion_id: str) -> None:
+        self._require_registered(worker)
+        if worker.conversion_id != conversion_id:
+            raise WorkerConverting(worker)
+
+    def _move(
+        self,
+        worker: Worker,
+        state: WorkerState,
+        *,
+        role: Role | None = None,
+        bootstrap_port: int | None = None,
+    ) -> None:
+        """The one place a worker's state changes; a new ``role`` bumps its epoch."""
+        if state is not worker.state and state not in TRANSITIONS[worker.state]:
+            raise InvalidTransition(worker, state)
+        if role is not None and role is not worker.role:
+            self._metrics.worker_inflight.remove(worker.url, worker.role.value)
+            worker.role = role
+            worker.epoch += 1
+            # Failures seen under the old role (e.g. 503s from its closed admission while it
+            # drained) say nothing about the worker under its new one.
+            worker.circuit.reset()
+            worker._inflight_gauge = self._metrics.worker_inflight.labels(worker.url, role.value)
+            worker._inflight_gauge.set(worker.inflight)
+        if bootstrap_port is not None:
+            worker.bootstrap_port = bootstrap_port
+        worker.state = state
+        self._export_state(worker)
+        self._export_pools()
+        self._notify()
+        if state is WorkerState.FAILED:
+            self._tell_unavailable(worker, Unavailability.FAILED)
+
     # --- metrics ----------------------------------------------------------------------------
 
     def _on_circuit(self, url: str, state: CircuitState) -> None:
-        self._metrics.circuit_state.labels(url).set(CIRCUIT_STATE_VALUES[state])
+        # A leg still running on a forgotten worker may move its circuit: no series comes back.
+        if url in self._by_url:
+            self._metrics.circuit_state.labels(url).set(CIRCUIT_STATE_VALUES[state])
 
     def _export_state(self, worker: Worker) -> None:
         for state in WorkerState:

@@ -1,9 +1,10 @@
 """Admin API for the pools: list, add and remove workers.
 
-Removal stops routing to the worker at once (it leaves ACTIVE), waits for the router's in-flight
+Removal stops routing to the worker at once (REMOVING), waits for the router's in-flight
 requests on it to end (an event, bounded by ``worker_removal_timeout_secs``), then forgets it. The
-removal runs to the end even if the admin client disconnects, so a worker is never left
-half-removed.
+registry refuses it (409) while a conversion holds the worker, and refuses a conversion of a
+worker being removed. The removal runs to the end even if the admin client disconnects, so a
+worker is never left half-removed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pd_router.errors import BadRequest, Conflict
 from pd_router.info import json_response
 from pd_router.requests import is_int, parse_body
 from pd_router.state import Router, router_of
-from pd_router.workers import Role, Worker, WorkerState, normalize_url
+from pd_router.workers import Role, Worker, WorkerConverting, WorkerRemoving, normalize_url
 
 
 async def handle_list_workers(request: web.Request) -> web.Response:
@@ -63,29 +64,24 @@ async def handle_remove_worker(request: web.Request) -> web.Response:
     if not key:
         raise BadRequest("name the worker: DELETE /workers/{id-or-url} or ?url=")
     worker = router.registry.get(key)
-    if worker.id in router.removing:
-        raise Conflict(f"worker {worker.url} is already being removed")
-    if worker.state in (WorkerState.DRAINING, WorkerState.SWITCHING):
-        raise Conflict(f"worker {worker.url} is {worker.state.value} (a conversion is running)")
-    router.removing.add(worker.id)
+    try:
+        router.registry.begin_removal(worker)
+    except (WorkerConverting, WorkerRemoving) as exc:
+        raise Conflict(str(exc), details={"reason": exc.reason}) from exc
     forced = await asyncio.shield(router.spawn(remove(router, worker)))
     return json_response({"removed": worker.as_dict(), "forced": forced})
 
 
 async def remove(router: Router, worker: Worker) -> bool:
-    """Take ``worker`` out of its pool, wait for its in-flight requests, forget it; returns
-    whether the wait timed out (requests still running were left to finish on their own)."""
+    """Wait for the in-flight requests of a REMOVING worker, then forget it; returns whether
+    the wait timed out (requests still running are then left to the registry's
+    ``on_unavailable`` listeners)."""
     try:
-        if worker.state is WorkerState.ACTIVE:
-            router.registry.set_state(worker, WorkerState.DRAINING)
-        try:
-            await asyncio.wait_for(
-                worker.wait_until_no_inflight(), router.config.worker_removal_timeout_secs
-            )
-            forced = False
-        except TimeoutError:
-            forced = True
-        router.registry.remove(worker)
-        return forced
-    finally:
-        router.removing.discard(worker.id)
+        await asyncio.wait_for(
+            worker.wait_until_no_inflight(), router.config.worker_removal_timeout_secs
+        )
+        forced = False
+    except TimeoutError:
+        forced = True
+    router.registry.forget(worker)
+    return forced
