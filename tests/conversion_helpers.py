@@ -1,5 +1,6 @@
 """Helpers of the conversion tests: live roles of reference workers, a checked client load that
-counts every failed request, and conversion calls on the router's admin API."""
+counts every failed request, conversion calls on the router's admin API, and admin calls that
+reach the router at the same moment."""
 
 from __future__ import annotations
 
@@ -8,8 +9,12 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
+import h11
 import httpx
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd_worker.cluster import WorkerCluster
 from pd_worker.tokens import expected_text
@@ -170,3 +175,72 @@ async def worker_entry(http: httpx.AsyncClient, url: str) -> dict[str, Any]:
 
 async def conversion_status(http: httpx.AsyncClient, conversion_id: str) -> str:
     return (await http.get(f"/conversions/{conversion_id}")).json()["status"]
+
+
+async def sample(http: httpx.AsyncClient, name: str, **labels: str) -> float | None:
+    """One sample of the router's /metrics, None when the series does not exist."""
+    text = (await http.get("/metrics")).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One admin call for :func:`send_together`."""
+
+    method: str
+    path: str
+    body: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: Any
+
+
+async def send_together(base_url: str, calls: list[Call]) -> list[Answer]:
+    """Send every call on its own connection in one synchronous burst (each connection opened
+    and accepted first), so the router reads them all in the same turn of its event loop, in
+    this order; then read every answer. This is how two admin calls race inside the router:
+    no handler has run yet when the last request arrives."""
+    parts = urlsplit(base_url)
+    streams = [await asyncio.open_connection(parts.hostname, parts.port) for _ in calls]
+    await asyncio.sleep(0.2)  # let the router accept every connection before the burst
+    clients = [h11.Connection(h11.CLIENT) for _ in calls]
+    for call, client, (_, writer) in zip(calls, clients, streams, strict=True):
+        writer.write(_request_bytes(client, call, parts.netloc))
+    answers = []
+    for client, (reader, writer) in zip(clients, streams, strict=True):
+        client.receive_data(await asyncio.wait_for(reader.read(), 60.0))
+        client.receive_data(b"")
+        writer.close()
+        answers.append(_answer(client))
+    return answers
+
+
+def _request_bytes(client: h11.Connection, call: Call, host: str) -> bytes:
+    body = orjson.dumps(call.body) if call.body is not None else b""
+    headers = [("Host", host), ("Connection", "close"), ("Content-Length", str(len(body)))]
+    if call.body is not None:
+        headers.append(("Content-Type", "application/json"))
+    raw = client.send(h11.Request(method=call.method, target=call.path, headers=headers))
+    if body:
+        raw += client.send(h11.Data(data=body))
+    return raw + client.send(h11.EndOfMessage())
+
+
+def _answer(client: h11.Connection) -> Answer:
+    """The response the router sent on ``client``'s connection (read to its end)."""
+    response = client.next_event()
+    if not isinstance(response, h11.Response):
+        raise AssertionError(f"no HTTP response from the router: {response!r}")
+    body = b""
+    event = client.next_event()
+    while isinstance(event, h11.Data):
+        body += event.data
+        event = client.next_event()
+    return Answer(response.status_code, orjson.loads(body) if body else None)

@@ -10,13 +10,13 @@ import contextlib
 
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conversion_helpers import (
     conversion_status,
     convert,
     live_roles,
     pools,
+    sample,
     wait_for_busy,
     worker_entry,
     worker_role,
@@ -67,16 +67,6 @@ async def test_abort_during_drain_returns_the_worker_to_its_old_pool(http):
     assert (entry["role"], entry["state"], entry["epoch"]) == ("decode", "active", 0)
     assert (await worker_role(busy))["draining"] is False
     assert (await request).status_code == 200
-
-
-async def sample(http, name: str, **labels: str) -> float | None:
-    """One sample of the router's /metrics, None when the series does not exist."""
-    text = (await http.get("/metrics")).text
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and s.labels == labels:
-                return s.value
-    return None
 
 
 async def test_pool_size_worker_state_and_outcome_follow_a_drain_and_its_abort(http):
