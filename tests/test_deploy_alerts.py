@@ -44,7 +44,7 @@ def worker_series(url: str, role: str, *, healthy: int = 1, state: str = "active
         series("pd_router_worker_inflight", "0x20", worker=url, role=role),
         *(
             series("pd_router_worker_state", f"{int(name == state)}x20", worker=url, state=name)
-            for name in ("active", "draining", "switching", "failed")
+            for name in ("active", "draining", "switching", "failed", "removing")
         ),
     ]
 
