@@ -38,6 +38,10 @@ async def worker_role(url: str) -> dict[str, Any]:
         return (await http.get(url + "/pd_role")).json()
 
 
+# About a second of decoding on a reference worker at the conversion tests' speed (0.05).
+LONG = {"text": "a long generation", "sampling_params": {"max_new_tokens": 1200}}
+
+
 async def wait_for_busy(urls: list[str], within: float = 5.0) -> str:
     """The first of ``urls`` that reports a running request (bounded poll)."""
     deadline = time.monotonic() + within
@@ -48,6 +52,15 @@ async def wait_for_busy(urls: list[str], within: float = 5.0) -> str:
                     return url
             await asyncio.sleep(0.01)
     raise AssertionError(f"none of {urls} got busy within {within}s")
+
+
+async def start_long_request_on_a_decode(
+    http: httpx.AsyncClient,
+) -> tuple[asyncio.Task[httpx.Response], str]:
+    """A generation that keeps one decode busy for about a second; returns (task, decode url)."""
+    task = asyncio.create_task(http.post("/generate", json=LONG))
+    busy = await wait_for_busy((await pools(http))["decode"])
+    return task, busy
 
 
 @dataclass

@@ -17,6 +17,7 @@ from tests.conversion_helpers import (
     live_roles,
     pools,
     sample,
+    start_long_request_on_a_decode,
     wait_for_busy,
     worker_entry,
     worker_role,
@@ -24,7 +25,6 @@ from tests.conversion_helpers import (
 from tests.router_helpers import fault, running_router, wait_until
 
 SPEED = 0.05
-LONG = {"text": "a long generation", "sampling_params": {"max_new_tokens": 1200}}
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +43,6 @@ async def router(cluster):
 async def http(router):
     async with router.client() as client:
         yield client
-
-
-async def start_long_request_on_a_decode(http):
-    """A generation that keeps one decode busy for about a second; returns (task, decode url)."""
-    task = asyncio.create_task(http.post("/generate", json=LONG))
-    busy = await wait_for_busy((await pools(http))["decode"])
-    return task, busy
 
 
 async def test_abort_during_drain_returns_the_worker_to_its_old_pool(http):

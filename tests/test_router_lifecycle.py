@@ -18,13 +18,12 @@ from tests.conversion_helpers import (
     pools,
     sample,
     send_together,
-    wait_for_busy,
+    start_long_request_on_a_decode,
     worker_entry,
 )
 from tests.router_helpers import fault, running_router, wait_until
 
 SPEED = 0.05
-LONG = {"text": "a long generation", "sampling_params": {"max_new_tokens": 1200}}
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +53,7 @@ async def remove_a_busy_decode(http):
     """A decode busy with a generation of about a second, and its removal, waiting for that
     generation; returns (generation task, decode url, removal task) once the decode is
     REMOVING."""
-    request = asyncio.create_task(http.post("/generate", json=LONG))
-    busy = await wait_for_busy((await pools(http))["decode"])
+    request, busy = await start_long_request_on_a_decode(http)
     removal = asyncio.create_task(http.delete("/workers", params={"url": busy}))
     await wait_until(
         lambda: sample(http, "pd_router_worker_state", worker=busy, state="removing"),
