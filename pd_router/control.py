@@ -6,8 +6,9 @@ role in ``internal_states[0].disaggregation_mode``) and ``GET /v1/loads``. Worke
 extension endpoints (server_patch on SGLang, pd_worker) add ``GET /pd_role``, ``POST /pd_drain``
 (close admission so a second router cannot slip traffic in) and ``POST /convert_pd_role`` (drain
 on the server side, then switch). The router uses the extension when a worker has it and falls
-back to the native protocol otherwise; this module hides the difference from the conversion
-manager.
+back to the native protocol otherwise: the readings (role, load) hide the difference here, the
+conversion's steps over each protocol are in :mod:`pd_router.conversion_protocols`. Paths come
+from :mod:`pd_protocol.wire`.
 """
 
 from __future__ import annotations

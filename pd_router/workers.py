@@ -228,11 +228,14 @@ class WorkerRegistry:
         *,
         healthy: bool = True,
     ) -> Worker:
-        """Register a worker as ACTIVE in ``role``. A known url raises DuplicateWorker, except a
-        FAILED worker, which an operator re-adds this way (it comes back under ``role``)."""
+        """Register a worker as ACTIVE in ``role``. A known url raises DuplicateWorker (or
+        WorkerRemoving until its removal ends), except a FAILED worker, which an operator
+        re-adds this way (it comes back under ``role``)."""
         url = normalize_url(url)
         existing = self._by_url.get(url)
         if existing is not None:
+            if existing.state is WorkerState.REMOVING:
+                raise WorkerRemoving(existing)
             if existing.state is not WorkerState.FAILED:
                 raise DuplicateWorker(url)
             existing.circuit.reset()
