@@ -26,6 +26,7 @@ from pd_worker.errors import (
     BadRequest,
     ContractError,
     InjectedFault,
+    Misdirected,
     NotAdmitting,
     NotFound,
     RequestAborted,
@@ -37,7 +38,7 @@ from pd_worker.faults import Faults
 from pd_worker.protocol import abort_progress, parse_generate, response_dict, wants_stream
 from pd_worker.requests import GenItem, Progress
 from pd_worker.streams import final_results, merged
-from server_patch.extension import ExtensionError, PDExtension
+from server_patch.extension import ROLE_HEADER, ExtensionError, PDExtension
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,10 @@ async def server_info(request: web.Request) -> web.Response:
             "max_total_num_tokens": timing.max_total_num_tokens,
             "chunked_prefill_size": timing.max_prefill_tokens,
             "max_prefill_tokens": timing.max_prefill_tokens,
-            "startup_time": state.started,
+            "startup_time": dict(
+                state.engine.startup_time,
+                tokenizer_e2e=state.engine.startup_time.get("scheduler_e2e", 0.0),
+            ),
             "internal_states": [state.engine.internal_state()],
             "version": SGLANG_VERSION,
             "frontend": "pd_worker",
@@ -311,12 +315,18 @@ async def abort_request(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------------------- generation
 
 
-async def _admit(state: WorkerState) -> None:
-    """Refuse a generation request before any work when the worker cannot take it."""
+async def _admit(state: WorkerState, request: web.Request) -> None:
+    """Refuse a generation request before any work when the worker cannot take it, in
+    server_patch's order: draining (503), then sent for the other role (421; ignored under the
+    ``native_only`` fault, as SGLang without server_patch ignores the header)."""
     if not _serving(state):
         raise Unhealthy("server is not healthy")
     if not state.extension.admits():
         raise NotAdmitting("server is draining; retry on another server")
+    if not state.faults.native_only:
+        misdirected = await state.extension.misdirected(request.headers.get(ROLE_HEADER))
+        if misdirected is not None:
+            raise Misdirected(misdirected)
     status = state.faults.take_failure()
     if status is not None:
         raise InjectedFault(status)
@@ -335,7 +345,7 @@ def _validate(engine: Engine, items: list[GenItem]) -> None:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[WORKER]
-    await _admit(state)
+    await _admit(state, request)
     body = await _body(request)
     try:
         items, batch, stream = parse_generate(body)
@@ -422,7 +432,7 @@ def _event(
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[WORKER]
-    await _admit(state)
+    await _admit(state, request)
     body = await _body(request)
     model = state.config.model_name
     if request.path.endswith("/chat/completions"):
