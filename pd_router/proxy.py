@@ -43,6 +43,7 @@ from pd_router.requests import (
 )
 from pd_router.state import REQUEST_ID, UPSTREAM_ID, Router, router_of
 from pd_router.upstream import (
+    ROLE_HEADER,
     UPSTREAM_ERRORS,
     LegFailed,
     LegResult,
@@ -133,6 +134,9 @@ class Exchange:
             "X-Request-Id": self.request_id,
             **router.worker_headers,
         }
+        self.leg_headers = {
+            role: {**self.headers, ROLE_HEADER: role.value} for role in (Role.PREFILL, Role.DECODE)
+        }
         self.stream = bool(body.get("stream"))
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
 
@@ -172,6 +176,8 @@ class Exchange:
                         "error": failure.message,
                     },
                 )
+                if failure.kind == "wrong_role":
+                    self.router.health.suspect(failure.worker)
                 attempt += 1
                 if not failure.retryable or attempt >= retry.max_attempts:
                     return failure_response(failure)
@@ -230,11 +236,13 @@ class Exchange:
         router.registry.acquire(decode)
         path = self.endpoint.path
         p_task = asyncio.create_task(
-            fetch(router.legs, Role.PREFILL, prefill, prefill.url + path, payload, self.headers,
+            fetch(router.legs, Role.PREFILL, prefill, prefill.url + path, payload,
+                  self.leg_headers[Role.PREFILL],
                   router.count_upstream_error)
         )  # fmt: skip
         d_task = asyncio.create_task(
-            decode_leg(router.legs, Role.DECODE, decode, decode.url + path, payload, self.headers,
+            decode_leg(router.legs, Role.DECODE, decode, decode.url + path, payload,
+                       self.leg_headers[Role.DECODE],
                        router.count_upstream_error)
         )  # fmt: skip
         return p_task, d_task
@@ -413,6 +421,8 @@ def failure_response(failure: LegFailed) -> web.Response:
     """What the client gets when the last attempt failed: a worker's own 4xx answer as is,
     otherwise a router error naming the leg that failed."""
     result = failure.result
+    if failure.kind == "wrong_role":
+        raise UpstreamUnavailable(failure.message)
     if result is not None and 400 <= result.status < 500:
         return web.Response(
             body=result.body, status=result.status, content_type=result.content_type
