@@ -43,7 +43,6 @@ from pd_router.requests import (
 )
 from pd_router.state import REQUEST_ID, UPSTREAM_ID, Router, router_of
 from pd_router.upstream import (
-    ROLE_HEADER,
     UPSTREAM_ERRORS,
     LegFailed,
     LegResult,
@@ -134,9 +133,6 @@ class Exchange:
             "X-Request-Id": self.request_id,
             **router.worker_headers,
         }
-        self.leg_headers = {
-            role: {**self.headers, ROLE_HEADER: role.value} for role in (Role.PREFILL, Role.DECODE)
-        }
         self.stream = bool(body.get("stream"))
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
 
@@ -176,8 +172,6 @@ class Exchange:
                         "error": failure.message,
                     },
                 )
-                if failure.kind == "wrong_role":
-                    self.router.health.suspect(failure.worker)
                 attempt += 1
                 if not failure.retryable or attempt >= retry.max_attempts:
                     return failure_response(failure)
@@ -236,13 +230,11 @@ class Exchange:
         router.registry.acquire(decode)
         path = self.endpoint.path
         p_task = asyncio.create_task(
-            fetch(router.legs, Role.PREFILL, prefill, prefill.url + path, payload,
-                  self.leg_headers[Role.PREFILL],
+            fetch(router.legs, Role.PREFILL, prefill, prefill.url + path, payload, self.headers,
                   router.count_upstream_error)
         )  # fmt: skip
         d_task = asyncio.create_task(
-            decode_leg(router.legs, Role.DECODE, decode, decode.url + path, payload,
-                       self.leg_headers[Role.DECODE],
+            decode_leg(router.legs, Role.DECODE, decode, decode.url + path, payload, self.headers,
                        router.count_upstream_error)
         )  # fmt: skip
         return p_task, d_task
@@ -421,8 +413,6 @@ def failure_response(failure: LegFailed) -> web.Response:
     """What the client gets when the last attempt failed: a worker's own 4xx answer as is,
     otherwise a router error naming the leg that failed."""
     result = failure.result
-    if failure.kind == "wrong_role":
-        raise UpstreamUnavailable(failure.message)
     if result is not None and 400 <= result.status < 500:
         return web.Response(
             body=result.body, status=result.status, content_type=result.content_type

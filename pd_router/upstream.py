@@ -20,8 +20,6 @@ from pd_router.http1 import Http1Pool, Response, UpstreamConnectError, UpstreamD
 from pd_router.workers import Role, Worker
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
-ROLE_HEADER = "X-PD-Role"
-MISDIRECTED = 421
 UPSTREAM_ERRORS = (UpstreamConnectError, UpstreamDisconnected, TimeoutError)
 ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 ERROR_EXCERPT_BYTES = 500
@@ -85,12 +83,6 @@ def transport_failure(role: Role, worker: Worker, exc: BaseException) -> LegFail
 
 
 def status_failure(role: Role, worker: Worker, result: LegResult) -> LegFailed:
-    if result.status == MISDIRECTED:
-        return LegFailed(
-            role, worker, "wrong_role",
-            f"{role.value} worker {worker.url} is no longer a {role.value} worker",
-            retryable=True, result=result,
-        )  # fmt: skip
     kind = "http_5xx" if result.status >= 500 else "http_4xx"
     excerpt = result.body[:ERROR_EXCERPT_BYTES].decode("utf-8", "replace")
     return LegFailed(
@@ -109,9 +101,7 @@ def record_outcome(worker: Worker, failure: LegFailed | None, count_error: Error
         worker.circuit.record_success()
         return
     count_error(failure.role, failure.kind)
-    if failure.kind == "wrong_role":
-        worker.circuit.release_trial()
-    elif failure.kind == "http_4xx":
+    if failure.kind == "http_4xx":
         worker.circuit.record_success()
     else:
         worker.circuit.record_failure()
