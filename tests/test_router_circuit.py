@@ -22,6 +22,17 @@ def circuit(router, url: str) -> str:
     return router.state.registry.get(url).circuit.state.value
 
 
+async def open_circuit(router, http: httpx.AsyncClient, url: str) -> None:
+    """Make ``url`` fail one request (500) and send requests until that opened its circuit
+    (the policy may pick the other workers first; bounded)."""
+    await fault(url, fail_next=1, fail_status=500)
+    for n in range(50):
+        if circuit(router, url) == "open":
+            return
+        await http.post("/generate", json=generate_body(f"fails {n}", TOKENS))
+    raise AssertionError(f"the circuit of {url} did not open")
+
+
 async def burst(http: httpx.AsyncClient, count: int, tokens: int = TOKENS) -> list[int]:
     """Send ``count`` requests at once; their status codes."""
     replies = await asyncio.gather(
@@ -78,10 +89,7 @@ async def test_open_circuit_still_steers_traffic_to_the_other_workers(cluster_fa
         running_router(cluster, health=NO_PROBES, circuit=LONG_COOLDOWN) as router,
         router.client() as http,
     ):
-        await fault(broken, fail_next=1, fail_status=500)
-        for _ in range(2):
-            await http.post("/generate", json=generate_body("f", TOKENS))
-        assert circuit(router, broken) == "open"
+        await open_circuit(router, http, broken)
         assert router.state.registry.selectable(Role.DECODE) == [router.state.registry.get(other)]
         assert await burst(http, 4) == [200] * 4
         assert circuit(router, broken) == "open"
@@ -95,9 +103,7 @@ async def test_worker_seen_recovering_by_the_probes_gets_its_circuit_closed(clus
         router.client() as http,
     ):
         worker = router.state.registry.get(decode)
-        await fault(decode, fail_next=1, fail_status=500)
-        while circuit(router, decode) != "open":
-            await http.post("/generate", json=generate_body("f", TOKENS))
+        await open_circuit(router, http, decode)
         await fault(decode, unhealthy=True)
         await wait_until(lambda: not worker.healthy, 5.0, "decode unhealthy")
         await fault(decode, unhealthy=False)
@@ -114,9 +120,7 @@ async def test_restarted_worker_gets_its_circuit_closed(cluster_factory):
         running_router(cluster, health={"failure_threshold": 1000}, circuit=LONG_COOLDOWN) as r,
         r.client() as http,
     ):
-        await fault(decode, fail_next=1, fail_status=500)
-        while circuit(r, decode) != "open":
-            await http.post("/generate", json=generate_body("f", TOKENS))
+        await open_circuit(r, http, decode)
         await asyncio.to_thread(cluster.restart, decode)
         await wait_until(lambda: circuit(r, decode) == "closed", 5.0, "restart seen")
 
@@ -132,8 +136,6 @@ async def test_restart_of_a_worker_without_extension_routes_is_seen_in_its_serve
         r.client() as http,
     ):
         assert r.state.registry.get(decode).has_extensions is False
-        await fault(decode, fail_next=1, fail_status=500)
-        while circuit(r, decode) != "open":
-            await http.post("/generate", json=generate_body("f", TOKENS))
+        await open_circuit(r, http, decode)
         await asyncio.to_thread(cluster.restart, decode)
         await wait_until(lambda: circuit(r, decode) == "closed", 5.0, "restart seen")
