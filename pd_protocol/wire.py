@@ -16,6 +16,12 @@ ROLE_PATH = "/pd_role"
 DRAIN_PATH = "/pd_drain"
 CONVERT_PATH = "/convert_pd_role"
 
+# A router names the role it routes a generation leg to in this header; a server with the
+# extension whose live role is the other one answers MISDIRECTED_STATUS at once (the body names its
+# live role) instead of waiting for a KV transfer that cannot happen. Native SGLang ignores it.
+ROLE_HEADER = "X-PD-Role"
+MISDIRECTED_STATUS = 421
+
 # Seconds a client is told to wait (``Retry-After``) when a draining server refuses a new
 # generation request.
 RETRY_AFTER_SECS = 1

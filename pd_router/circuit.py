@@ -4,6 +4,21 @@ Consecutive failures open the circuit; after a cool-down one trial request is le
 (half-open); its success closes the circuit, its failure opens it again. A worker whose circuit
 is open is not selected, so a broken worker stops costing retries long before the health probe
 notices.
+
+Recovery. One trial per worker is right while other workers carry the traffic, but after an
+outage every circuit is open or half-open at once, and a burst would get one request per worker
+through and 503 for the rest. Two rules keep that from happening:
+
+- the health monitor closes (:meth:`CircuitBreaker.reset`) the circuit of a worker it saw
+  recover (unhealthy -> healthy, a drain ending, a restart): the failures were the outage the
+  probes saw, and the worker answers again;
+- when no worker of a pool is selectable although some are ACTIVE and healthy, so that only
+  their circuits keep them out, requests go to those workers anyway (Envoy's panic mode;
+  :meth:`pd_router.state.Router.circuit_panic_pool`): the circuit exists to steer traffic to
+  other workers, and there are none. A success then closes the circuit it went through.
+
+Half-open stays at one trial in flight: with the pool-wide rule a burst is no longer limited by
+it, and while other workers serve, one trial is enough to learn that a worker is back.
 """
 
 from __future__ import annotations

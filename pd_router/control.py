@@ -67,10 +67,17 @@ class SwitchReply:
 
 @dataclass(frozen=True)
 class RoleReading:
-    """The role a worker reports for itself, and its KV bootstrap port."""
+    """The role a worker reports for itself and its KV bootstrap port, and what tells one
+    server process from the next: ``instance``, its start signature (``started_at`` of
+    ``/pd_role``, else the ``startup_time`` durations of ``internal_states[0]``, which differ
+    from one start to the next), and ``epoch`` (extension: role changes since it started).
+    ``draining`` (extension) is true while its admission is closed."""
 
     role: Role | None
     bootstrap_port: int | None
+    epoch: int | None = None
+    instance: str | None = None
+    draining: bool = False
 
 
 @dataclass(frozen=True)
@@ -133,11 +140,20 @@ class WorkerControl:
         the top level of ``/server_info`` holds the launch arguments, not the live role)."""
         if await self.detect_extensions(worker):
             body = await self._get_ok(worker.url, ROLE_PATH)
-            return RoleReading(_role(body.get("role")), _port(body.get("bootstrap_port")))
+            epoch = body.get("epoch")
+            return RoleReading(
+                _role(body.get("role")),
+                _port(body.get("bootstrap_port")),
+                epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+                instance=_signature(body.get("started_at")),
+                draining=body.get("draining") is True,
+            )
         info = await self.server_info(worker.url)
+        state = _live_state(info)
         return RoleReading(
-            _role(_live_state(info).get("disaggregation_mode")),
+            _role(state.get("disaggregation_mode")),
             _port(info.get("disaggregation_bootstrap_port")),
+            instance=_signature(state.get("startup_time", info.get("startup_time"))),
         )
 
     async def read_load(self, worker: Worker) -> LoadReading:
@@ -255,6 +271,11 @@ def _live_state(info: dict[str, Any]) -> dict[str, Any]:
     if isinstance(states, list) and states and isinstance(states[0], dict):
         return states[0]
     return {}
+
+
+def _signature(value: Any) -> str | None:
+    """A start signature as comparable text (SGLang's is a dict of startup durations)."""
+    return None if value is None else orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 
 
 def _role(value: Any) -> Role | None:

@@ -1,15 +1,41 @@
-"""Health probes on an interval, with failure and success thresholds.
+"""Health probes on an interval, with failure and success thresholds, and the live role read on
+the same interval.
 
 A worker turns unhealthy after ``failure_threshold`` failed probes in a row and healthy again
 after ``success_threshold`` good ones, so one lost probe does not flap the pools. The first probe
 of a worker decides at once (at start-up an unreachable worker is registered unhealthy and is
 picked up when it comes up). A prefill whose bootstrap port is unknown gets it from its
-``/server_info`` before it counts as healthy. Workers in the middle of a role switch are left to
-the conversion manager.
+``/server_info`` before it counts as healthy.
 
-A worker that turns healthy may be a restarted process: SGLang comes back in the role it was
-launched with, which is not the pool a conversion put it in. So before it counts as healthy its
-live role is read, and a worker in the wrong pool is moved (with its bootstrap port) first.
+Role drift. A worker's role can change without this router: a second router converts it, an
+operator calls its ``/pd_role_switch``, or it crashes and SGLang brings it back in its launch role
+faster than the failure threshold notices. Routed by its old role, half of its pairs fail after
+a KV transfer timeout. So every probe of an ACTIVE worker whose health endpoint answered also
+reads its live state (``GET /pd_role`` on extension workers: role, bootstrap port, epoch, start
+time, draining; ``/server_info`` otherwise: ``internal_states[0]``'s role and startup durations)
+and the registry is brought in line before the worker gets more traffic:
+
+- a worker in another role than its pool is moved to the other pool, with its bootstrap port;
+- a restarted worker (another start signature, or an extension epoch that went back) is read
+  afresh: whether it has the extension routes, and a circuit closed (failures of the dead
+  process say nothing about the new one);
+- a prefill whose reported bootstrap port changed is sent to the new one, unless the port in use
+  was given in the configuration (it then differs from what the worker reports);
+- a worker whose admission is closed (another router or an operator drains it) is taken out of
+  selection at once (``Worker.admitting``): every request would get 503 and count against its
+  circuit, and a conversion of this router must not count it in its pool's minimum. It stays
+  healthy, so the requests it still runs for this router finish, and it comes back as soon as a
+  reading says it admits again.
+
+A reading that fails counts as a failed probe: a worker whose role is unknown cannot be placed.
+Workers that a conversion of this router holds (not ACTIVE) are left to it, and a reading is
+dropped when a conversion took or moved the worker while it was being read. The request path
+calls :meth:`HealthMonitor.suspect` when a leg says its worker is in another role (an extension
+worker's 421), so that worker is read and moved at once instead of at the next probe.
+
+Circuit recovery: a worker the probes saw recover (unhealthy -> healthy, a drain ending, a
+restart) gets its circuit closed: the failures it counted were the outage the probes saw. A
+circuit that opened while the probes saw nothing wrong is left to its cool-down and trial.
 """
 
 from __future__ import annotations
@@ -23,26 +49,68 @@ import aiohttp
 import orjson
 
 from pd_router.config import HealthConfig
-from pd_router.control import ControlError, WorkerControl
-from pd_router.workers import DEFAULT_BOOTSTRAP_PORT, Role, Worker, WorkerRegistry, WorkerState
+from pd_router.control import ControlError, RoleReading, WorkerControl
+from pd_router.workers import (
+    DEFAULT_BOOTSTRAP_PORT,
+    Role,
+    Worker,
+    WorkerRegistry,
+    WorkerState,
+)
 
 log = logging.getLogger("pd_router.health")
 
 
 @dataclass
 class ProbeRecord:
+    """What the monitor remembers of one worker between probes."""
+
     successes: int = 0
     failures: int = 0
     probed: bool = False
+    # Last reading: the process's start signature and extension epoch (restart detection), the
+    # bootstrap port it reported (a port in use that differs was configured, and is kept).
+    instance: str | None = None
+    worker_epoch: int | None = None
+    reported_port: int | None = None
+
+    def count(self, ok: bool) -> bool:
+        """Count one probe outcome; returns whether it was the worker's first probe."""
+        if ok:
+            self.successes += 1
+            self.failures = 0
+        else:
+            self.failures += 1
+            self.successes = 0
+        first = not self.probed
+        self.probed = True
+        return first
+
+    def restarted(self, reading: RoleReading) -> bool:
+        """Whether ``reading`` comes from another process than the last one; remembers it."""
+        new_instance = (
+            self.instance is not None
+            and reading.instance is not None
+            and reading.instance != self.instance
+        )
+        epoch_back = (
+            self.worker_epoch is not None
+            and reading.epoch is not None
+            and reading.epoch < self.worker_epoch
+        )
+        self.instance = reading.instance
+        self.worker_epoch = reading.epoch
+        return new_instance or epoch_back
 
 
 class HealthMonitor:
-    """Probes every worker's health endpoint and feeds the registry."""
+    """Probes every worker's health endpoint and live role, and feeds the registry."""
 
     def __init__(self, registry: WorkerRegistry, config: HealthConfig) -> None:
         self._registry = registry
         self._config = config
         self._records: dict[str, ProbeRecord] = {}
+        self._suspicions: dict[str, asyncio.Task[None]] = {}
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task | None = None
 
@@ -53,11 +121,15 @@ class HealthMonitor:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
+        tasks = list(self._suspicions.values())
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            tasks.append(self._task)
             self._task = None
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _run(self) -> None:
         while True:
@@ -72,65 +144,133 @@ class HealthMonitor:
         for worker_id in [k for k in self._records if k not in known]:
             del self._records[worker_id]
 
-    async def check(self, worker: Worker) -> bool:
-        """Probe ``worker`` once and apply the thresholds; returns the worker's health."""
-        ok, error = await self._probe(worker)
-        record = self._records.setdefault(worker.id, ProbeRecord())
-        if ok:
-            record.successes += 1
-            record.failures = 0
-        else:
-            record.failures += 1
-            record.successes = 0
-        first = not record.probed
-        record.probed = True
+    def suspect(self, worker: Worker) -> asyncio.Task[None]:
+        """Read ``worker``'s live role now and move it if it is in another role than its pool.
+
+        For the request path, when a leg's answer says the worker is not in the role it was
+        routed as (421 from an extension worker). At most one read per worker is in flight:
+        calls meanwhile get the same task. Awaiting it is optional (the failed request is
+        retried on another pair anyway); it never raises.
+        """
+        task = self._suspicions.get(worker.id)
+        if task is None or task.done():
+            task = asyncio.get_running_loop().create_task(self._recheck(worker))
+            self._suspicions[worker.id] = task
+            task.add_done_callback(lambda done, key=worker.id: self._forget_suspicion(key, done))
+        return task
+
+    def _forget_suspicion(self, key: str, task: asyncio.Task[None]) -> None:
+        if self._suspicions.get(key) is task:
+            del self._suspicions[key]
+
+    async def _recheck(self, worker: Worker) -> None:
         if (
-            worker.healthy
-            and not ok
-            and (first or record.failures >= self._config.failure_threshold)
+            self._session is None
+            or worker.state is not WorkerState.ACTIVE
+            or not self._registry.registered(worker)
         ):
-            log.warning("worker unhealthy", extra={"worker": worker.url, "error": error})
-            self._registry.set_health(worker, False, error)
-        elif (
-            not worker.healthy
-            and ok
-            and (first or record.successes >= self._config.success_threshold)
-        ):
-            error = await self._adopt_live_role(worker)
-            if error is not None:
+            return
+        epoch = worker.epoch
+        try:
+            reading, detected = await self._read(worker)
+        except ControlError as exc:
+            log.info("suspected worker not read", extra={"worker": worker.url, "error": str(exc)})
+            return
+        if self._current(worker, epoch):
+            record = self._records.setdefault(worker.id, ProbeRecord())
+            self._reconcile(worker, record, reading, detected)
+
+    async def check(self, worker: Worker) -> bool:
+        """Probe ``worker`` once (health, then live role when ACTIVE), apply the thresholds and
+        bring the registry in line with the reading; returns the worker's health."""
+        ok, error = await self._probe(worker)
+        reading: RoleReading | None = None
+        detected = False
+        epoch = worker.epoch
+        if ok and worker.state is WorkerState.ACTIVE:
+            try:
+                reading, detected = await self._read(worker)
+            except ControlError as exc:
+                ok, error = False, f"reading the live role failed: {exc}"
+        record = self._records.setdefault(worker.id, ProbeRecord())
+        first = record.count(ok)
+        if not ok:
+            if worker.healthy and (first or record.failures >= self._config.failure_threshold):
+                log.warning("worker unhealthy", extra={"worker": worker.url, "error": error})
+                self._registry.set_health(worker, False, error)
+            elif error is not None:
                 self._registry.note_error(worker, error)
-                return False
+            return worker.healthy
+        if reading is not None and self._current(worker, epoch):
+            self._reconcile(worker, record, reading, detected)
+        if not worker.healthy and (first or record.successes >= self._config.success_threshold):
             log.info("worker healthy", extra={"worker": worker.url})
-            self._registry.set_health(worker, True)
-        elif not ok and error is not None:
-            self._registry.note_error(worker, error)
+            self._registry.mark_recovered(worker)
         return worker.healthy
 
-    async def _adopt_live_role(self, worker: Worker) -> str | None:
-        """Put a recovering ACTIVE worker in the pool of the role it reports (``/pd_role``, else
-        ``/server_info``); returns an error when the role cannot be read (it stays unhealthy).
-        A worker that reports no role (no PD support) stays where it was registered; one in its
-        registered role keeps its bootstrap port (a port given on the command line wins)."""
-        if worker.state is not WorkerState.ACTIVE:
-            return None
-        self._registry.set_extensions(worker, None)
+    def _current(self, worker: Worker, epoch: int) -> bool:
+        """Whether a reading taken when the worker was ACTIVE at ``epoch`` still applies: no
+        conversion took or moved it meanwhile, and it was not removed."""
+        return (
+            worker.state is WorkerState.ACTIVE
+            and worker.epoch == epoch
+            and self._registry.registered(worker)
+        )
+
+    def _reconcile(
+        self, worker: Worker, record: ProbeRecord, reading: RoleReading, detected: bool
+    ) -> None:
+        """Bring the registry in line with a current reading of an ACTIVE worker; ``detected``
+        says whether the reading found out afresh which protocol the worker speaks."""
+        if record.restarted(reading):
+            log.warning("worker restarted", extra={"worker": worker.url})
+            # Unless this reading just detected it, the next one finds out which protocol the
+            # new process speaks; its start signature may come from the other source, so it
+            # starts a new baseline.
+            self._registry.note_restart(worker, forget_protocol=not detected)
+            if not detected:
+                record.instance = None
+        if reading.role is not None and reading.role is not worker.role:
+            log.warning(
+                "worker serves another role than its pool; moving it",
+                extra={"worker": worker.url, "from": worker.role.value, "to": reading.role.value},
+            )
+            port = reading.bootstrap_port if reading.role is Role.PREFILL else None
+            self._registry.adopt_role(worker, reading.role, port)
+        elif (
+            worker.role is Role.PREFILL
+            and reading.bootstrap_port is not None
+            and reading.bootstrap_port != worker.bootstrap_port
+            and worker.bootstrap_port == record.reported_port
+        ):
+            log.warning(
+                "prefill reports another bootstrap port; using it",
+                extra={"worker": worker.url, "port": reading.bootstrap_port},
+            )
+            self._registry.set_bootstrap_port(worker, reading.bootstrap_port)
+        record.reported_port = reading.bootstrap_port
+        if reading.draining is worker.admitting:
+            log.warning(
+                "worker draining; out of selection" if reading.draining else "worker admits again",
+                extra={"worker": worker.url},
+            )
+            self._registry.set_admitting(worker, not reading.draining)
+
+    async def _read(self, worker: Worker) -> tuple[RoleReading, bool]:
+        """The worker's live role reading, and whether it detected the worker's protocol
+        afresh; a worker that lost its extension routes (restarted without them) is read
+        through the native protocol."""
         control = WorkerControl(
             self._session, self._registry, timeout_secs=self._config.timeout_secs
         )
+        detected = worker.has_extensions is None
         try:
-            reading = await control.read_role(worker)
+            return await control.read_role(worker), detected
         except ControlError as exc:
-            return f"reading the live role failed: {exc}"
-        if worker.state is not WorkerState.ACTIVE:
-            return None  # a conversion took the worker while its role was read: it owns it now
-        port = reading.bootstrap_port if reading.role is Role.PREFILL else None
-        if reading.role is not None and reading.role is not worker.role:
-            log.warning(
-                "worker came back in another role; moving it",
-                extra={"worker": worker.url, "from": worker.role.value, "to": reading.role.value},
-            )
-            self._registry.adopt_role(worker, reading.role, port)
-        return None
+            if exc.status != 404 or not worker.has_extensions:
+                raise
+        self._registry.set_extensions(worker, None)
+        return await control.read_role(worker), True
 
     async def _probe(self, worker: Worker) -> tuple[bool, str | None]:
         if self._session is None:

@@ -27,7 +27,7 @@ from pd_router.health import HealthMonitor
 from pd_router.http1 import Http1Pool
 from pd_router.metrics import RouterMetrics
 from pd_router.policies import Policy, make_policy
-from pd_router.workers import Role, Worker, WorkerRegistry
+from pd_router.workers import Role, Worker, WorkerRegistry, WorkerState
 
 if TYPE_CHECKING:
     from pd_router.conversion import ConversionManager
@@ -121,7 +121,7 @@ class Router:
     def pick(self, role: Role, avoid: Iterable[Worker] = ()) -> Worker:
         """A selectable worker of ``role`` chosen by its pool's policy, preferring workers not
         in ``avoid`` (the ones that already failed this request). NoWorkers if none."""
-        workers = self.registry.selectable(role)
+        workers = self.registry.selectable(role) or self.circuit_panic_pool(role, avoid)
         if avoid and len(workers) > 1:
             avoided = set(avoid)
             fresh = [w for w in workers if w not in avoided]
@@ -130,6 +130,20 @@ class Router:
         if not workers:
             raise NoWorkers(f"no available {role.value} worker (none active, healthy and closed)")
         return self.policies[role].select(workers)
+
+    def circuit_panic_pool(self, role: Role, avoid: Iterable[Worker] = ()) -> list[Worker]:
+        """The ACTIVE, healthy workers of ``role`` not in ``avoid``, for when none is
+        selectable: each is then kept out only by its circuit (open, or its half-open trial
+        taken). A circuit steers traffic to other workers, and there are none; answering 503
+        would make a whole burst fail after an outage the probes saw end (see
+        :mod:`pd_router.circuit`). A worker that already failed this request is not tried
+        again through its open circuit."""
+        avoided = set(avoid)
+        return [
+            w
+            for w in self.registry.in_role(role, (WorkerState.ACTIVE,))
+            if w.healthy and w.admitting and w not in avoided
+        ]
 
     # --- metrics (children cached: no per-request label lookups) -----------------------------
 

@@ -155,6 +155,9 @@ class Worker:
     state: WorkerState = WorkerState.ACTIVE
     epoch: int = 0
     healthy: bool = True
+    # False while the worker's own admission is closed by someone else (another router draining
+    # it): it keeps its in-flight requests and its health, but gets no new ones.
+    admitting: bool = True
     inflight: int = 0
     has_extensions: bool | None = None
     last_error: str | None = None
@@ -171,7 +174,12 @@ class Worker:
 
     @property
     def selectable(self) -> bool:
-        return self.state is WorkerState.ACTIVE and self.healthy and self.circuit.allows()
+        return (
+            self.state is WorkerState.ACTIVE
+            and self.healthy
+            and self.admitting
+            and self.circuit.allows()
+        )
 
     async def wait_until_no_inflight(self) -> None:
         """Return once the router has no request in flight on this worker (event-driven)."""
@@ -186,6 +194,7 @@ class Worker:
             "state": self.state.value,
             "epoch": self.epoch,
             "healthy": self.healthy,
+            "admitting": self.admitting,
             "inflight": self.inflight,
             "circuit": self.circuit.state.value,
             "has_extensions": self.has_extensions,
@@ -325,7 +334,7 @@ class WorkerRegistry:
         return sum(
             1
             for w in self._by_url.values()
-            if w.role is role and w.state is WorkerState.ACTIVE and w.healthy
+            if w.role is role and w.state is WorkerState.ACTIVE and w.healthy and w.admitting
         )
 
     def converting(self) -> list[Worker]:
@@ -412,6 +421,33 @@ class WorkerRegistry:
         restarted process may be another build)."""
         if self.registered(worker):
             worker.has_extensions = has_extensions
+
+    def set_admitting(self, worker: Worker, admitting: bool) -> None:
+        """Whether the worker admits new requests. A worker that another router or an operator
+        drains (its admission closed) is out of selection and of the pool minimums, but stays
+        healthy: its in-flight requests are left to finish."""
+        if not self.registered(worker) or worker.admitting is admitting:
+            return
+        worker.admitting = admitting
+        self._notify()
+
+    def mark_recovered(self, worker: Worker) -> None:
+        """The probes saw the worker recover: healthy, with a closed circuit (the failures it
+        counted were the outage the probes saw)."""
+        if not self.registered(worker):
+            return
+        worker.circuit.reset()
+        self.set_health(worker, True)
+
+    def note_restart(self, worker: Worker, *, forget_protocol: bool) -> None:
+        """The worker is another process than before: failures of the old one say nothing of
+        it (closed circuit) and, with ``forget_protocol``, whether it has the extension routes
+        is detected again."""
+        if not self.registered(worker):
+            return
+        worker.circuit.reset()
+        if forget_protocol:
+            worker.has_extensions = None
 
     def adopt_role(self, worker: Worker, role: Role, bootstrap_port: int | None = None) -> None:
         """Move an ACTIVE worker that no conversion holds to the pool of ``role`` (epoch + 1):

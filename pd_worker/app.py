@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from pd_protocol.wire import CONVERT_PATH, DRAIN_PATH, ROLE_PATH, SWITCH_PATH
+from pd_protocol.wire import CONVERT_PATH, DRAIN_PATH, ROLE_HEADER, ROLE_PATH, SWITCH_PATH
 from pd_worker import metrics, openai_api
 from pd_worker.config import WorkerConfig
 from pd_worker.control import EngineBackend, check_switch_body, tokenizer_switch
@@ -27,6 +27,7 @@ from pd_worker.errors import (
     BadRequest,
     ContractError,
     InjectedFault,
+    Misdirected,
     NotAdmitting,
     NotFound,
     RequestAborted,
@@ -202,7 +203,10 @@ async def server_info(request: web.Request) -> web.Response:
             "max_total_num_tokens": timing.max_total_num_tokens,
             "chunked_prefill_size": timing.max_prefill_tokens,
             "max_prefill_tokens": timing.max_prefill_tokens,
-            "startup_time": state.started,
+            "startup_time": dict(
+                state.engine.startup_time,
+                tokenizer_e2e=state.engine.startup_time.get("scheduler_e2e", 0.0),
+            ),
             "internal_states": [state.engine.internal_state()],
             "version": SGLANG_VERSION,
             "frontend": "pd_worker",
@@ -312,12 +316,18 @@ async def abort_request(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------------------- generation
 
 
-async def _admit(state: WorkerState) -> None:
-    """Refuse a generation request before any work when the worker cannot take it."""
+async def _admit(state: WorkerState, request: web.Request) -> None:
+    """Refuse a generation request before any work when the worker cannot take it, in
+    server_patch's order: draining (503), then sent for the other role (421; ignored under the
+    ``native_only`` fault, as SGLang without server_patch ignores the header)."""
     if not _serving(state):
         raise Unhealthy("server is not healthy")
     if not state.extension.admits():
         raise NotAdmitting("server is draining; retry on another server")
+    if not state.faults.native_only:
+        misdirected = await state.extension.misdirected(request.headers.get(ROLE_HEADER))
+        if misdirected is not None:
+            raise Misdirected(misdirected)
     status = state.faults.take_failure()
     if status is not None:
         raise InjectedFault(status)
@@ -336,7 +346,7 @@ def _validate(engine: Engine, items: list[GenItem]) -> None:
 
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[WORKER]
-    await _admit(state)
+    await _admit(state, request)
     body = await _body(request)
     try:
         items, batch, stream = parse_generate(body)
@@ -423,7 +433,7 @@ def _event(
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[WORKER]
-    await _admit(state)
+    await _admit(state, request)
     body = await _body(request)
     model = state.config.model_name
     if request.path.endswith("/chat/completions"):

@@ -12,6 +12,7 @@ Synchronous use::
         c.bootstrap_ports       # {url: bootstrap_port} for every worker
         c.bootstrap_port(url)   # one worker's bootstrap port
         c.kill(url)             # SIGKILL one worker (crash); c.terminate(url) for SIGTERM
+        c.restart(url, "decode")  # SIGKILL it and start it again on its port (in another role)
         c.add("decode")         # start one more worker, returns its WorkerProcess
 
 Asynchronous use (process start and health polling run in a thread)::
@@ -193,6 +194,20 @@ class WorkerCluster:
         process.terminate()
         process.wait(STOP_TIMEOUT_SECS)
 
+    def restart(
+        self, url: str, role: str | None = None, bootstrap_port: int | None = None
+    ) -> WorkerProcess:
+        """SIGKILL the worker at ``url`` and start a new process on the same HTTP port, in
+        ``role`` (default: its launch role) with ``bootstrap_port`` (default: the same), as a
+        supervisor restarts a crashed server; waits until it is healthy and returns it."""
+        old = self.worker(url)
+        self.kill(url)
+        self.workers.remove(old)
+        ports = (old.port, bootstrap_port or old.bootstrap_port)
+        worker = self._spawn(role or old.role, ports=ports)
+        self._wait_healthy(worker)
+        return worker
+
     @property
     def urls(self) -> list[str]:
         return [w.url for w in self.workers]
@@ -225,9 +240,14 @@ class WorkerCluster:
                 self._used_ports.add(port)
                 return port
 
-    def _spawn(self, role: str, extra_knobs: dict[str, Any] | None = None) -> WorkerProcess:
+    def _spawn(
+        self,
+        role: str,
+        extra_knobs: dict[str, Any] | None = None,
+        ports: tuple[int, int] | None = None,
+    ) -> WorkerProcess:
         index = next(self._next_index)
-        port, bootstrap_port = self._port(index), self._port(1000 + index)
+        port, bootstrap_port = ports or (self._port(index), self._port(1000 + index))
         knobs = dict(self._knobs, **(extra_knobs or {}))
         argv = [
             sys.executable, "-m", "pd_worker", "serve", "--role", role, "--host", self._host,

@@ -84,6 +84,10 @@ class Engine:
                 DEFAULT_DECODE_CUDA_GRAPH_BS, config.decode_cuda_graph_memory_gb
             )
         self.serving = False
+        # SGLang's startup durations (``internal_states[].startup_time``); they differ from one
+        # process to the next, so a router tells a restart by them. No weights are loaded here:
+        # the CPU time the process took until it served stands in for ``load_weight``.
+        self.startup_time: dict[str, Any] = {}
         self.unhealthy_after_switch = False
         self.switch_in_progress = False
         self._role_ready = asyncio.Event()
@@ -94,8 +98,15 @@ class Engine:
 
     async def start(self) -> None:
         """Bind the bootstrap port and start the role; the worker serves from then on."""
+        began = time.perf_counter()
         await self.bootstrap.start()
         self.role.start()
+        self.startup_time = {
+            "load_weight": time.process_time(),
+            "kv_cache_allocation": 0.0,
+            "scheduler_e2e": time.perf_counter() - began,
+            "cuda_graph": {},
+        }
         self.serving = True
 
     async def stop(self) -> None:
@@ -263,6 +274,7 @@ class Engine:
         """``internal_states[0]`` of /server_info: live role, decode graphs, object identities."""
         return {
             "disaggregation_mode": self.role_name,
+            "startup_time": self.startup_time,
             "decode_cuda_graph_bs": list(self.graphs.batch_sizes) if self.graphs else None,
             "decode_cuda_graph_memory_gb": round(self.graphs.memory_gb, 3) if self.graphs else 0.0,
             "effective_max_running_requests_per_dp": self.timing.max_running_requests,

@@ -90,6 +90,20 @@ class NotAdmitting(WorkerError):
     retry_after = RETRY_AFTER_SECS
 
 
+class Misdirected(WorkerError):
+    """A generation request sent for the other role than the worker's live one (its
+    ``X-PD-Role`` header): 421 with the extension's body, which names the live role."""
+
+    status = HTTPStatus.MISDIRECTED_REQUEST
+
+    def __init__(self, reply: dict[str, Any]) -> None:
+        super().__init__(str(reply["error"]["message"]))
+        self.reply = reply
+
+    def body(self, openai_route: bool) -> dict[str, Any]:
+        return self.reply
+
+
 class Unhealthy(WorkerError):
     """The worker is not serving (starting, or unhealthy after a failed role switch)."""
 

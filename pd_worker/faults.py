@@ -10,8 +10,9 @@ Body fields, all optional and combinable:
   unhealthy (``safe_to_restore`` false), as SGLang does.
 - ``lie_next_switch``: bool -- the next role change answers success but leaves the role as it
   was (a worker that lies; the router's verify step must catch it).
-- ``native_only``: bool -- ``/pd_role``, ``/pd_drain`` and ``/convert_pd_role`` answer 404, as
-  on SGLang without server_patch (the router must fall back to the native protocol).
+- ``native_only``: bool -- ``/pd_role``, ``/pd_drain`` and ``/convert_pd_role`` answer 404 and
+  the ``X-PD-Role`` header is ignored, as on SGLang without server_patch (the router must fall
+  back to the native protocol).
 - ``unhealthy``: bool -- ``/health`` and ``/health_generate`` answer 503.
 - ``exit``: int -- the process exits with this code right after replying.
 - ``clear``: bool -- reset every fault first.

@@ -1,7 +1,11 @@
 """The admission gate in front of a server's generation routes, as plain ASGI middleware.
 
 While the extension drains the server, new generation requests get 503 with `Retry-After`, so a
-second router cannot slip traffic in; requests already admitted run to the end. The middleware
+second router cannot slip traffic in; requests already admitted run to the end. A generation
+request whose `X-PD-Role` header names the other role than the server's live one gets 421 with
+the live role in its body: a router that still counts the server in its old pool learns it at
+once, instead of after a KV transfer timeout (a decode leg on a prefill waits for a pull that
+never comes). The middleware
 counts admitted requests until their response is fully sent and tells the extension on every
 change, so a waiting conversion wakes as soon as the last one finishes. Health probes answer 503
 once a switch failed unsafely (the server must be restarted). Written against raw ASGI, not a
@@ -15,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from pd_protocol.wire import RETRY_AFTER_SECS
+from pd_protocol.wire import MISDIRECTED_STATUS, RETRY_AFTER_SECS, ROLE_HEADER
 from server_patch.extension import PDExtension
 
 Scope = MutableMapping[str, Any]
@@ -36,6 +40,7 @@ GENERATION_PATHS = frozenset(
     }
 )
 HEALTH_PATHS = frozenset({"/health", "/health_generate"})
+ROLE_HEADER_KEY = ROLE_HEADER.lower().encode()
 
 
 class InFlight:
@@ -64,6 +69,13 @@ class AdmissionMiddleware:
         if path not in GENERATION_PATHS:
             await self._app(scope, receive, send)
             return
+        # A draining server answers 503, not 421; admission is checked again after the role
+        # (its first read awaits the backend), with no await between that check and the count.
+        if self._extension.admits():
+            misdirected = await self._extension.misdirected(_header(scope, ROLE_HEADER_KEY))
+            if misdirected is not None:
+                await _send_json(send, MISDIRECTED_STATUS, misdirected)
+                return
         if not self._extension.admits():
             await _send_json(
                 send,
@@ -88,6 +100,14 @@ def _route_path(scope: Scope) -> str:
     if root and path.startswith(root):
         return path[len(root) :] or "/"
     return path
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    """The first value of header `name` (lower case), or None."""
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _error(message: str, code: int) -> dict[str, Any]:

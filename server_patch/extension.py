@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from pd_protocol.wire import (
     CONVERT_FIELDS,
     DEFAULT_DRAIN_TIMEOUT_SECS,
+    MISDIRECTED_STATUS,
     ROLES,
     ROUTING_FIELDS,
     SWITCH_FIELDS,
@@ -83,6 +84,27 @@ class _ConvertRequest:
     new_role: str | None
     drain_timeout_secs: float
     switch_body: dict[str, Any]
+
+
+def misdirected_body(expected: str, live: str) -> dict[str, Any]:
+    """The 421 reply to a generation request sent for `expected` to a server now in `live`:
+    SGLang's error shape, plus the live role at the top level for the router to act on."""
+    return {
+        "error": {
+            "message": f"this server is a {live} server, not a {expected} server",
+            "type": "misdirected_request",
+            "code": MISDIRECTED_STATUS,
+        },
+        "role": live,
+    }
+
+
+def expected_role(value: str | None) -> str | None:
+    """The role a `ROLE_HEADER` value names, or None when it names none (header ignored)."""
+    if value is None:
+        return None
+    role = value.strip().lower()
+    return role if role in ROLES else None
 
 
 def other_role(role: str) -> str:
@@ -211,10 +233,18 @@ class PDExtension:
     second router cannot slip traffic in while one drains the server. After a switch that failed
     without `safe_to_restore`, the server is half torn down: admission stays closed for good and
     `failed` is true, so the server's health route can report it.
+
+    The live role is read from the backend once and then kept by the switches, which all go
+    through this object (both servers route `/pd_role_switch` here): the admission check of
+    `misdirected` runs on every generation request and must not cost a scheduler round trip.
+    `started_at` (wall clock, created with the server process) lets a router tell a restarted
+    server from one that kept running, since the epoch starts again at 0.
     """
 
     def __init__(self, backend: RoleBackend, *, idle_poll_interval: float = 0.02) -> None:
         self._backend = backend
+        self._started_at = time.time()
+        self._role: str | None = None
         self._idle_poll_interval = idle_poll_interval
         self._drain_requested = False
         self._converting = False
@@ -242,6 +272,26 @@ class PDExtension:
         """Whether a new generation request may enter (else: 503 with Retry-After)."""
         return not self.draining
 
+    async def live_role(self) -> str:
+        """The live role: read from the backend the first time, then kept by `_switch`. A read
+        that a switch overtook is returned but not kept."""
+        if self._role is not None:
+            return self._role
+        epoch = self._epoch
+        role = await self._backend.current_role()
+        if self._role is None and epoch == self._epoch:
+            self._role = role
+        return role
+
+    async def misdirected(self, header: str | None) -> dict[str, Any] | None:
+        """The `MISDIRECTED_STATUS` reply body when a generation request whose `ROLE_HEADER`
+        is `header` was sent for the other role than the live one; None when it may go on."""
+        expected = expected_role(header)
+        if expected is None:
+            return None
+        live = await self.live_role()
+        return None if live == expected else misdirected_body(expected, live)
+
     def load_changed(self) -> None:
         """Wake a waiting drain at once; backends call it whenever their load changes."""
         self._load_event.set()
@@ -259,6 +309,7 @@ class PDExtension:
             "draining": self.draining,
             "epoch": self._epoch,
             "switch_supported": self._backend.switch_supported(),
+            "started_at": self._started_at,
         }
 
     async def set_drain(self, body: object) -> dict[str, Any]:
@@ -361,6 +412,8 @@ class PDExtension:
         """Call the backend's native switch and account for the outcome (epoch, failed)."""
         reply = await self._backend.switch_role(request)
         success = bool(reply.get("success"))
+        if success and reply.get("new_role") in ROLES:
+            self._role = reply["new_role"]
         if success and reply.get("old_role") != reply.get("new_role"):
             self._epoch += 1
             logger.info(

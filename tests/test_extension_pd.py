@@ -9,6 +9,7 @@ the real code. pd_worker's integration tests drive the same code through real HT
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -109,10 +110,12 @@ async def _until(condition, what: str) -> None:
         await asyncio.sleep(0)
 
 
-async def test_status_reports_role_port_load_and_epoch():
+async def test_status_reports_role_port_load_epoch_and_start_time():
     backend = SchedulerStandIn("decode")
     backend.running, backend.waiting = 2, 1
+    before = time.time()
     status = await _extension(backend).status()
+    assert before - 1.0 <= status.pop("started_at") <= time.time()
     assert status == {
         "role": "decode",
         "bootstrap_port": BOOTSTRAP_PORT,
@@ -514,3 +517,45 @@ async def test_health_answers_503_after_an_unsafe_switch_failure():
         generate = await client.post("/generate", json={})
     assert health.status_code == 503
     assert generate.status_code == 503
+
+
+async def test_gate_answers_421_naming_the_live_role_to_a_request_sent_for_the_other_role():
+    extension = _extension(SchedulerStandIn("prefill"))
+    app, client, _ = _gated(extension)
+    app.release.set()
+    async with client:
+        wrong = await client.post("/generate", json={}, headers={"X-PD-Role": "decode"})
+        right = await client.post("/generate", json={}, headers={"X-PD-Role": "prefill"})
+        unnamed = await client.post("/generate", json={})
+    assert wrong.status_code == 421
+    assert wrong.json()["role"] == "prefill"
+    assert wrong.json()["error"]["code"] == 421
+    assert (right.status_code, unnamed.status_code) == (200, 200)
+    assert app.entered == 2
+
+
+class CountingStandIn(SchedulerStandIn):
+    """Counts how often the live role is read from the scheduler."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(role)
+        self.role_reads = 0
+
+    async def current_role(self) -> str:
+        self.role_reads += 1
+        return await super().current_role()
+
+
+async def test_gate_reads_the_role_once_and_follows_switches_without_reading_again():
+    backend = CountingStandIn("prefill")
+    extension = _extension(backend)
+    app, client, _ = _gated(extension)
+    app.release.set()
+    as_prefill = {"X-PD-Role": "prefill"}
+    async with client:
+        for _ in range(3):
+            assert (await client.post("/generate", headers=as_prefill)).status_code == 200
+        await extension.switch({"new_role": "decode"})
+        moved = await client.post("/generate", headers=as_prefill)
+    assert moved.status_code == 421 and moved.json()["role"] == "decode"
+    assert backend.role_reads == 1

@@ -233,7 +233,7 @@ async def test_pd_role_reports_extension_status(cluster, client):
     role = (await client.get(cluster.decode_urls[0] + "/pd_role")).json()
     assert set(role) == {
         "role", "bootstrap_port", "idle", "num_running", "num_waiting", "draining", "epoch",
-        "switch_supported",
+        "switch_supported", "started_at",
     }  # fmt: skip
     assert role["role"] == "decode" and role["switch_supported"] is True
 
@@ -282,3 +282,59 @@ async def test_convert_drain_timeout_fails_safely_and_reopens_admission(cluster_
     assert (await client.get(prefill + "/pd_role")).json()["draining"] is False
     await client.post(decode + "/generate", json=body)
     assert (await task).status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions"])
+async def test_request_sent_for_the_other_role_is_answered_421_with_the_live_role(
+    cluster, client, path
+):
+    url = cluster.prefill_urls[0]
+    body = {"text": "x", "prompt": "x", "model": "m", "max_tokens": 1}
+    response = await client.post(url + path, json=body, headers={"X-PD-Role": "decode"})
+    assert response.status_code == 421
+    assert response.json()["role"] == "prefill"
+    assert response.json()["error"]["type"] == "misdirected_request"
+
+
+async def test_request_sent_for_the_live_role_or_no_known_role_is_served(cluster, client):
+    url = cluster.decode_urls[0]
+    for header in ("decode", "Decode", "something else"):
+        response = await client.post(
+            url + "/generate", json={"text": "x"}, headers={"X-PD-Role": header}
+        )
+        assert response.status_code == 200, header
+
+
+async def test_role_header_follows_a_switch(cluster_factory, client):
+    url = cluster_factory(prefill=1, decode=0).prefill_urls[0]
+    as_prefill = {"X-PD-Role": "prefill"}
+    assert (
+        await client.post(url + "/generate", json={"text": "x"}, headers=as_prefill)
+    ).status_code == 200
+    await switch(client, url, new_role="decode", **GRAPH_GB)
+    moved = await client.post(url + "/generate", json={"text": "x"}, headers=as_prefill)
+    assert moved.status_code == 421 and moved.json()["role"] == "decode"
+
+
+async def test_draining_worker_answers_503_before_checking_the_role(cluster, client):
+    url = cluster.decode_urls[0]
+    await client.post(url + "/pd_drain", json={"drain": True})
+    try:
+        response = await client.post(
+            url + "/generate", json={"text": "x"}, headers={"X-PD-Role": "prefill"}
+        )
+    finally:
+        await client.post(url + "/pd_drain", json={"drain": False})
+    assert response.status_code == 503
+
+
+async def test_worker_without_extension_routes_ignores_the_role_header(cluster, client):
+    url = cluster.decode_urls[0]
+    await client.post(url + "/fault", json={"native_only": True})
+    try:
+        response = await client.post(
+            url + "/generate", json={"text": "x"}, headers={"X-PD-Role": "prefill"}
+        )
+    finally:
+        await client.post(url + "/fault", json={"clear": True})
+    assert response.status_code == 200
