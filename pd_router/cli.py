@@ -62,6 +62,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-policy", choices=POLICY_CHOICES)
     p.add_argument("--request-timeout-secs", type=float)
     p.add_argument("--max-payload-size", type=int, help="largest request body in bytes")
+    p.add_argument(
+        "--max-inflight-body-bytes", type=int,
+        help="request body bytes in flight at once; more: 503 (0: no budget)",
+    )  # fmt: skip
+    p.add_argument(
+        "--client-header-timeout-secs", type=float,
+        help="a request's head must arrive within this long of its first byte",
+    )  # fmt: skip
+    p.add_argument(
+        "--client-body-timeout-secs", type=float,
+        help="longest pause between two reads of a request body (then 408)",
+    )  # fmt: skip
+    p.add_argument(
+        "--client-keepalive-timeout-secs", type=float,
+        help="an idle client connection is closed after this long",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-client-connections", type=int,
+        help="open client connections at most (0: from the open file limit)",
+    )  # fmt: skip
     p.add_argument("--log-level", choices=("debug", "info", "warn", "warning", "error"))
     p.add_argument("--log-format", choices=("json", "text"))
     p.add_argument("--admin-api-key", help="key guarding the admin API (Authorization: Bearer)")
@@ -127,6 +147,11 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "decode_policy": args.decode_policy,
         "request_timeout_secs": args.request_timeout_secs,
         "max_payload_size": args.max_payload_size,
+        "max_inflight_body_bytes": args.max_inflight_body_bytes,
+        "client_header_timeout_secs": args.client_header_timeout_secs,
+        "client_body_timeout_secs": args.client_body_timeout_secs,
+        "client_keepalive_timeout_secs": args.client_keepalive_timeout_secs,
+        "max_client_connections": args.max_client_connections,
         "log_level": args.log_level,
         "log_format": args.log_format,
         "admin_api_key": args.admin_api_key,

@@ -73,7 +73,12 @@ class RouterConfig:
     request_timeout_secs: float = 1800.0
     connect_timeout_secs: float = 5.0
     max_connections: int = 2048
-    max_payload_size: int = 512 * 1024 * 1024
+    max_payload_size: int = 64 * 1024 * 1024
+    max_inflight_body_bytes: int = 512 * 1024 * 1024
+    client_header_timeout_secs: float = 10.0
+    client_body_timeout_secs: float = 60.0
+    client_keepalive_timeout_secs: float = 75.0
+    max_client_connections: int = 0
     worker_removal_timeout_secs: float = 300.0
     admin_api_key: str | None = field(default=None, repr=False)
     worker_api_key: str | None = field(default=None, repr=False)
@@ -224,6 +229,14 @@ def validate(config: RouterConfig) -> None:
         check_positive(key, getattr(config, key))
     for key in ("max_connections", "max_payload_size"):
         check_positive(key, getattr(config, key))
+    for key in (
+        "client_header_timeout_secs",
+        "client_body_timeout_secs",
+        "client_keepalive_timeout_secs",
+    ):
+        check_positive(key, getattr(config, key))
+    check_positive("max_client_connections", config.max_client_connections, allow_zero=True)
+    check_positive("max_inflight_body_bytes", config.max_inflight_body_bytes, allow_zero=True)
     if config.log_level.lower() not in LOG_LEVELS:
         raise ConfigError("log_level", f"must be one of {', '.join(LOG_LEVELS)}")
     if config.log_format not in LOG_FORMATS:

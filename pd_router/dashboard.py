@@ -5,6 +5,11 @@ For operators without Grafana: the page shows the pools, each worker's state, ro
 count and health, the recent conversions, and converts a worker through the router's own
 ``POST /convert_pd_role``. Everything comes from the registry and the conversion manager, so the
 page and ``pd-router status`` show exactly what the router routes on.
+
+With an admin key configured, ``/status`` without the key shows no more than ``/metrics`` does
+(pools, and each worker's url, role, state, health, circuit and in-flight count): no worker
+errors, bootstrap ports, epochs or conversion records. The page itself holds no data and stays
+open; it asks for the key when an action needs it.
 """
 
 from __future__ import annotations
@@ -16,11 +21,15 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from pd_router.auth import has_admin_key
 from pd_router.conversion import Conversion, ConversionManager
 from pd_router.state import ROUTER, Router
 from pd_router.workers import Role, WorkerRegistry, WorkerState
 
 RECENT_CONVERSIONS = 20
+# The worker fields /metrics exposes as well (labels or values): all /status shows without the
+# admin key when one is configured.
+PUBLIC_WORKER_FIELDS = ("id", "url", "role", "state", "healthy", "inflight", "circuit")
 
 # The page loads nothing from elsewhere; the browser enforces it.
 PAGE_HEADERS = {
@@ -44,7 +53,11 @@ def add_dashboard_routes(app: web.Application) -> None:
         )
 
     async def status(request: web.Request) -> web.Response:
-        body = orjson.dumps(status_snapshot(request.app[ROUTER]))
+        router = request.app[ROUTER]
+        snapshot = status_snapshot(router)
+        if not has_admin_key(request):
+            snapshot = public_snapshot(snapshot)
+        body = orjson.dumps(snapshot)
         return web.Response(
             body=body, content_type="application/json", headers={"Cache-Control": "no-store"}
         )
@@ -63,7 +76,20 @@ def status_snapshot(router: Router) -> dict[str, Any]:
         "conversions": conversions if conversions is not None else [],
         "conversions_available": conversions is not None,
         "admin_key_required": router.config.admin_api_key is not None,
+        "redacted": False,
         "time": time.time(),
+    }
+
+
+def public_snapshot(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """What a snapshot shows a caller without the admin key: what /metrics shows."""
+    return {
+        **snapshot,
+        "workers": [
+            {key: worker[key] for key in PUBLIC_WORKER_FIELDS} for worker in snapshot["workers"]
+        ],
+        "conversions": [],
+        "redacted": True,
     }
 
 

@@ -12,6 +12,7 @@ from types import MappingProxyType
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pd_router.workers import DuplicateWorker, InvalidTransition, RegistryError, UnknownWorker
 
@@ -53,6 +54,15 @@ class NotFound(RouterError):
 class Conflict(RouterError):
     status = 409
     error_type = "conflict"
+
+
+class RequestTimeout(RouterError, TimeoutError):
+    """The client stopped sending its request body. A TimeoutError as well, so that aiohttp's
+    server, which drains what is left of a body after the answer, treats it as the end of the
+    body and closes the connection."""
+
+    status = 408
+    error_type = "request_timeout"
 
 
 class PayloadTooLarge(RouterError):
@@ -99,6 +109,9 @@ class UpstreamTimeout(RouterError):
     error_type = "upstream_timeout"
 
 
+# Errors the middleware turns into responses with error_response(); anything else is a 500.
+MAPPED_ERRORS = (RouterError, RegistryError, web.HTTPException, web.RequestPayloadError)
+
 REGISTRY_STATUS: Mapping[type[RegistryError], tuple[int, str]] = MappingProxyType(
     {
         UnknownWorker: (404, "not_found"),
@@ -141,12 +154,24 @@ def error_response(exc: Exception) -> web.Response:
         return json_error(status, error_type, str(exc))
     if isinstance(exc, web.HTTPException):
         return json_error(exc.status, http_error_type(exc.status), exc.reason or exc.text or "")
+    if isinstance(exc, web.RequestPayloadError):
+        return json_error(400, "invalid_request_error", payload_error_message(exc))
     return json_error(500, "internal_error", "internal router error")
+
+
+def payload_error_message(exc: web.RequestPayloadError) -> str:
+    """Why aiohttp could not read a request body (bad chunking, a Content-Encoding the body
+    does not have): the parser's own message, which the wrapping error only holds as text."""
+    cause = exc.__cause__
+    detail = cause.message if isinstance(cause, HttpProcessingError) else str(exc)
+    return f"request body could not be read: {' '.join(str(detail).split())}"
 
 
 def http_error_type(status: int) -> str:
     return {
         404: "not_found",
         405: "method_not_allowed",
+        408: "request_timeout",
         413: "payload_too_large",
+        503: "service_unavailable",
     }.get(status, "invalid_request_error" if status < 500 else "internal_error")

@@ -1,6 +1,13 @@
 """Router-level endpoints that are not the PD request path: liveness, readiness, metrics, model
 and server info (aggregated per pool), and the fan-out operations (flush_cache, abort_request,
-health_generate) that SGLang clients and benchmark scripts call on a router as on a server."""
+health_generate) that SGLang clients and benchmark scripts call on a router as on a server.
+
+``/flush_cache`` and ``/abort_request`` with ``abort_all`` are admin calls (the key is checked
+by the middleware and by :func:`handle_abort_request`). Aborting one request stays open to
+whoever knows its rid: the router's rids are random, and SGLang aborts every request whose rid
+*starts with* the one given, so an abort without the key must name a rid too long to be a
+prefix of anyone else's.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +21,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from pd_router.errors import NoWorkers, UpstreamError
+from pd_router.auth import has_admin_key, require_admin
+from pd_router.errors import BadRequest, NoWorkers, UpstreamError
 from pd_router.requests import parse_body
 from pd_router.state import Router, router_of
 from pd_router.workers import Role, Worker, WorkerState
@@ -26,6 +34,13 @@ INFO_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 NO_DECODE_STATE: Mapping[str, Any] = MappingProxyType(
     {"last_gen_throughput": 0.0, "avg_spec_accept_length": None}
 )
+# SGLang's /server_info serialises all its server arguments, credentials included; the router
+# calls workers with their key, so it must not hand those on.
+SECRET_SERVER_ARGS = frozenset({"api_key", "admin_api_key", "ssl_keyfile_password"})
+SECRET_SUFFIXES = ("_api_key", "_password", "_secret")
+REDACTED = "<redacted>"
+# Shortest rid an abort without the admin key may name (64 bits as hex digits).
+MIN_ABORT_RID_LENGTH = 16
 
 
 @dataclass(slots=True)
@@ -168,7 +183,20 @@ def parse_info(reply: Reply) -> dict:
         return {**reply.summary(), "error": "server_info is not JSON"}
     if not isinstance(info, dict):
         return {**reply.summary(), "error": "server_info is not an object"}
-    return {**info, "url": reply.worker.url}
+    return {**redact_secrets(info), "url": reply.worker.url}
+
+
+def redact_secrets(info: dict) -> dict:
+    """``info`` with the values of credential arguments replaced (top level, where SGLang puts
+    its server arguments)."""
+    return {
+        key: REDACTED if value is not None and is_secret_arg(key) else value
+        for key, value in info.items()
+    }
+
+
+def is_secret_arg(name: str) -> bool:
+    return name in SECRET_SERVER_ARGS or name.endswith(SECRET_SUFFIXES)
 
 
 async def handle_flush_cache(request: web.Request) -> web.Response:
@@ -182,9 +210,29 @@ async def handle_flush_cache(request: web.Request) -> web.Response:
 async def handle_abort_request(request: web.Request) -> web.Response:
     """Fan out /abort_request to every active worker (the rid lives on one P and one D)."""
     router = router_of(request)
-    body = orjson.dumps(parse_body(await request.read()))
-    replies = await fan_out(router, active_workers(router), "POST", "/abort_request", data=body)
+    body = parse_body(await request.read())
+    check_abort(request, body)
+    replies = await fan_out(
+        router, active_workers(router), "POST", "/abort_request", data=orjson.dumps(body)
+    )
     return summarize(replies)
+
+
+def check_abort(request: web.Request, body: dict[str, Any]) -> None:
+    """``abort_all`` (any value but false) needs the admin key; without the key, the rid must
+    be a string of at least :data:`MIN_ABORT_RID_LENGTH` characters."""
+    if body.get("abort_all") not in (None, False):
+        require_admin(request)
+        return
+    if has_admin_key(request):
+        return
+    rid = body.get("rid")
+    if not isinstance(rid, str) or len(rid) < MIN_ABORT_RID_LENGTH:
+        raise BadRequest(
+            f"'rid' must be a string of at least {MIN_ABORT_RID_LENGTH} characters to abort "
+            "without the admin key (workers abort every rid that starts with it)",
+            details={"field": "rid"},
+        )
 
 
 def summarize(replies: list[Reply]) -> web.Response:

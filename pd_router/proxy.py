@@ -161,6 +161,10 @@ class Exchange:
                     return await self.stream_attempt(prefill, decode, payload, rids)
                 return await self.unary_attempt(prefill, decode, payload, rids)
             except LegFailed as failure:
+                # Its traceback holds this attempt's frames, which hold the leg tasks, which
+                # hold the failure: a cycle that kept the request body alive until a full
+                # collection (tune_gc makes those rare).
+                failure.__traceback__ = None
                 log.warning(
                     "upstream leg failed",
                     extra={

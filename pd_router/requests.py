@@ -20,9 +20,14 @@ import orjson
 from pd_router.errors import BadRequest
 from pd_router.workers import DEFAULT_BOOTSTRAP_PORT, Worker
 
+# Deepest nesting orjson serialises: the router re-serialises every body it forwards, so a body
+# nested deeper cannot be routed (orjson parses up to 1024 levels).
+MAX_NESTING = 254
+
 
 def parse_body(raw: bytes) -> dict[str, Any]:
-    """The JSON object of a request body; BadRequest for anything else."""
+    """The JSON object of a request body; BadRequest for anything else, including a body
+    nested deeper than the router can serialise again."""
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object")
     try:
@@ -31,7 +36,35 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest(f"request body must be a JSON object, got {type(body).__name__}")
+    check_nesting(raw, body)
     return body
+
+
+def check_nesting(raw: bytes, body: dict[str, Any]) -> None:
+    """BadRequest when ``body`` is nested deeper than :data:`MAX_NESTING`. Nesting is at most
+    the number of opening brackets; only a body with more of them than that (a long chat, a
+    2-D ``input_ids``) is serialised once to be sure."""
+    if not more_brackets_than(raw, MAX_NESTING):
+        return
+    try:
+        orjson.dumps(body)
+    except orjson.JSONEncodeError:
+        raise BadRequest(f"request body is nested more than {MAX_NESTING} levels deep") from None
+
+
+def more_brackets_than(raw: bytes, limit: int) -> bool:
+    """Whether ``raw`` has more than ``limit`` opening brackets. ``bytes.find`` runs at memchr
+    speed and stops counting at ``limit``: a tenth of what ``bytes.count`` costs on a large
+    prompt, where brackets are few."""
+    count = 0
+    for bracket in (b"[", b"{"):
+        position = raw.find(bracket)
+        while position != -1:
+            count += 1
+            if count > limit:
+                return True
+            position = raw.find(bracket, position + 1)
+    return False
 
 
 # The strings pydantic's lax mode (SGLang's OpenAI request models) reads as booleans.

@@ -1,38 +1,46 @@
-"""The aiohttp application: routes, the middleware (request id, admin auth, error mapping,
-request metrics) and the lifecycle of the shared state.
+"""The aiohttp application: routes, the middleware (request id, admin auth, body size, error
+mapping, request metrics) and the lifecycle of the shared state.
 
 ``build_app(config)`` returns an Application holding one :class:`~pd_router.state.Router` under
 :data:`ROUTER`; other modules add their routes to that app (``add_conversion_routes(app)``,
 ``add_dashboard_routes(app)``). Run it with :func:`start_server` (tests, demo) or
-:func:`run_server` (the CLI); both enable handler cancellation so a client that goes away
-cancels its request and the workers get ``/abort_request``.
+:func:`run_server` (the CLI); both listen through :mod:`pd_router.listener` (header and body
+timeouts, the client connection cap) and enable handler cancellation so a client that goes
+away cancels its request and the workers get ``/abort_request``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import hmac
-import itertools
 import logging
-import secrets
+import os
+import signal
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from pd_router import info, proxy, workers_api
+from pd_router.admission import BodyAdmission
+from pd_router.auth import is_admin_path, require_admin
 from pd_router.config import RouterConfig
 from pd_router.conversion_api import add_conversion_routes
 from pd_router.dashboard import add_dashboard_routes
-from pd_router.errors import RouterError, Unauthorized, error_response
+from pd_router.errors import MAPPED_ERRORS, RouterError, error_response
+from pd_router.listener import (
+    ClientLimits,
+    ClientSite,
+    default_max_connections,
+    fd_limit,
+    raise_fd_limit,
+    release_body,
+)
 from pd_router.metrics import RouterMetrics
 from pd_router.state import REQUEST_ID, ROUTER, UPSTREAM_ID, Router
-from pd_router.workers import RegistryError
 
 log = logging.getLogger("pd_router.server")
 
-ADMIN_PREFIXES = ("/workers", "/convert_pd_role", "/pd_role_switch", "/conversions")
 MAX_REQUEST_ID_LENGTH = 128
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -41,39 +49,42 @@ __all__ = ["ROUTER", "Router", "RunningServer", "build_app", "run_server", "star
 
 
 class RequestIds:
-    """Fresh request ids: a random per-router prefix and a counter (unique across routers and
-    restarts, and much cheaper than a uuid4 per request)."""
+    """Fresh request ids: 96 random bits from the operating system's CSPRNG, as 24 hex digits.
+
+    A router-made id is also the ``rid`` workers know the request by, and a rid is all
+    ``/abort_request`` needs, so an id must not be guessable from the ids a client has seen
+    (``X-Request-Id``). The random bytes are drawn in blocks, one ``os.urandom`` call per
+    :data:`BLOCK_IDS` ids, which keeps an id as cheap as a formatted counter.
+    """
+
+    ID_BYTES = 12
+    BLOCK_IDS = 170
 
     def __init__(self) -> None:
-        self._prefix = secrets.token_hex(6)
-        self._counter = itertools.count(1)
+        self._block = ""
+        self._next = 0
 
     def next(self) -> str:
-        return f"{self._prefix}-{next(self._counter):x}"
+        start = self._next
+        if start >= len(self._block):
+            self._block = os.urandom(self.ID_BYTES * self.BLOCK_IDS).hex()
+            start = 0
+        self._next = end = start + 2 * self.ID_BYTES
+        return self._block[start:end]
 
 
 REQUEST_IDS = web.AppKey("request_ids", RequestIds)
+BODY_ADMISSION = web.AppKey("body_admission", BodyAdmission)
 
 
 def request_ids(request: web.Request, ids: RequestIds) -> tuple[str, str]:
-    """(request id, upstream id): the client's X-Request-Id when it is sane, else a fresh one."""
+    """(request id, upstream id): the client's X-Request-Id when it is sane, else a fresh one.
+    A client's id gets a fresh suffix upstream, so its rid is no easier to guess than ours."""
     given = request.headers.get("X-Request-Id")
     if given and len(given) <= MAX_REQUEST_ID_LENGTH and given.isascii() and given.isprintable():
         return given, f"{given}-{ids.next()}"
     fresh = ids.next()
     return fresh, fresh
-
-
-def check_admin(request: web.Request, key: str) -> None:
-    supplied = request.headers.get("Authorization", "")
-    token = (
-        supplied[7:] if supplied[:7].lower() == "bearer " else request.headers.get("X-API-Key", "")
-    )
-    if not hmac.compare_digest(token.encode(), key.encode()):
-        raise Unauthorized(
-            "admin API key required (Authorization: Bearer <key>)",
-            headers={"WWW-Authenticate": "Bearer"},
-        )
 
 
 def endpoint_label(request: web.Request) -> str:
@@ -83,27 +94,38 @@ def endpoint_label(request: web.Request) -> str:
 
 @web.middleware
 async def core_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Request id in and out, admin auth, one mapping from errors to JSON responses, and the
+    """Request id in and out, admin auth, body admission (size limit and in-flight budget,
+    before any of the body is read), one mapping from errors to JSON responses, and the
     request metrics for every endpoint."""
-    router = request.app[ROUTER]
+    app = request.app
+    router = app[ROUTER]
     loop = asyncio.get_running_loop()
     started = loop.time()
-    request_id, upstream_id = request_ids(request, request.app[REQUEST_IDS])
+    request_id, upstream_id = request_ids(request, app[REQUEST_IDS])
     request[REQUEST_ID] = request_id
     request[UPSTREAM_ID] = upstream_id
+    admission = app[BODY_ADMISSION]
+    admitted = 0
     try:
-        key = router.config.admin_api_key
-        if key and request.path.startswith(ADMIN_PREFIXES):
-            check_admin(request, key)
+        if router.config.admin_api_key is not None and is_admin_path(request.path):
+            require_admin(request)
+        length = request.content_length
+        if length:
+            admission.admit(length)
+            admitted = length
         response = await handler(request)
     except asyncio.CancelledError:
         router.observe_request(endpoint_label(request), 499, loop.time() - started)
         raise
-    except (RouterError, RegistryError, web.HTTPException) as exc:
+    except MAPPED_ERRORS as exc:
         response = error_response(exc)
     except Exception:
         log.exception("unhandled error", extra={"request_id": request_id, "path": request.path})
         response = error_response(RouterError("internal router error"))
+    finally:
+        release_body(request)
+        if admitted:
+            admission.release(admitted)
     if not response.prepared:
         response.headers["X-Request-Id"] = request_id
     router.observe_request(endpoint_label(request), response.status, loop.time() - started)
@@ -146,6 +168,7 @@ def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web
     app = web.Application(middlewares=[core_middleware], client_max_size=config.max_payload_size)
     app[ROUTER] = Router(config, metrics)
     app[REQUEST_IDS] = RequestIds()
+    app[BODY_ADMISSION] = BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes)
     add_routes(app)
     add_dashboard_routes(app)
     app.on_startup.append(_on_startup)
@@ -176,13 +199,27 @@ class RunningServer:
         await self.runner.cleanup()
 
 
+def client_limits(config: RouterConfig) -> ClientLimits:
+    """The client side's timeouts and connection cap (the cap sized from the open file limit
+    unless configured)."""
+    return ClientLimits(
+        header_timeout=config.client_header_timeout_secs,
+        body_timeout=config.client_body_timeout_secs,
+        keepalive_timeout=config.client_keepalive_timeout_secs,
+        max_connections=config.max_client_connections or default_max_connections(fd_limit()),
+    )
+
+
 async def start_server(
     app: web.Application, host: str = "127.0.0.1", port: int = 0
 ) -> RunningServer:
-    """Serve ``app`` in the running loop (port 0: a free port); stop with ``.stop()``."""
+    """Serve ``app`` in the running loop (port 0: a free port); stop with ``.stop()``. A router
+    application's client limits come from its config, any other application gets the
+    defaults."""
+    config = app[ROUTER].config if ROUTER in app else RouterConfig()
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=1024)
+    site = ClientSite(runner, host, port, client_limits(config))
     await site.start()
     server = runner.addresses[0]
     return RunningServer(app, runner, host, server[1])
@@ -197,21 +234,39 @@ def tune_gc() -> None:
     gc.set_threshold(20000, 50, 100)
 
 
+async def serve_until_signalled(app: web.Application, config: RouterConfig) -> None:
+    """Serve until SIGINT or SIGTERM, then stop gracefully (in-flight requests may finish)."""
+    server = await start_server(app, config.host, config.port)
+    limits = client_limits(config)
+    log.info(
+        "serving on %s (client connections up to %d, open file limit %d)",
+        server.url, limits.max_connections, fd_limit(),
+    )  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
 def run_server(config: RouterConfig) -> None:
-    """Serve until interrupted (the CLI's ``serve``), on uvloop when available."""
+    """Serve until interrupted (the CLI's ``serve``), on uvloop when available, with the open
+    file limit raised as far as allowed."""
     try:
         import uvloop
     except ImportError:
         uvloop = None
+    nofile = raise_fd_limit()
+    safe = default_max_connections(nofile)
+    if config.max_client_connections > safe:
+        log.warning(
+            "max_client_connections %d leaves too few of the %d open files for worker "
+            "connections (%d would)", config.max_client_connections, nofile, safe,
+        )  # fmt: skip
     app = build_app(config)
     tune_gc()
-    web.run_app(
-        app,
-        host=config.host,
-        port=config.port,
-        handler_cancellation=True,
-        access_log=None,
-        backlog=1024,
-        print=lambda msg: log.info(msg.strip()),
-        loop=uvloop.new_event_loop() if uvloop is not None else None,
-    )
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop if uvloop is not None else None) as r:
+        r.run(serve_until_signalled(app, config))

@@ -270,7 +270,7 @@ async def test_page_in_chromium_shows_a_worker_draining_while_its_conversion_wai
     assert "draining" in page.conversions[conversion_id].split()
 
 
-async def test_status_answers_without_the_admin_key_when_one_is_set(cluster):
+async def test_status_answers_redacted_without_the_admin_key_when_one_is_set(cluster):
     async with (
         running_router(cluster, admin_api_key="s3cret") as router,
         router.client() as http,
@@ -280,6 +280,7 @@ async def test_status_answers_without_the_admin_key_when_one_is_set(cluster):
         refused = await http.post("/convert_pd_role", json={"server_url": cluster.urls[0]})
     assert page.status_code == 200
     assert body["admin_key_required"] is True
+    assert body["redacted"] is True
     assert refused.status_code == 401
 
 
