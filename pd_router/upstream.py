@@ -141,6 +141,9 @@ def transport_failure(role: Role, worker: Worker, exc: BaseException) -> LegFail
 
 
 def status_failure(role: Role, worker: Worker, result: LegResult) -> LegFailed:
+    """A non-2xx answer. 502/503/504 are retried on a new pair, and so is any 5xx of a prefill:
+    it failed before a token was made (SGLang: a KV hand-off that failed), as a prefill
+    stream's abort event with a 5xx is."""
     kind = "http_5xx" if result.status >= 500 else "http_4xx"
     excerpt = result.body[:ERROR_EXCERPT_BYTES].decode("utf-8", "replace")
     return LegFailed(
@@ -148,7 +151,8 @@ def status_failure(role: Role, worker: Worker, result: LegResult) -> LegFailed:
         worker,
         kind,
         f"{role.value} worker {worker.url} answered {result.status}: {excerpt}",
-        retryable=result.status in RETRYABLE_STATUSES,
+        retryable=result.status in RETRYABLE_STATUSES
+        or (role is Role.PREFILL and result.status >= 500),
         result=result,
         verdict=Verdict.SUCCESS if result.status < 500 else Verdict.FAILURE,
     )
