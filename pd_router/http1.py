@@ -23,7 +23,8 @@ a fresh one (the worker never read the request).
 
 Every leg has a total deadline (``request_timeout``), a first-byte timeout when the caller asks
 for one (time to the first byte of the body: the first event of a stream, the whole answer of a
-unary request) and a stream-idle timeout between body bytes; one timer per leg checks them.
+unary request) and a stream-idle timeout between body bytes. One pool-wide ticker checks them
+(a timer per leg cost more CPU than the parsing); a timeout fires up to TICK_SECS late.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import httptools
 HIGH_WATER = 1 << 20  # pause reading a worker when this much body is buffered, unread
 LOW_WATER = 1 << 18
 MAX_HEAD = 1 << 16
+TICK_SECS = 0.2  # how often the pool checks its legs' timeouts and its idle connections
 DEFAULT_CONTENT_TYPE = "application/octet-stream"
 # The router's own resources running out: never the worker's fault.
 LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -130,16 +132,6 @@ class PoolCounts(NamedTuple):
     waiting: int
 
 
-class LegClock(NamedTuple):
-    """One leg's timeouts: its absolute deadline (loop time) and the limits in seconds
-    (``first_byte`` None: only the total applies until the body starts)."""
-
-    deadline: float
-    total: float
-    first_byte: float | None
-    idle: float
-
-
 class _Target:
     """One worker's connections (keyed by origin): idle ones (newest last), how many are open
     or opening (counted against the cap), the ones in use and the legs waiting for one."""
@@ -182,7 +174,6 @@ class _Connection(asyncio.Protocol):
         self.expires = 0.0
         self._loop = asyncio.get_running_loop()
         self._parser = httptools.HttpResponseParser(self)
-        self._timer: asyncio.TimerHandle | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -277,8 +268,7 @@ class _Connection(asyncio.Protocol):
         self.head_done = True
 
     def on_body(self, body: bytes) -> None:
-        if not self._body_started:
-            self._first_body_byte()
+        self._body_started = True
         self._chunks.append(body)
         self._buffered += len(body)
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
@@ -296,47 +286,21 @@ class _Connection(asyncio.Protocol):
 
     # --- timeouts ---------------------------------------------------------------------------
 
-    def _arm(self, clock: LegClock) -> None:
-        self._clock = clock
-        self._deadline = clock.deadline
-        first = clock.first_byte
-        now = self._loop.time()
-        self._first_byte_by = clock.deadline if first is None else min(clock.deadline, now + first)
-        self._idle = clock.idle
-        self._timer = self._loop.call_at(self._first_byte_by, self._check_time)
-
-    def _first_body_byte(self) -> None:
-        """The first-byte timeout is met; from now on the stream-idle timeout applies (the timer
-        is moved earlier when it was set for a later first-byte deadline)."""
-        self._body_started = True
-        timer = self._timer
-        due = self._last_data + self._idle
-        if timer is not None and timer.when() > due and due < self._deadline:
-            timer.cancel()
-            self._timer = self._loop.call_at(due, self._check_time)
-
-    def _check_time(self) -> None:
-        self._timer = None
+    def check_time(self, now: float) -> None:
+        """Fail the leg if one of its timeouts ran out (called by the pool's ticker): the total,
+        the first byte of the body, or the stream-idle time since the last byte (not while the
+        router's own reader is behind and reading is paused)."""
         if self.done or self._error is not None:
             return
-        now = self._loop.time()
         if now >= self._deadline:
-            self.fail(LegTimeout(Phase.TOTAL, self._clock.total))
-            return
-        if not self._body_started:
-            first = self._clock.first_byte
-            if first is not None and now >= self._first_byte_by:
-                self.fail(LegTimeout(Phase.FIRST_BYTE, first))
-                return
-            due = self._first_byte_by
+            self.fail(LegTimeout(Phase.TOTAL, self._total))
+        elif not self._body_started:
+            if self._first_byte is not None and now >= self._first_byte_by:
+                self.fail(LegTimeout(Phase.FIRST_BYTE, self._first_byte))
         elif self._paused:
-            due = now + self._idle  # the router's reader is behind, not the worker
-        else:
-            due = self._last_data + self._idle
-            if now >= due:
-                self.fail(LegTimeout(Phase.STREAM_IDLE, self._idle))
-                return
-        self._timer = self._loop.call_at(min(due, self._deadline), self._check_time)
+            self._last_data = now
+        elif now - self._last_data >= self._idle:
+            self.fail(LegTimeout(Phase.STREAM_IDLE, self._idle))
 
     # --- internals --------------------------------------------------------------------------
 
@@ -368,13 +332,21 @@ class _Connection(asyncio.Protocol):
 
     # --- response API -----------------------------------------------------------------------
 
-    def send(self, head: bytes, body: bytes, clock: LegClock) -> None:
-        """Write the request in one call and start its timer."""
+    def send(
+        self, head: bytes, body: bytes, started: float, total: float, first_byte: float | None,
+        idle: float,
+    ) -> None:  # fmt: skip
+        """Write the request in one call; its timeouts count from ``started`` (loop time)."""
         self._reset()
         if self.transport is None or self.closed:
             raise _ClosedBeforeAnswer("connection not open")
         self.in_use = True
-        self._arm(clock)
+        self._total = total
+        self._deadline = started + total
+        self._first_byte = first_byte
+        if first_byte is not None:
+            self._first_byte_by = started + first_byte
+        self._idle = idle
         self.transport.writelines((head, body))
 
     async def wait_head(self) -> None:
@@ -412,11 +384,8 @@ class _Connection(asyncio.Protocol):
             self._wake()
 
     def finish(self) -> None:
-        """The leg is over: stop its timer."""
+        """The leg is over: no timeout applies any more."""
         self.in_use = False
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
     def close(self) -> None:
         self.keep_alive = False
@@ -467,7 +436,7 @@ class Http1Pool:
         self._targets: dict[str, _Target] = {}
         self._routes: dict[str, tuple[_Target, str]] = {}
         self._ssl: ssl.SSLContext | None = None
-        self._sweep: asyncio.TimerHandle | None = None
+        self._ticker: asyncio.TimerHandle | None = None
 
     def _route(self, url: str) -> tuple[_Target, str]:
         route = self._routes.get(url)
@@ -498,23 +467,23 @@ class Http1Pool:
             f"POST {path} HTTP/1.1\r\nHost: {target.host_header}\r\n{lines}"
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
-        now = asyncio.get_running_loop().time()
-        clock = LegClock(
-            now + self._request_timeout,
-            self._request_timeout,
-            limits.first_byte_timeout_secs if first_byte else None,
-            limits.stream_idle_timeout_secs,
-        )
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        total = self._request_timeout
+        first = limits.first_byte_timeout_secs if first_byte else None
+        idle = limits.stream_idle_timeout_secs
         conn = self._take_idle(target, now) or await self._acquire(target, limits)
+        if self._ticker is None:
+            self._ticker = loop.call_later(TICK_SECS, self._tick)
         try:
             try:
-                conn.send(head, body, clock)
+                conn.send(head, body, now, total, first, idle)
                 await conn.wait_head()
             except _ClosedBeforeAnswer:
                 if not conn.reused:
                     raise
                 conn = await self._replace(conn)
-                conn.send(head, body, clock)
+                conn.send(head, body, now, total, first, idle)
                 await conn.wait_head()
         except BaseException:
             self.discard(conn)
@@ -657,31 +626,32 @@ class Http1Pool:
             return
         target = conn.target
         target.busy.discard(conn)
-        conn.expires = expires = asyncio.get_running_loop().time() + idle_timeout
+        conn.expires = asyncio.get_running_loop().time() + idle_timeout
         target.idle.append(conn)
         if target.waiters:
             self._pass_turn(target)
-        if self._sweep is None:
-            self._sweep = asyncio.get_running_loop().call_at(expires, self._sweep_idle)
 
     def discard(self, conn: _Connection) -> None:
         """Drop a connection whose answer was not read to the end."""
         self._drop(conn)
 
-    def _sweep_idle(self) -> None:
-        """Close the connections idle for longer than their idle timeout; run again when the
-        oldest remaining one expires."""
-        self._sweep = None
+    def _tick(self) -> None:
+        """Every TICK_SECS while the pool has connections: end the legs whose timeouts ran out
+        and close the connections idle for longer than their idle timeout. One pool-wide timer
+        instead of one per leg: a timeout fires at most TICK_SECS late."""
+        self._ticker = None
         now = asyncio.get_running_loop().time()
-        earliest = None
+        active = False
         for target in self._targets.values():
             idle = target.idle
             while idle and (idle[0].expires <= now or idle[0].closed):
                 self._drop(idle.popleft())
-            if idle and (earliest is None or idle[0].expires < earliest):
-                earliest = idle[0].expires
-        if earliest is not None:
-            self._sweep = asyncio.get_running_loop().call_at(earliest, self._sweep_idle)
+            for conn in tuple(target.busy):
+                if conn.in_use:
+                    conn.check_time(now)
+            active = active or bool(idle or target.busy)
+        if active:
+            self._ticker = asyncio.get_running_loop().call_later(TICK_SECS, self._tick)
 
     # --- control ----------------------------------------------------------------------------
 
@@ -711,9 +681,9 @@ class Http1Pool:
         return PoolCounts(target.open, len(target.idle), len(target.waiters))
 
     def close(self) -> None:
-        if self._sweep is not None:
-            self._sweep.cancel()
-            self._sweep = None
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
         for target in self._targets.values():
             while target.idle:
                 self._drop(target.idle.pop())
