@@ -1,19 +1,13 @@
-"""A small keep-alive HTTP/1.1 client for the two legs of every request.
+"""The legs' connection pool: keep-alive HTTP/1.1 connections per worker for the two POSTs of
+every request.
 
 The legs are the router's hot path: two POSTs per client request to known workers, JSON in,
 JSON or SSE out. aiohttp's general-purpose client spends most of the router's CPU on them
-(request objects, header multidicts, payload wrappers, tracing hooks); this client writes the
-request head and body in one call on a pooled connection and parses the response with httptools
-(llhttp, the parser uvicorn uses) in protocol callbacks, which measured about a third less CPU
-per request. Everything else (health probes, fan-outs, aborts, worker control) stays on the
-shared aiohttp session.
-
-Scope: POST with a bytes body. llhttp does the framing (Content-Length, chunked encoding, the
-end of the connection), the keep-alive decision (``Connection`` and version tokens) and rejects
-what is not HTTP/1.1 (conflicting or malformed lengths, bad chunk framing); 1xx interim answers
-are skipped. A connection that receives a byte nobody asked for (after a finished answer, or
-while idle in the pool) is never used again: those bytes would be read as the next request's
-answer.
+(request objects, header multidicts, payload wrappers, tracing hooks); this pool writes the
+request head and body in one call on a pooled connection whose answers httptools parses in
+protocol callbacks (:mod:`pd_router.http1_conn`), which measured about a third less CPU per
+request. Everything else (health probes, fan-outs, aborts, worker control) stays on the shared
+aiohttp session.
 
 Per worker the pool keeps at most ``max_connections_per_worker`` connections (a leg waits up to
 ``pool_timeout_secs`` for one) and closes idle ones after ``idle_timeout_secs``, before the
@@ -32,22 +26,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import errno
 import ssl
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-import httptools
+from pd_router.http1_conn import (
+    ClosedBeforeAnswer,
+    Connection,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    local_error,
+)
 
-HIGH_WATER = 1 << 20  # pause reading a worker when this much body is buffered, unread
-LOW_WATER = 1 << 18
-MAX_HEAD = 1 << 16
 TICK_SECS = 0.2  # how often the pool checks its legs' timeouts and its idle connections
-DEFAULT_CONTENT_TYPE = "application/octet-stream"
-# The router's own resources running out: never the worker's fault.
-LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,66 +54,8 @@ class LegLimits:
     idle_timeout_secs: float = 4.0
 
 
-class Phase(StrEnum):
-    """Which of a leg's timeouts fired."""
-
-    FIRST_BYTE = "first_byte"
-    STREAM_IDLE = "stream_idle"
-    TOTAL = "total"
-
-
-class UpstreamConnectError(Exception):
-    """The worker could not be connected to (refused, unreachable, connect timeout)."""
-
-
-class UpstreamDisconnected(Exception):
-    """The worker closed the connection before its answer was complete."""
-
-
-class UpstreamProtocolError(UpstreamDisconnected):
-    """The worker's answer is not HTTP/1.1 the client can read (the connection is dropped)."""
-
-
-class WorkerUnavailable(UpstreamDisconnected):
-    """The router ended the leg because its worker left service (unhealthy, failed, removed)."""
-
-
-class _ClosedBeforeAnswer(UpstreamDisconnected):
-    """The connection closed before any byte of the answer: on a pooled connection the worker
-    closed it while idle and never read the request, so a fresh connection may resend it."""
-
-
-class LegTimeout(TimeoutError):
-    """A leg ran out of time; ``phase`` says which timeout fired."""
-
-    def __init__(self, phase: Phase, seconds: float) -> None:
-        super().__init__(f"{phase.value.replace('_', ' ')} timeout ({seconds:g} s)")
-        self.phase = phase
-
-
 class PoolTimeout(Exception):
     """No connection to the worker became free within the pool timeout (the router's cap)."""
-
-
-class LocalResourceError(Exception):
-    """The router itself ran out of file descriptors, socket buffers or memory."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.errno = code
-
-
-def local_error(exc: BaseException | None) -> LocalResourceError | None:
-    """``exc`` as a LocalResourceError when it is one of the router's own resources running
-    out, else None."""
-    if isinstance(exc, OSError) and exc.errno in LOCAL_ERRNOS:
-        name = errno.errorcode.get(exc.errno, str(exc.errno))
-        return LocalResourceError(f"router out of resources ({name}): {exc.strerror}", exc.errno)
-    return None
-
-
-class _UnsolicitedBytes(Exception):
-    """Bytes after a finished answer (raised inside the parser to stop it)."""
 
 
 class PoolCounts(NamedTuple):
@@ -132,7 +66,7 @@ class PoolCounts(NamedTuple):
     waiting: int
 
 
-class _Target:
+class Target:
     """One worker's connections (keyed by origin): idle ones (newest last), how many are open
     or opening (counted against the cap), the ones in use and the legs waiting for one."""
 
@@ -147,8 +81,8 @@ class _Target:
         self.host = parts.hostname or ""
         self.port = parts.port or (443 if self.tls else 80)
         self.host_header = parts.netloc
-        self.idle: collections.deque[_Connection] = collections.deque()
-        self.busy: set[_Connection] = set()
+        self.idle: collections.deque[Connection] = collections.deque()
+        self.busy: set[Connection] = set()
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.open = 0
         self.epoch = 0
@@ -160,240 +94,6 @@ def origin(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-class _Connection(asyncio.Protocol):
-    """One connection; parses one response at a time into status, headers and body chunks."""
-
-    def __init__(self, target: _Target) -> None:
-        self.target = target
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.reusable = True  # nothing unexpected happened: may carry another request
-        self.counted = True  # holds one of the target's ``open`` slots
-        self.reused = False
-        self.in_use = False
-        self.expires = 0.0
-        self._loop = asyncio.get_running_loop()
-        self._parser = httptools.HttpResponseParser(self)
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.content_type = DEFAULT_CONTENT_TYPE
-        self.keep_alive = True
-        self.received_any = False
-        self.head_done = False
-        self.done = False
-        self._interim = False
-        self._length_framed = False
-        self._head_bytes = 0
-        self._body_started = False
-        self._last_data = 0.0
-        self._chunks: collections.deque[bytes] = collections.deque()
-        self._buffered = 0
-        self._paused = False
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future | None = None
-
-    # --- asyncio.Protocol -------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        if not self.in_use or self.done:
-            self._drop_unsolicited()
-            return
-        self.received_any = True
-        self._last_data = self._loop.time()
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            if self.done:
-                self._drop_unsolicited()
-            else:
-                self._fail(UpstreamProtocolError(f"malformed response: {exc}"))
-        else:
-            if not self.head_done:
-                self._head_bytes += len(data)
-                if self._head_bytes > MAX_HEAD:
-                    self._fail(UpstreamProtocolError("response head too large"))
-        self._wake()
-
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self.reusable = False
-        if not self.in_use or self.done or self._error is not None:
-            self._wake()
-            return
-        if self.head_done and not self._length_framed:
-            self.done = True  # the body ran until the end of the connection
-            self.keep_alive = False
-        elif (local := local_error(exc)) is not None:
-            self._error = local
-        elif not self.received_any:
-            detail = f": {exc}" if exc else ""
-            self._error = _ClosedBeforeAnswer(f"connection closed before any answer{detail}")
-        else:
-            detail = f": {exc}" if exc else ""
-            self._error = UpstreamDisconnected(f"connection closed before the answer ended{detail}")
-        self._wake()
-
-    # --- httptools callbacks ----------------------------------------------------------------
-
-    def on_message_begin(self) -> None:
-        if self.done:
-            raise _UnsolicitedBytes
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        name = name.lower()
-        if name == b"content-type":
-            self.content_type = value.split(b";", 1)[0].strip().decode("latin-1")
-        elif name == b"content-length":
-            self._length_framed = True
-        elif name == b"transfer-encoding":
-            last = value.rsplit(b",", 1)[-1].strip().lower()
-            self._length_framed = last == b"chunked"
-
-    def on_headers_complete(self) -> None:
-        status = self._parser.get_status_code()
-        if status == 101:
-            raise UpstreamProtocolError("the worker switched protocols")
-        if status < 200:
-            self._interim = True
-            return
-        self.status = status
-        self.head_done = True
-
-    def on_body(self, body: bytes) -> None:
-        self._body_started = True
-        self._chunks.append(body)
-        self._buffered += len(body)
-        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-
-    def on_message_complete(self) -> None:
-        if self._interim:
-            self._interim = False
-            self.content_type = DEFAULT_CONTENT_TYPE
-            self._length_framed = False
-            return
-        self.done = True
-        self.keep_alive = self._parser.should_keep_alive()
-
-    # --- timeouts ---------------------------------------------------------------------------
-
-    def check_time(self, now: float) -> None:
-        """Fail the leg if one of its timeouts ran out (called by the pool's ticker): the total,
-        the first byte of the body, or the stream-idle time since the last byte (not while the
-        router's own reader is behind and reading is paused)."""
-        if self.done or self._error is not None:
-            return
-        if now >= self._deadline:
-            self.fail(LegTimeout(Phase.TOTAL, self._total))
-        elif not self._body_started:
-            if self._first_byte is not None and now >= self._first_byte_by:
-                self.fail(LegTimeout(Phase.FIRST_BYTE, self._first_byte))
-        elif self._paused:
-            self._last_data = now
-        elif now - self._last_data >= self._idle:
-            self.fail(LegTimeout(Phase.STREAM_IDLE, self._idle))
-
-    # --- internals --------------------------------------------------------------------------
-
-    def _drop_unsolicited(self) -> None:
-        """Bytes no request asked for: this connection's framing can no longer be trusted."""
-        self.reusable = False
-        self.keep_alive = False
-        if self.transport is not None:
-            self.transport.close()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self.keep_alive = False
-        self.reusable = False
-        if self.transport is not None:
-            self.transport.close()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def _wait(self) -> None:
-        self._waiter = self._loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    # --- response API -----------------------------------------------------------------------
-
-    def send(
-        self, head: bytes, body: bytes, started: float, total: float, first_byte: float | None,
-        idle: float,
-    ) -> None:  # fmt: skip
-        """Write the request in one call; its timeouts count from ``started`` (loop time)."""
-        self._reset()
-        if self.transport is None or self.closed:
-            raise _ClosedBeforeAnswer("connection not open")
-        self.in_use = True
-        self._total = total
-        self._deadline = started + total
-        self._first_byte = first_byte
-        if first_byte is not None:
-            self._first_byte_by = started + first_byte
-        self._idle = idle
-        self.transport.writelines((head, body))
-
-    async def wait_head(self) -> None:
-        while not self.head_done:
-            if self._error is not None:
-                raise self._error
-            await self._wait()
-
-    async def next_chunk(self) -> bytes | None:
-        """The body that arrived since the last call (pieces joined, so a busy stream is
-        relayed in fewer writes); None at its end."""
-        while True:
-            if self._chunks:
-                if len(self._chunks) == 1:
-                    chunk = self._chunks.popleft()
-                else:
-                    chunk = b"".join(self._chunks)
-                    self._chunks.clear()
-                self._buffered -= len(chunk)
-                if self._paused and self._buffered < LOW_WATER and self.transport is not None:
-                    self._paused = False
-                    self._last_data = self._loop.time()
-                    self.transport.resume_reading()
-                return chunk
-            if self.done:
-                return None
-            if self._error is not None:
-                raise self._error
-            await self._wait()
-
-    def fail(self, error: BaseException) -> None:
-        """End the current response with ``error`` (a timeout, or the worker left service)."""
-        if not self.done and self._error is None:
-            self._fail(error)
-            self._wake()
-
-    def finish(self) -> None:
-        """The leg is over: no timeout applies any more."""
-        self.in_use = False
-
-    def close(self) -> None:
-        self.keep_alive = False
-        self.reusable = False
-        if self.transport is not None and not self.closed:
-            self.transport.close()
-
-
 class Response:
     """A worker's answer: status and content type at once, the body read whole or piecewise.
     ``release()`` returns a fully read connection to the pool; ``close()`` drops it (which is
@@ -401,7 +101,7 @@ class Response:
 
     __slots__ = ("_conn", "_idle_timeout", "_pool", "content_type", "status")
 
-    def __init__(self, pool: Http1Pool, conn: _Connection, idle_timeout: float) -> None:
+    def __init__(self, pool: Http1Pool, conn: Connection, idle_timeout: float) -> None:
         self._pool = pool
         self._conn = conn
         self._idle_timeout = idle_timeout
@@ -433,18 +133,18 @@ class Http1Pool:
     def __init__(self, *, connect_timeout: float, request_timeout: float) -> None:
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout
-        self._targets: dict[str, _Target] = {}
-        self._routes: dict[str, tuple[_Target, str]] = {}
+        self._targets: dict[str, Target] = {}
+        self._routes: dict[str, tuple[Target, str]] = {}
         self._ssl: ssl.SSLContext | None = None
         self._ticker: asyncio.TimerHandle | None = None
 
-    def _route(self, url: str) -> tuple[_Target, str]:
+    def _route(self, url: str) -> tuple[Target, str]:
         route = self._routes.get(url)
         if route is None:
             key = origin(url)
             target = self._targets.get(key)
             if target is None:
-                target = self._targets[key] = _Target(url)
+                target = self._targets[key] = Target(url)
             route = self._routes[url] = (target, urlsplit(url).path or "/")
         return route
 
@@ -470,6 +170,7 @@ class Http1Pool:
         loop = asyncio.get_running_loop()
         now = loop.time()
         total = self._request_timeout
+        deadline = now + total
         first = limits.first_byte_timeout_secs if first_byte else None
         idle = limits.stream_idle_timeout_secs
         conn = self._take_idle(target, now) or await self._acquire(target, limits)
@@ -477,13 +178,13 @@ class Http1Pool:
             self._ticker = loop.call_later(TICK_SECS, self._tick)
         try:
             try:
-                conn.send(head, body, now, total, first, idle)
+                conn.send(head, body, deadline, total, first, idle)
                 await conn.wait_head()
-            except _ClosedBeforeAnswer:
+            except ClosedBeforeAnswer:
                 if not conn.reused:
                     raise
                 conn = await self._replace(conn)
-                conn.send(head, body, now, total, first, idle)
+                conn.send(head, body, deadline, total, first, idle)
                 await conn.wait_head()
         except BaseException:
             self.discard(conn)
@@ -492,7 +193,7 @@ class Http1Pool:
 
     # --- connections ------------------------------------------------------------------------
 
-    async def _acquire(self, target: _Target, limits: LegLimits) -> _Connection:
+    async def _acquire(self, target: Target, limits: LegLimits) -> Connection:
         """A new connection in a free slot (no idle one was left), waiting for a returned or a
         new one when the worker has ``max_connections_per_worker`` open."""
         if target.waiters or target.open >= limits.max_connections_per_worker:
@@ -503,7 +204,7 @@ class Http1Pool:
             target.open += 1
         return await self._connect(target)
 
-    async def _wait_turn(self, target: _Target, limits: LegLimits) -> _Connection | None:
+    async def _wait_turn(self, target: Target, limits: LegLimits) -> Connection | None:
         """Wait (first come, first served) until a connection is returned or a slot frees;
         the idle connection, or None with a slot reserved for a new one."""
         loop = asyncio.get_running_loop()
@@ -530,7 +231,7 @@ class Http1Pool:
                 target.open += 1
                 return None
 
-    def _leave_queue(self, target: _Target, waiter: asyncio.Future[None]) -> None:
+    def _leave_queue(self, target: Target, waiter: asyncio.Future[None]) -> None:
         """A waiting leg gives up (timeout, cancelled, aborted): out of the queue, and a wake-up
         it got but will not use goes to the next one."""
         with contextlib.suppress(ValueError):
@@ -538,7 +239,7 @@ class Http1Pool:
         if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
             self._pass_turn(target)
 
-    def _pass_turn(self, target: _Target) -> None:
+    def _pass_turn(self, target: Target) -> None:
         """Wake the next waiting leg of ``target``; it looks again for a connection or a slot."""
         waiters = target.waiters
         while waiters:
@@ -547,7 +248,7 @@ class Http1Pool:
                 waiter.set_result(None)
                 return
 
-    def _take_idle(self, target: _Target, now: float) -> _Connection | None:
+    def _take_idle(self, target: Target, now: float) -> Connection | None:
         """The most recently returned idle connection that is still usable; expired, closed
         and spoiled ones met on the way are closed."""
         idle = target.idle
@@ -560,7 +261,7 @@ class Http1Pool:
             self._drop(conn)
         return None
 
-    async def _connect(self, target: _Target) -> _Connection:
+    async def _connect(self, target: Target) -> Connection:
         """A new connection in a slot already counted in ``target.open``; the slot is given
         back when none can be made."""
         loop = asyncio.get_running_loop()
@@ -570,7 +271,7 @@ class Http1Pool:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(target),
+                    lambda: Connection(target),
                     target.host,
                     target.port,
                     ssl=self._ssl if target.tls else None,
@@ -592,7 +293,7 @@ class Http1Pool:
         target.busy.add(conn)
         return conn
 
-    async def _replace(self, stale: _Connection) -> _Connection:
+    async def _replace(self, stale: Connection) -> Connection:
         """A fresh connection in the slot of ``stale`` (closed by the worker while idle)."""
         target = stale.target
         target.busy.discard(stale)
@@ -601,12 +302,12 @@ class Http1Pool:
         stale.close()
         return await self._connect(target)
 
-    def _free_slot(self, target: _Target) -> None:
+    def _free_slot(self, target: Target) -> None:
         target.open -= 1
         if target.waiters:
             self._pass_turn(target)
 
-    def _drop(self, conn: _Connection) -> None:
+    def _drop(self, conn: Connection) -> None:
         """Close ``conn`` and give its slot back (once)."""
         conn.finish()
         conn.close()
@@ -616,7 +317,7 @@ class Http1Pool:
             conn.counted = False
             self._free_slot(target)
 
-    def release(self, conn: _Connection, idle_timeout: float) -> None:
+    def release(self, conn: Connection, idle_timeout: float) -> None:
         """Return a fully read connection to the pool (or close it when it cannot be reused)."""
         if not conn.counted:
             return
@@ -631,7 +332,7 @@ class Http1Pool:
         if target.waiters:
             self._pass_turn(target)
 
-    def discard(self, conn: _Connection) -> None:
+    def discard(self, conn: Connection) -> None:
         """Drop a connection whose answer was not read to the end."""
         self._drop(conn)
 

@@ -19,14 +19,11 @@ import aiohttp
 import orjson
 
 from pd_router.aborts import Abort, find_abort
-from pd_router.http1 import (
-    Http1Pool,
-    LegLimits,
+from pd_router.http1 import Http1Pool, LegLimits, PoolTimeout, Response
+from pd_router.http1_conn import (
     LegTimeout,
     LocalResourceError,
     Phase,
-    PoolTimeout,
-    Response,
     UpstreamConnectError,
     UpstreamDisconnected,
 )

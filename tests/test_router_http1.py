@@ -14,12 +14,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from pd_router.http1 import (
-    Http1Pool,
-    LegLimits,
+from pd_router.http1 import Http1Pool, LegLimits, PoolTimeout
+from pd_router.http1_conn import (
     LegTimeout,
     Phase,
-    PoolTimeout,
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamProtocolError,
