@@ -114,7 +114,7 @@ async def test_decode_frozen_before_its_first_event_is_retried_on_another(cluste
 async def test_prefill_frozen_mid_request_is_retried_on_another(cluster, stream):
     stuck, spare = cluster.prefill_urls
     decode = cluster.decode_urls[0]
-    await fault(stuck, delay_secs=1.0)  # holds the request long enough to freeze it midway
+    await fault(stuck, delay_secs=5.0)  # holds the request long enough to freeze it midway
     async with (
         running_router(cluster, prefill=[stuck, spare], decode=[decode], **QUIET) as router,
         router.client(timeout=CLIENT_TIMEOUT) as http,
