@@ -226,29 +226,15 @@ async def _read(
     return result
 
 
-async def fetch(
-    legs: Legs,
-    role: Role,
-    worker: Worker,
-    url: str,
-    payload: bytes,
-    headers: dict[str, str],
-    *,
-    first_byte: bool = True,
-) -> LegResult:
-    """POST ``payload`` and read the whole answer; LegFailed unless the status is 2xx.
-    ``first_byte`` False for an answer that only comes at the end of the generation."""
-    result = await _read(legs, role, worker, url, payload, headers, first_byte)
-    record_outcome(worker, None, legs.count_error)
-    return result
-
-
 async def fetch_decode(
     legs: Legs, worker: Worker, url: str, payload: bytes, headers: dict[str, str]
 ) -> LegResult:
-    """A non-streaming decode leg: its answer comes whole when the generation ends, so only
-    the total timeout bounds it (a frozen decode is found by the health probes)."""
-    return await fetch(legs, Role.DECODE, worker, url, payload, headers, first_byte=False)
+    """A non-streaming decode leg: its answer comes whole when the generation ends, so no
+    first-byte timeout applies, only the total (a frozen decode is found by the health probes).
+    LegFailed unless the status is 2xx."""
+    result = await _read(legs, Role.DECODE, worker, url, payload, headers, False)
+    record_outcome(worker, None, legs.count_error)
+    return result
 
 
 async def fetch_prefill(
