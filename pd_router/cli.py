@@ -60,7 +60,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", choices=POLICY_CHOICES, help="policy for both pools")
     p.add_argument("--prefill-policy", choices=POLICY_CHOICES)
     p.add_argument("--decode-policy", choices=POLICY_CHOICES)
-    p.add_argument("--request-timeout-secs", type=float)
+    p.add_argument("--request-timeout-secs", type=float, help="whole request, per leg")
+    p.add_argument("--connect-timeout-secs", type=float, help="TCP connect to a worker")
+    p.add_argument(
+        "--first-byte-timeout-secs", type=float,
+        help="per leg, until the first byte of the body (a stream's first event; a prefill's "
+        "answer); not on a non-streaming decode, whose answer comes whole at the end",
+    )  # fmt: skip
+    p.add_argument(
+        "--stream-idle-timeout-secs", type=float, help="per leg, between two bytes of the body"
+    )
+    p.add_argument(
+        "--max-connections-per-worker", type=int, help="connection cap of the legs per worker"
+    )
+    p.add_argument(
+        "--pool-timeout-secs", type=float,
+        help="how long a leg waits for a connection when its worker is at the cap",
+    )  # fmt: skip
+    p.add_argument(
+        "--pool-idle-timeout-secs", type=float,
+        help="idle connections to workers are closed after this (below the workers' 5 s)",
+    )  # fmt: skip
     p.add_argument("--max-payload-size", type=int, help="largest request body in bytes")
     p.add_argument(
         "--max-inflight-body-bytes", type=int,
@@ -146,6 +166,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_policy": args.prefill_policy,
         "decode_policy": args.decode_policy,
         "request_timeout_secs": args.request_timeout_secs,
+        "connect_timeout_secs": args.connect_timeout_secs,
         "max_payload_size": args.max_payload_size,
         "max_inflight_body_bytes": args.max_inflight_body_bytes,
         "client_header_timeout_secs": args.client_header_timeout_secs,
@@ -176,6 +197,13 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             else (None if args.retry_max_retries is None else args.retry_max_retries + 1),
             "backoff_base_secs": ms_to_secs(args.retry_initial_backoff_ms),
             "backoff_max_secs": ms_to_secs(args.retry_max_backoff_ms),
+        },
+        "legs": {
+            "first_byte_timeout_secs": args.first_byte_timeout_secs,
+            "stream_idle_timeout_secs": args.stream_idle_timeout_secs,
+            "max_connections_per_worker": args.max_connections_per_worker,
+            "pool_timeout_secs": args.pool_timeout_secs,
+            "idle_timeout_secs": args.pool_idle_timeout_secs,
         },
     }
     for name, values in sections.items():

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pd_router.circuit import CircuitConfig
+from pd_router.http1 import LegLimits
 from pd_router.policies import POLICIES, POLICY_ALIASES, canonical_policy_name
 from pd_router.workers import normalize_url
 
@@ -88,6 +89,7 @@ class RouterConfig:
     circuit: CircuitConfig = field(default_factory=CircuitConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     conversion: ConversionConfig = field(default_factory=ConversionConfig)
+    legs: LegLimits = field(default_factory=LegLimits)
 
 
 SECTIONS: Mapping[str, type] = types.MappingProxyType(
@@ -96,6 +98,7 @@ SECTIONS: Mapping[str, type] = types.MappingProxyType(
         "circuit": CircuitConfig,
         "retry": RetryConfig,
         "conversion": ConversionConfig,
+        "legs": LegLimits,
     }
 )
 
@@ -258,6 +261,8 @@ def validate(config: RouterConfig) -> None:
     check_positive("conversion.min_decode", c.min_decode, allow_zero=True)
     check_positive("conversion.max_concurrent", c.max_concurrent)
     check_positive("conversion.drain_timeout_secs", c.drain_timeout_secs)
+    for f in dataclasses.fields(LegLimits):
+        check_positive(f"legs.{f.name}", getattr(config.legs, f.name))
     for key in ("admin_api_key", "worker_api_key"):
         value = getattr(config, key)
         if value is not None and not (

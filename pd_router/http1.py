@@ -1,308 +1,97 @@
-"""A small keep-alive HTTP/1.1 client for the two legs of every request.
+"""The legs' connection pool: keep-alive HTTP/1.1 connections per worker for the two POSTs of
+every request.
 
 The legs are the router's hot path: two POSTs per client request to known workers, JSON in,
 JSON or SSE out. aiohttp's general-purpose client spends most of the router's CPU on them
-(request objects, header multidicts, payload wrappers, tracing hooks); this client writes the
-request head and body in one call on a pooled connection and parses the response in a protocol
-callback, which measured about a third less CPU per request. Everything else (health probes,
-fan-outs, aborts, worker control) stays on the shared aiohttp session.
+(request objects, header multidicts, payload wrappers, tracing hooks); this pool writes the
+request head and body in one call on a pooled connection whose answers httptools parses in
+protocol callbacks (:mod:`pd_router.http1_conn`), which measured about a third less CPU per
+request. Everything else (health probes, fan-outs, aborts, worker control) stays on the shared
+aiohttp session.
 
-Scope: POST with a bytes body; responses framed by Content-Length, chunked encoding or the end
-of the connection; keep-alive unless either side says ``Connection: close``. A pooled connection
-that turns out closed before any byte of the answer arrived is replaced once by a fresh one (the
-worker never saw the request), so an idle timeout on the worker side is not a failure.
+Per worker the pool keeps at most ``max_connections_per_worker`` connections (a leg waits up to
+``pool_timeout_secs`` for one) and closes idle ones after ``idle_timeout_secs``, before the
+worker's own keep-alive timeout (5 s in SGLang/uvicorn) can close one under a request. A pooled
+connection that still turns out closed before any byte of the answer arrived is replaced once by
+a fresh one (the worker never read the request).
+
+Every leg has a total deadline (``request_timeout``), a first-byte timeout when the caller asks
+for one (time to the first byte of the body: the first event of a stream, the whole answer of a
+unary request) and a stream-idle timeout between body bytes. One pool-wide ticker checks them
+(a timer per leg cost more CPU than the parsing); a timeout fires up to TICK_SECS late.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ssl
 from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
-HIGH_WATER = 1 << 20  # pause reading a worker when this much body is buffered, unread
-LOW_WATER = 1 << 18
-MAX_HEAD = 1 << 16
-MAX_IDLE_PER_TARGET = 512
+from pd_router.http1_conn import (
+    ClosedBeforeAnswer,
+    Connection,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    local_error,
+)
 
-
-class UpstreamConnectError(Exception):
-    """The worker could not be connected to (refused, unreachable, connect timeout)."""
-
-
-class UpstreamDisconnected(Exception):
-    """The worker closed the connection before its answer was complete."""
-
-
-class UpstreamProtocolError(UpstreamDisconnected):
-    """The worker's answer is not HTTP/1.1 the client can read (the connection is dropped)."""
+TICK_SECS = 0.2  # how often the pool checks its legs' timeouts and its idle connections
 
 
 @dataclass(frozen=True, slots=True)
+class LegLimits:
+    """The ``[legs]`` section of the router's configuration: the timeouts a leg has besides
+    connect and total, and the connection pool's limits per worker."""
+
+    first_byte_timeout_secs: float = 300.0
+    stream_idle_timeout_secs: float = 120.0
+    max_connections_per_worker: int = 1024
+    pool_timeout_secs: float = 10.0
+    idle_timeout_secs: float = 4.0
+
+
+class PoolTimeout(Exception):
+    """No connection to the worker became free within the pool timeout (the router's cap)."""
+
+
+class PoolCounts(NamedTuple):
+    """One worker's connections: open (idle + in use + connecting), idle, legs waiting."""
+
+    open: int
+    idle: int
+    waiting: int
+
+
 class Target:
-    """Where a worker listens and what its requests' Host header says."""
+    """One worker's connections (keyed by origin): idle ones (newest last), how many are open
+    or opening (counted against the cap), the ones in use and the legs waiting for one."""
 
-    host: str
-    port: int
-    host_header: str
-    tls: bool
+    __slots__ = (
+        "abort_error", "busy", "epoch", "host", "host_header", "idle", "open", "port", "tls",
+        "waiters",
+    )  # fmt: skip
 
-    @classmethod
-    def from_url(cls, url: str) -> Target:
+    def __init__(self, url: str) -> None:
         parts = urlsplit(url)
-        tls = parts.scheme == "https"
-        port = parts.port or (443 if tls else 80)
-        return cls(parts.hostname or "", port, parts.netloc, tls)
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if self.tls else 80)
+        self.host_header = parts.netloc
+        self.idle: collections.deque[Connection] = collections.deque()
+        self.busy: set[Connection] = set()
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.open = 0
+        self.epoch = 0
+        self.abort_error: UpstreamDisconnected | None = None
 
 
-class _Connection(asyncio.Protocol):
-    """One connection; parses one response at a time into status, headers and body chunks."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.reused = False
-        self._loop = asyncio.get_running_loop()
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.content_type = "application/octet-stream"
-        self.keep_alive = True
-        self.received_any = False
-        self.done = False
-        self._head = bytearray()
-        self._head_parsed = False
-        self._mode = ""
-        self._remaining = 0
-        self._chunk_state = "size"
-        self._pending = bytearray()
-        self._chunks: collections.deque[bytes] = collections.deque()
-        self._buffered = 0
-        self._paused = False
-        self._error: BaseException | None = None
-        self._waiter: asyncio.Future | None = None
-
-    # --- asyncio.Protocol -------------------------------------------------------------------
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self.received_any = True
-        if self._head_parsed:
-            self._feed_body(data)
-        else:
-            self._feed_head(data)
-        self._wake()
-
-    def eof_received(self) -> bool:
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if not self.done and self._error is None:
-            if self._head_parsed and self._mode == "eof":
-                self.done = True
-            else:
-                detail = f": {exc}" if exc else ""
-                self._error = UpstreamDisconnected(
-                    f"connection closed before the answer ended{detail}"
-                )
-        self._wake()
-
-    # --- parsing ----------------------------------------------------------------------------
-
-    def _feed_head(self, data: bytes) -> None:
-        start = max(0, len(self._head) - 3)
-        self._head += data
-        end = self._head.find(b"\r\n\r\n", start)
-        if end < 0:
-            if len(self._head) > MAX_HEAD:
-                self._fail(UpstreamProtocolError("response head too large"))
-            return
-        try:
-            self._parse_head(bytes(self._head[:end]))
-        except (ValueError, IndexError):
-            self._fail(UpstreamProtocolError("malformed response head"))
-            return
-        rest = bytes(self._head[end + 4 :])
-        self._head = bytearray()
-        self._head_parsed = True
-        if self._mode == "none":
-            self.done = True
-        elif rest:
-            self._feed_body(rest)
-
-    def _parse_head(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        version, status = lines[0].split(b" ", 2)[:2]
-        self.status = int(status)
-        self.keep_alive = version == b"HTTP/1.1"
-        length = None
-        chunked = False
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            name = name.strip().lower()
-            if name == b"content-length":
-                length = int(value)
-            elif name == b"transfer-encoding":
-                chunked = b"chunked" in value.lower()
-            elif name == b"content-type":
-                self.content_type = value.split(b";", 1)[0].strip().decode("latin-1")
-            elif name == b"connection":
-                token = value.strip().lower()
-                if token == b"close":
-                    self.keep_alive = False
-                elif token == b"keep-alive":
-                    self.keep_alive = True
-        if chunked:
-            self._mode = "chunked"
-        elif length is not None:
-            self._mode = "length" if length else "none"
-            self._remaining = length
-        elif self.status in (204, 304) or 100 <= self.status < 200:
-            self._mode = "none"
-        else:
-            self._mode = "eof"
-            self.keep_alive = False
-
-    def _feed_body(self, data: bytes) -> None:
-        if self.done:
-            self.keep_alive = False
-            return
-        if self._mode == "length":
-            if len(data) >= self._remaining:
-                if len(data) > self._remaining:
-                    self.keep_alive = False
-                data = data[: self._remaining]
-                self._remaining = 0
-                self.done = True
-            else:
-                self._remaining -= len(data)
-            self._push(data)
-        elif self._mode == "chunked":
-            self._feed_chunked(data)
-        else:
-            self._push(data)
-
-    def _feed_chunked(self, data: bytes) -> None:
-        """Decode chunked framing; a partial size line or CRLF waits in ``_pending``."""
-        if self._pending:
-            data = bytes(self._pending) + data
-            self._pending.clear()
-        pos, end = 0, len(data)
-        state, remaining = self._chunk_state, self._remaining
-        while pos < end:
-            if state == "data":
-                take = min(remaining, end - pos)
-                self._push(data[pos : pos + take])
-                pos += take
-                remaining -= take
-                if remaining:
-                    break
-                state = "crlf"
-            elif state == "crlf":
-                if end - pos < 2:
-                    break
-                pos += 2
-                state = "size"
-            else:
-                nl = data.find(b"\r\n", pos)
-                if nl < 0:
-                    break
-                line, pos = data[pos:nl], nl + 2
-                if state == "trailer":
-                    if not line:
-                        self.done = True
-                        break
-                    continue
-                try:
-                    remaining = int(line.split(b";", 1)[0], 16)
-                except ValueError:
-                    self._fail(UpstreamProtocolError("malformed chunk size"))
-                    return
-                state = "data" if remaining else "trailer"
-        self._chunk_state, self._remaining = state, remaining
-        if pos < end:
-            if self.done:
-                self.keep_alive = False
-            else:
-                self._pending += data[pos:]
-
-    def _push(self, data: bytes) -> None:
-        if not data:
-            return
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self.keep_alive = False
-        if self.transport is not None:
-            self.transport.close()
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    async def _wait(self) -> None:
-        self._waiter = self._loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    # --- response API -----------------------------------------------------------------------
-
-    def send(self, head: bytes, body: bytes) -> None:
-        self._reset()
-        if self.transport is None:
-            raise UpstreamDisconnected("connection not open")
-        self.transport.writelines((head, body))
-
-    async def wait_head(self) -> None:
-        while not self._head_parsed:
-            if self._error is not None:
-                raise self._error
-            await self._wait()
-
-    async def next_chunk(self) -> bytes | None:
-        """The body that arrived since the last call (pieces joined, so a busy stream is
-        relayed in fewer writes); None at its end."""
-        while True:
-            if self._chunks:
-                if len(self._chunks) == 1:
-                    chunk = self._chunks.popleft()
-                else:
-                    chunk = b"".join(self._chunks)
-                    self._chunks.clear()
-                self._buffered -= len(chunk)
-                if self._paused and self._buffered < LOW_WATER and self.transport is not None:
-                    self._paused = False
-                    self.transport.resume_reading()
-                return chunk
-            if self.done:
-                return None
-            if self._error is not None:
-                raise self._error
-            await self._wait()
-
-    def fail(self, error: BaseException) -> None:
-        """End the current response with ``error`` (the request timed out)."""
-        if not self.done:
-            self._fail(error)
-            self._wake()
-
-    def close(self) -> None:
-        self.keep_alive = False
-        if self.transport is not None and not self.closed:
-            self.transport.close()
+def origin(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
 
 
 class Response:
@@ -310,15 +99,12 @@ class Response:
     ``release()`` returns a fully read connection to the pool; ``close()`` drops it (which is
     what tells the worker that the request was abandoned)."""
 
-    __slots__ = ("_conn", "_pool", "_target", "_timer", "content_type", "status")
+    __slots__ = ("_conn", "_idle_timeout", "_pool", "content_type", "status")
 
-    def __init__(
-        self, pool: Http1Pool, target: Target, conn: _Connection, timer: asyncio.TimerHandle
-    ) -> None:
+    def __init__(self, pool: Http1Pool, conn: Connection, idle_timeout: float) -> None:
         self._pool = pool
-        self._target = target
         self._conn = conn
-        self._timer = timer
+        self._idle_timeout = idle_timeout
         self.status = conn.status
         self.content_type = conn.content_type
 
@@ -335,101 +121,270 @@ class Response:
             yield chunk
 
     def release(self) -> None:
-        self._timer.cancel()
-        conn = self._conn
-        if conn.done and conn.keep_alive and not conn.closed:
-            self._pool.put_back(self._target, conn)
-        else:
-            conn.close()
+        self._pool.release(self._conn, self._idle_timeout)
 
     def close(self) -> None:
-        self._timer.cancel()
-        self._conn.close()
+        self._pool.discard(self._conn)
 
 
 class Http1Pool:
-    """Idle keep-alive connections per worker, and the POST that uses them."""
+    """Keep-alive connections per worker, and the POST that uses them."""
 
     def __init__(self, *, connect_timeout: float, request_timeout: float) -> None:
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout
-        self._idle: dict[Target, list[_Connection]] = {}
-        self._targets: dict[str, tuple[Target, str]] = {}
+        self._targets: dict[str, Target] = {}
+        self._routes: dict[str, tuple[Target, str]] = {}
         self._ssl: ssl.SSLContext | None = None
+        self._ticker: asyncio.TimerHandle | None = None
 
-    def _resolve(self, url: str) -> tuple[Target, str]:
-        entry = self._targets.get(url)
-        if entry is None:
-            target = Target.from_url(url)
-            path = urlsplit(url).path or "/"
-            entry = self._targets[url] = (target, path)
-        return entry
+    def _route(self, url: str) -> tuple[Target, str]:
+        route = self._routes.get(url)
+        if route is None:
+            key = origin(url)
+            target = self._targets.get(key)
+            if target is None:
+                target = self._targets[key] = Target(url)
+            route = self._routes[url] = (target, urlsplit(url).path or "/")
+        return route
 
-    async def post(self, url: str, body: bytes, headers: dict[str, str]) -> Response:
-        """Send ``body``; return once the response head arrived (the body follows). Raises
-        UpstreamConnectError, UpstreamDisconnected or TimeoutError."""
-        target, path = self._resolve(url)
+    async def post(
+        self,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        limits: LegLimits,
+        *,
+        first_byte: bool = True,
+    ) -> Response:
+        """Send ``body``; return once the response head arrived (the body follows).
+        ``first_byte``: whether the first-byte timeout applies (not to an answer that comes
+        whole only at the end of a long generation). Raises UpstreamConnectError,
+        UpstreamDisconnected, LegTimeout, PoolTimeout or LocalResourceError."""
+        target, path = self._route(url)
         lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
         head = (
             f"POST {path} HTTP/1.1\r\nHost: {target.host_header}\r\n{lines}"
             f"Content-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
         loop = asyncio.get_running_loop()
-        conn = self._take_idle(target)
-        if conn is None:
-            conn = await self._connect(target)
-        timer = loop.call_later(self._request_timeout, conn.fail, TimeoutError("request timeout"))
+        now = loop.time()
+        total = self._request_timeout
+        deadline = now + total
+        first = limits.first_byte_timeout_secs if first_byte else None
+        idle = limits.stream_idle_timeout_secs
+        conn = self._take_idle(target, now) or await self._acquire(target, limits)
+        if self._ticker is None:
+            self._ticker = loop.call_later(TICK_SECS, self._tick)
         try:
-            conn.send(head, body)
             try:
+                conn.send(head, body, deadline, total, first, idle)
                 await conn.wait_head()
-            except UpstreamDisconnected:
-                if not conn.reused or conn.received_any:
+            except ClosedBeforeAnswer:
+                if not conn.reused:
                     raise
-                conn = await self._connect(target)
-                timer.cancel()
-                timer = loop.call_later(
-                    self._request_timeout, conn.fail, TimeoutError("request timeout")
-                )
-                conn.send(head, body)
+                conn = await self._replace(conn)
+                conn.send(head, body, deadline, total, first, idle)
                 await conn.wait_head()
         except BaseException:
-            timer.cancel()
-            conn.close()
+            self.discard(conn)
             raise
-        return Response(self, target, conn, timer)
+        return Response(self, conn, limits.idle_timeout_secs)
 
-    def _take_idle(self, target: Target) -> _Connection | None:
-        idle = self._idle.get(target)
+    # --- connections ------------------------------------------------------------------------
+
+    async def _acquire(self, target: Target, limits: LegLimits) -> Connection:
+        """A new connection in a free slot (no idle one was left), waiting for a returned or a
+        new one when the worker has ``max_connections_per_worker`` open."""
+        if target.waiters or target.open >= limits.max_connections_per_worker:
+            conn = await self._wait_turn(target, limits)
+            if conn is not None:
+                return conn
+        else:
+            target.open += 1
+        return await self._connect(target)
+
+    async def _wait_turn(self, target: Target, limits: LegLimits) -> Connection | None:
+        """Wait (first come, first served) until a connection is returned or a slot frees;
+        the idle connection, or None with a slot reserved for a new one."""
+        loop = asyncio.get_running_loop()
+        timeout = limits.pool_timeout_secs
+        deadline = loop.time() + timeout
+        while True:
+            waiter = loop.create_future()
+            target.waiters.append(waiter)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await waiter
+            except BaseException as exc:
+                self._leave_queue(target, waiter)
+                if isinstance(exc, TimeoutError):
+                    raise PoolTimeout(
+                        f"no free connection to {target.host_header} within {timeout:g} s "
+                        f"({limits.max_connections_per_worker} open)"
+                    ) from None
+                raise
+            conn = self._take_idle(target, loop.time())
+            if conn is not None:
+                return conn
+            if target.open < limits.max_connections_per_worker:
+                target.open += 1
+                return None
+
+    def _leave_queue(self, target: Target, waiter: asyncio.Future[None]) -> None:
+        """A waiting leg gives up (timeout, cancelled, aborted): out of the queue, and a wake-up
+        it got but will not use goes to the next one."""
+        with contextlib.suppress(ValueError):
+            target.waiters.remove(waiter)
+        if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+            self._pass_turn(target)
+
+    def _pass_turn(self, target: Target) -> None:
+        """Wake the next waiting leg of ``target``; it looks again for a connection or a slot."""
+        waiters = target.waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def _take_idle(self, target: Target, now: float) -> Connection | None:
+        """The most recently returned idle connection that is still usable; expired, closed
+        and spoiled ones met on the way are closed."""
+        idle = target.idle
         while idle:
             conn = idle.pop()
-            if not conn.closed:
+            if conn.reusable and not conn.closed and conn.expires > now:
                 conn.reused = True
+                target.busy.add(conn)
                 return conn
+            self._drop(conn)
         return None
 
-    async def _connect(self, target: Target) -> _Connection:
+    async def _connect(self, target: Target) -> Connection:
+        """A new connection in a slot already counted in ``target.open``; the slot is given
+        back when none can be made."""
         loop = asyncio.get_running_loop()
         if target.tls and self._ssl is None:
             self._ssl = ssl.create_default_context()
+        epoch = target.epoch
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, conn = await loop.create_connection(
-                    _Connection, target.host, target.port, ssl=self._ssl if target.tls else None
+                    lambda: Connection(target),
+                    target.host,
+                    target.port,
+                    ssl=self._ssl if target.tls else None,
                 )
-        except (OSError, TimeoutError) as exc:
+        except OSError as exc:
+            self._free_slot(target)
+            local = local_error(exc)
+            if local is not None:
+                raise local from exc
             raise UpstreamConnectError(f"cannot connect to {target.host_header}: {exc}") from exc
+        except BaseException:
+            self._free_slot(target)
+            raise
+        if target.epoch != epoch and target.abort_error is not None:
+            conn.counted = False
+            conn.close()
+            self._free_slot(target)
+            raise target.abort_error
+        target.busy.add(conn)
         return conn
 
-    def put_back(self, target: Target, conn: _Connection) -> None:
-        idle = self._idle.setdefault(target, [])
-        if len(idle) >= MAX_IDLE_PER_TARGET:
-            conn.close()
-        else:
-            idle.append(conn)
+    async def _replace(self, stale: Connection) -> Connection:
+        """A fresh connection in the slot of ``stale`` (closed by the worker while idle)."""
+        target = stale.target
+        target.busy.discard(stale)
+        stale.finish()
+        stale.counted = False
+        stale.close()
+        return await self._connect(target)
+
+    def _free_slot(self, target: Target) -> None:
+        target.open -= 1
+        if target.waiters:
+            self._pass_turn(target)
+
+    def _drop(self, conn: Connection) -> None:
+        """Close ``conn`` and give its slot back (once)."""
+        conn.finish()
+        conn.close()
+        target = conn.target
+        target.busy.discard(conn)
+        if conn.counted:
+            conn.counted = False
+            self._free_slot(target)
+
+    def release(self, conn: Connection, idle_timeout: float) -> None:
+        """Return a fully read connection to the pool (or close it when it cannot be reused)."""
+        if not conn.counted:
+            return
+        conn.finish()
+        if not (conn.done and conn.keep_alive and conn.reusable and not conn.closed):
+            self._drop(conn)
+            return
+        target = conn.target
+        target.busy.discard(conn)
+        conn.expires = asyncio.get_running_loop().time() + idle_timeout
+        target.idle.append(conn)
+        if target.waiters:
+            self._pass_turn(target)
+
+    def discard(self, conn: Connection) -> None:
+        """Drop a connection whose answer was not read to the end."""
+        self._drop(conn)
+
+    def _tick(self) -> None:
+        """Every TICK_SECS while the pool has connections: end the legs whose timeouts ran out
+        and close the connections idle for longer than their idle timeout. One pool-wide timer
+        instead of one per leg: a timeout fires at most TICK_SECS late."""
+        self._ticker = None
+        now = asyncio.get_running_loop().time()
+        active = False
+        for target in self._targets.values():
+            idle = target.idle
+            while idle and (idle[0].expires <= now or idle[0].closed):
+                self._drop(idle.popleft())
+            for conn in tuple(target.busy):
+                if conn.in_use:
+                    conn.check_time(now)
+            active = active or bool(idle or target.busy)
+        if active:
+            self._ticker = asyncio.get_running_loop().call_later(TICK_SECS, self._tick)
+
+    # --- control ----------------------------------------------------------------------------
+
+    def abort_target(self, url: str, error: UpstreamDisconnected) -> None:
+        """End every leg on the worker at ``url`` with ``error`` (those in flight, connecting
+        or waiting for a connection) and close its idle connections: the worker left service
+        and its answers, if any ever come, are not waited for."""
+        target = self._targets.get(origin(url))
+        if target is None:
+            return
+        target.epoch += 1
+        target.abort_error = error
+        while target.idle:
+            self._drop(target.idle.pop())
+        for conn in list(target.busy):
+            conn.fail(error)
+        waiters, target.waiters = target.waiters, collections.deque()
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(error)
+
+    def counts(self, url: str) -> PoolCounts:
+        """How many connections the worker at ``url`` has (for tests and status pages)."""
+        target = self._targets.get(origin(url))
+        if target is None:
+            return PoolCounts(0, 0, 0)
+        return PoolCounts(target.open, len(target.idle), len(target.waiters))
 
     def close(self) -> None:
-        for idle in self._idle.values():
-            for conn in idle:
-                conn.close()
-        self._idle.clear()
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
+        for target in self._targets.values():
+            while target.idle:
+                self._drop(target.idle.pop())

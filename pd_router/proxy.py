@@ -46,8 +46,10 @@ from pd_router.upstream import (
     UPSTREAM_ERRORS,
     LegFailed,
     LegResult,
+    Legs,
     abort,
-    fetch,
+    fetch_decode,
+    fetch_prefill,
     open_stream,
     record_outcome,
     recorded,
@@ -135,6 +137,7 @@ class Exchange:
         }
         self.stream = bool(body.get("stream"))
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
+        self.legs = Legs(router.legs, router.config.legs, router.count_upstream_error)
 
     async def run(self) -> web.StreamResponse:
         retry = self.router.config.retry
@@ -229,18 +232,15 @@ class Exchange:
     ) -> tuple[asyncio.Task[LegResult], asyncio.Task[T]]:
         """Count the request in flight on both workers and send ``payload`` to both at once;
         the prefill's answer is always read whole, the decode's by ``decode_leg``."""
-        router = self.router
-        router.registry.acquire(prefill)
-        router.registry.acquire(decode)
+        registry = self.router.registry
+        registry.acquire(prefill)
+        registry.acquire(decode)
         path = self.endpoint.path
+        legs, headers = self.legs, self.headers
         p_task = asyncio.create_task(
-            fetch(router.legs, Role.PREFILL, prefill, prefill.url + path, payload, self.headers,
-                  router.count_upstream_error)
-        )  # fmt: skip
-        d_task = asyncio.create_task(
-            decode_leg(router.legs, Role.DECODE, decode, decode.url + path, payload, self.headers,
-                       router.count_upstream_error)
-        )  # fmt: skip
+            fetch_prefill(legs, prefill, prefill.url + path, payload, headers)
+        )
+        d_task = asyncio.create_task(decode_leg(legs, decode, decode.url + path, payload, headers))
         return p_task, d_task
 
     # --- non-streaming ----------------------------------------------------------------------
@@ -249,7 +249,7 @@ class Exchange:
         self, prefill: Worker, decode: Worker, payload: bytes, rids: list[str]
     ) -> web.Response:
         registry = self.router.registry
-        p_task, d_task = self.start_legs(prefill, decode, payload, fetch)
+        p_task, d_task = self.start_legs(prefill, decode, payload, fetch_decode)
         client_gone = False
         try:
             p_result, d_result = await join_unary(p_task, d_task)
@@ -363,7 +363,7 @@ class Exchange:
                 },
             )
             try:
-                await response.write(sse_error(failure.message))
+                await response.write(sse_error(failure.message, 504 if failure.timed_out else 502))
             except ConnectionResetError:
                 return False, True
             return False, False
@@ -408,21 +408,24 @@ async def first_piece(pieces: AsyncIterator[bytes], decode: Worker, router: Rout
 
 
 def sse_error(message: str, status: int = 502) -> bytes:
-    """The event that ends a stream broken after its first byte (SGLang's error shape)."""
-    error = {"error": {"message": message, "type": "upstream_error", "code": status}}
+    """The event that ends a stream broken after its first byte (SGLang's error shape; the
+    type says what a JSON answer's error would have said: upstream_error or upstream_timeout)."""
+    error_type = UpstreamTimeout.error_type if status == 504 else UpstreamError.error_type
+    error = {"error": {"message": message, "type": error_type, "code": status}}
     return b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
 
 
 def failure_response(failure: LegFailed) -> web.Response:
     """What the client gets when the last attempt failed: a worker's own 4xx answer as is,
-    otherwise a router error naming the leg that failed."""
+    otherwise a router error naming the leg that failed (503 with Retry-After when the router
+    itself ran out of file descriptors or connections, the worker being fine)."""
     result = failure.result
     if result is not None and 400 <= result.status < 500:
         return web.Response(
             body=result.body, status=result.status, content_type=result.content_type
         )
-    if failure.status == 503:
+    if failure.status == 503 or failure.local:
         raise UpstreamUnavailable(failure.message)
-    if failure.status == 504 or failure.kind == "timeout":
+    if failure.status == 504 or failure.timed_out:
         raise UpstreamTimeout(failure.message)
     raise UpstreamError(failure.message)

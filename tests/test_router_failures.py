@@ -85,7 +85,7 @@ async def test_stream_is_retried_when_prefill_fails_before_first_byte(cluster):
 
 async def test_prefill_500_fails_fast_and_leaves_no_decode_waiting(cluster):
     prefill, decode = cluster.prefill_urls[0], cluster.decode_urls[0]
-    await fault(prefill, fail_next=1, fail_status=500)
+    await fault(prefill, fail_next=3, fail_status=500)  # every attempt (a prefill 5xx is retried)
     async with (
         running_router(cluster, prefill=[prefill], decode=[decode]) as router,
         router.client() as http,
@@ -95,7 +95,17 @@ async def test_prefill_500_fails_fast_and_leaves_no_decode_waiting(cluster):
         assert time.monotonic() - started < 5.0  # not the decode's 30 s bootstrap timeout
         assert response.status_code == 502
         assert prefill in response.json()["error"]["message"]
+        assert retries(router) == 2
         await wait_until(lambda: worker_idle(decode), 5.0, "decode idle")
+
+
+async def test_prefill_500_is_retried_on_a_new_pair(cluster):
+    for url in cluster.prefill_urls:
+        await fault(url, fail_next=1, fail_status=500)
+    async with running_router(cluster) as router, router.client() as http:
+        response = await http.post("/generate", json=generate_body("retry 500", TOKENS))
+        assert response.status_code == 200
+        assert_paired(response.json(), "retry 500", TOKENS)
 
 
 async def test_frozen_prefill_times_out_and_the_waiting_decode_is_cancelled(cluster_factory):
