@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
+from pd_protocol.wire import ROLE_HEADER
 from pd_router.errors import (
     ClientClosedRequest,
     NoWorkers,
@@ -130,11 +131,15 @@ class Exchange:
         self.request_id = request[REQUEST_ID]
         self.upstream_id = request[UPSTREAM_ID]
         self.client_rid = body.get("rid")
-        self.headers = {
+        headers = {
             "Content-Type": "application/json",
             "X-Request-Id": self.request_id,
             **router.worker_headers,
         }
+        # Each leg names the role it is routed as: an extension worker that serves the other
+        # role answers 421 at once instead of failing the KV hand-off minutes later.
+        self.prefill_headers = {**headers, ROLE_HEADER: Role.PREFILL.value}
+        self.decode_headers = {**headers, ROLE_HEADER: Role.DECODE.value}
         self.stream = bool(body.get("stream"))
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
         self.legs = Legs(router.legs, router.config.legs, router.count_upstream_error)
@@ -179,6 +184,8 @@ class Exchange:
                         "error": failure.message,
                     },
                 )
+                if failure.wrong_role:
+                    self.router.health.suspect(failure.worker)
                 attempt += 1
                 if not failure.retryable or attempt >= retry.max_attempts:
                     return failure_response(failure)
@@ -236,11 +243,13 @@ class Exchange:
         registry.acquire(prefill)
         registry.acquire(decode)
         path = self.endpoint.path
-        legs, headers = self.legs, self.headers
+        legs = self.legs
         p_task = asyncio.create_task(
-            fetch_prefill(legs, prefill, prefill.url + path, payload, headers)
+            fetch_prefill(legs, prefill, prefill.url + path, payload, self.prefill_headers)
         )
-        d_task = asyncio.create_task(decode_leg(legs, decode, decode.url + path, payload, headers))
+        d_task = asyncio.create_task(
+            decode_leg(legs, decode, decode.url + path, payload, self.decode_headers)
+        )
         return p_task, d_task
 
     # --- non-streaming ----------------------------------------------------------------------
@@ -420,6 +429,8 @@ def failure_response(failure: LegFailed) -> web.Response:
     otherwise a router error naming the leg that failed (503 with Retry-After when the router
     itself ran out of file descriptors or connections, the worker being fine)."""
     result = failure.result
+    if failure.wrong_role:
+        raise UpstreamUnavailable(failure.message)
     if result is not None and 400 <= result.status < 500:
         return web.Response(
             body=result.body, status=result.status, content_type=result.content_type

@@ -6,9 +6,8 @@ session (probes, fan-outs, aborts, worker control), the keep-alive pool of the r
 through it. :attr:`Router.conversions` is set by ``conversion_api`` when the application starts
 (its conversion manager lives as long as its control session).
 
-Worker lifecycle lives in the registry alone. To end the legs still running on a worker that
-stops taking requests (unhealthy, FAILED, removed), subscribe with
-``router.registry.on_unavailable(callback)``.
+Worker lifecycle lives in the registry alone. The router listens to it: the legs still running
+on a worker that stops taking requests (unhealthy, FAILED, removed) are ended at once.
 """
 
 from __future__ import annotations
@@ -25,9 +24,10 @@ from pd_router.config import RouterConfig
 from pd_router.errors import NoWorkers
 from pd_router.health import HealthMonitor
 from pd_router.http1 import Http1Pool
+from pd_router.http1_conn import WorkerUnavailable
 from pd_router.metrics import RouterMetrics
 from pd_router.policies import Policy, make_policy
-from pd_router.workers import Role, Worker, WorkerRegistry, WorkerState
+from pd_router.workers import Role, Unavailability, Worker, WorkerRegistry, WorkerState
 
 if TYPE_CHECKING:
     from pd_router.conversion import ConversionManager
@@ -57,6 +57,7 @@ class Router:
             connect_timeout=config.connect_timeout_secs,
             request_timeout=config.request_timeout_secs,
         )
+        self.registry.on_unavailable(self._end_legs)
         self._background: set[asyncio.Task] = set()
         self._request_children: dict[tuple[str, int], Any] = {}
         self._duration_children: dict[str, Any] = {}
@@ -108,6 +109,14 @@ class Router:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+    def _end_legs(self, worker: Worker, why: Unavailability) -> None:
+        """A worker left service (unhealthy, FAILED, removed): end the legs still running on
+        it now, so their clients get a retry or an error instead of waiting for a frozen or
+        departed worker until a timeout."""
+        self.legs.abort_target(
+            worker.url, WorkerUnavailable(f"worker {worker.url} left service: {why.value}")
+        )
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """Run ``coro`` in the background (fire-and-forget aborts), kept until it ends."""

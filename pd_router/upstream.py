@@ -18,6 +18,7 @@ from enum import StrEnum
 import aiohttp
 import orjson
 
+from pd_protocol.wire import MISDIRECTED_STATUS
 from pd_router.aborts import Abort, find_abort
 from pd_router.http1 import Http1Pool, LegLimits, PoolTimeout, Response
 from pd_router.http1_conn import (
@@ -48,6 +49,9 @@ class Verdict(StrEnum):
     SUCCESS = "success"  # it answered (a 4xx is the request's fault)
     NONE = "none"  # the router's own fault, or the request was aborted on purpose
 
+
+# A leg sent to a worker that serves the other role now (an extension worker's 421).
+WRONG_ROLE = "wrong_role"
 
 # Kinds of failure that are the router's own (no worker answered wrong): not counted as the
 # worker's upstream errors, and the client gets 503 with Retry-After.
@@ -110,6 +114,11 @@ class LegFailed(Exception):
     def timed_out(self) -> bool:
         return self.kind == "timeout"
 
+    @property
+    def wrong_role(self) -> bool:
+        """The worker serves the other role now (changed outside this router)."""
+        return self.kind == WRONG_ROLE
+
 
 def classify_exception(exc: BaseException) -> tuple[str, bool, Verdict]:
     """(metric kind, retryable, verdict on the worker) for a transport-level failure."""
@@ -140,7 +149,15 @@ def transport_failure(role: Role, worker: Worker, exc: BaseException) -> LegFail
 def status_failure(role: Role, worker: Worker, result: LegResult) -> LegFailed:
     """A non-2xx answer. 502/503/504 are retried on a new pair, and so is any 5xx of a prefill:
     it failed before a token was made (SGLang: a KV hand-off that failed), as a prefill
-    stream's abort event with a 5xx is."""
+    stream's abort event with a 5xx is. A 421 says the worker now serves the other role
+    (changed outside this router): retried on a new pair, no verdict on the worker (its role
+    is re-read and it is moved)."""
+    if result.status == MISDIRECTED_STATUS:
+        return LegFailed(
+            role, worker, WRONG_ROLE,
+            f"{role.value} worker {worker.url} no longer serves as a {role.value}",
+            retryable=True, result=result, verdict=Verdict.NONE,
+        )  # fmt: skip
     kind = "http_5xx" if result.status >= 500 else "http_4xx"
     excerpt = result.body[:ERROR_EXCERPT_BYTES].decode("utf-8", "replace")
     return LegFailed(

@@ -273,8 +273,9 @@ class PDExtension:
         return not self.draining
 
     async def live_role(self) -> str:
-        """The live role: read from the backend the first time, then kept by `_switch`. A read
-        that a switch overtook is returned but not kept."""
+        """The live role: read from the backend, then kept until the next switch (reading it
+        costs SGLang a round trip to its schedulers). A read that a switch overtook is returned
+        but not kept."""
         if self._role is not None:
             return self._role
         epoch = self._epoch
@@ -412,8 +413,9 @@ class PDExtension:
         """Call the backend's native switch and account for the outcome (epoch, failed)."""
         reply = await self._backend.switch_role(request)
         success = bool(reply.get("success"))
-        if success and reply.get("new_role") in ROLES:
-            self._role = reply["new_role"]
+        # Whatever the reply claims, the live role is read again from the backend next time (a
+        # failed or misreported switch may have left it anywhere).
+        self._role = None
         if success and reply.get("old_role") != reply.get("new_role"):
             self._epoch += 1
             logger.info(

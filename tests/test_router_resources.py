@@ -1,9 +1,9 @@
 """The router's own resources running out are the router's fault, never a worker's.
 
-A router process with a low RLIMIT_NOFILE has every descriptor taken by client connections (as
-the slow-client flood of issue 9 did); a request on one of them cannot open its legs (EMFILE).
-The client gets 503 with Retry-After, and the workers' circuits stay closed and their error
-counts untouched: they did nothing wrong."""
+A router process with a low RLIMIT_NOFILE and a client connection cap set above it has every
+descriptor taken by client connections (as the slow-client flood of issue 9 did); a request on
+one of them cannot open its legs (EMFILE). The client gets 503 with Retry-After, and the
+workers' circuits stay closed and their error counts untouched: they did nothing wrong."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ async def router_process(cluster: WorkerCluster, port: int) -> AsyncIterator[str
         "--prefill", prefill, str(cluster.bootstrap_port(prefill)), "--decode", decode,
         "--health-check-interval-secs", "60", "--cb-failure-threshold", "1",
         "--log-level", "warning", "--log-format", "text",
+        # Above the descriptors it has (allowed, with a warning), so clients can take them all.
+        "--max-client-connections", str(NOFILE * 10),
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile() as log:

@@ -229,3 +229,27 @@ async def test_aborted_prefill_cancels_the_waiting_decode_and_is_retried(cluster
         assert router.state.registry.get(bad).circuit.state.value == "open"
         assert await worker_metric(decode, "num_aborted_requests_total") >= 1
         await wait_until(lambda: worker_idle(decode), 5.0, "decode idle")
+
+
+async def test_decode_frozen_mid_stream_is_ended_when_the_probes_mark_it_unhealthy(cluster):
+    prefill, decode = cluster.prefill_urls[0], cluster.decode_urls[0]
+    probes_decide = {
+        "legs": {"first_byte_timeout_secs": 60.0, "stream_idle_timeout_secs": 60.0},
+        "health": {"interval_secs": 0.2, "timeout_secs": 0.5, "failure_threshold": 2},
+    }
+    async with (
+        running_router(cluster, prefill=[prefill], decode=[decode], **probes_decide) as router,
+        router.client(timeout=CLIENT_TIMEOUT) as http,
+    ):
+        body = generate_body("frozen, then unhealthy", SLOW_TOKENS, stream=True)
+        async with http.stream("POST", "/generate", json=body) as response:
+            lines = response.aiter_lines()
+            first = await anext(lines)
+            with frozen(cluster, decode):
+                rest = [line async for line in lines]
+                assert not router.state.registry.get(decode).healthy
+        events = sse_events("\n\n".join([first, *rest]))
+        assert events[-1] == "[DONE]"
+        assert decode in events[-2]["error"]["message"]
+        assert timeouts(router, "decode") == 0  # ended by the probes' verdict, not a timeout
+        await wait_until(lambda: router.state.registry.get(decode).healthy, 10.0, "recovered")
