@@ -104,6 +104,17 @@ class UpstreamUnavailable(RouterError):
         super().__init__(message, headers={"Retry-After": str(retry_after_secs)})
 
 
+class RouterOverloaded(RouterError):
+    """The router itself ran out of a resource (file descriptors, buffers, its connection cap
+    to a worker): the workers are fine and the client should come back shortly."""
+
+    status = 503
+    error_type = "router_overloaded"
+
+    def __init__(self, message: str, retry_after_secs: int = 1) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_secs)})
+
+
 class UpstreamTimeout(RouterError):
     status = 504
     error_type = "upstream_timeout"

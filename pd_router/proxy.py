@@ -25,6 +25,7 @@ from pd_protocol.wire import ROLE_HEADER
 from pd_router.errors import (
     ClientClosedRequest,
     NoWorkers,
+    RouterOverloaded,
     UpstreamError,
     UpstreamTimeout,
     UpstreamUnavailable,
@@ -435,7 +436,9 @@ def failure_response(failure: LegFailed) -> web.Response:
         return web.Response(
             body=result.body, status=result.status, content_type=result.content_type
         )
-    if failure.status == 503 or failure.local:
+    if failure.local:
+        raise RouterOverloaded(failure.message)
+    if failure.status == 503:
         raise UpstreamUnavailable(failure.message)
     if failure.status == 504 or failure.timed_out:
         raise UpstreamTimeout(failure.message)

@@ -143,7 +143,7 @@ async def test_router_out_of_descriptors_answers_503_and_blames_no_worker(
         assert status == 503
         assert headers["retry-after"]
         error = orjson.loads(body)["error"]
-        assert error["code"] == 503
+        assert (error["code"], error["type"]) == (503, "router_overloaded")
         assert "EMFILE" in error["message"]
 
         async with httpx.AsyncClient(base_url=url, timeout=10.0) as http:
