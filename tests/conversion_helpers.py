@@ -5,8 +5,10 @@ reach the router at the same moment."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,7 +20,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pd_worker.cluster import WorkerCluster
 from pd_worker.tokens import expected_text
-from tests.router_helpers import generate_body, sse_events
+from tests.router_helpers import (
+    RouterUnderTest,
+    generate_body,
+    running_router,
+    sse_events,
+    wait_until,
+)
 
 
 async def live_roles(cluster: WorkerCluster) -> tuple[list[str], list[str]]:
@@ -257,3 +265,26 @@ def _answer(client: h11.Connection) -> Answer:
         body += event.data
         event = client.next_event()
     return Answer(response.status_code, orjson.loads(body) if body else None)
+
+
+@contextlib.asynccontextmanager
+async def converted_by_a_second_router(
+    cluster: WorkerCluster, moved: str, *, within: float, **unaware_overrides: Any
+) -> AsyncIterator[tuple[RouterUnderTest, LoadResult]]:
+    """An "unaware" router (``unaware_overrides`` on its config) under checked load while a
+    second router over the same workers converts ``moved`` to prefill; yields (the unaware
+    router, its load's result) once it moved the worker within ``within`` seconds and served
+    40 more requests."""
+    async with (
+        running_router(cluster, **unaware_overrides) as unaware,
+        running_router(cluster) as converting,
+        converting.client() as admin,
+    ):
+        worker = unaware.state.registry.get(moved)
+        async with CheckedLoad(unaware.url, concurrency=4, tokens=8) as load:
+            await load.wait_for_requests(10)
+            response = await convert(admin, server_url=moved, new_role="prefill")
+            assert response.json()["status"] == "succeeded", response.text
+            await wait_until(lambda: worker.role.value == "prefill", within, "unaware moved it")
+            await load.wait_for_requests(load.result.ok + load.result.failed + 40)
+        yield unaware, load.result

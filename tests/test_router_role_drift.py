@@ -11,7 +11,7 @@ import asyncio
 import httpx
 
 from pd_router.workers import Role
-from tests.conversion_helpers import CheckedLoad, convert
+from tests.conversion_helpers import converted_by_a_second_router
 from tests.router_helpers import (
     assert_paired,
     fault,
@@ -42,19 +42,11 @@ async def test_worker_switched_by_a_second_router_is_moved_and_no_request_fails(
         bootstrap_timeout_secs=3.0, room_timeout_secs=3.0,
     )  # fmt: skip
     moved = cluster.decode_urls[0]
-    async with (
-        running_router(cluster, prefill_policy="round_robin") as unaware,
-        running_router(cluster) as converting,
-        converting.client() as admin,
-    ):
+    async with converted_by_a_second_router(
+        cluster, moved, within=5.0, prefill_policy="round_robin"
+    ) as (unaware, load):
+        assert load.failed == 0, load.errors[:3]
         worker = unaware.state.registry.get(moved)
-        async with CheckedLoad(unaware.url, concurrency=4, tokens=8) as load:
-            await load.wait_for_requests(10)
-            response = await convert(admin, server_url=moved, new_role="prefill")
-            assert response.json()["status"] == "succeeded", response.text
-            await wait_until(lambda: worker.role is Role.PREFILL, 5.0, "unaware router moved it")
-            await load.wait_for_requests(load.result.ok + load.result.failed + 20)
-        assert load.result.failed == 0, load.result.errors[:3]
         assert worker.healthy and worker.bootstrap_port == cluster.bootstrap_port(moved)
         async with unaware.client() as http:
             assert moved in await kv_sources(http, 6)

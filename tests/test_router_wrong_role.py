@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pd_router.workers import Role
-from tests.conversion_helpers import CheckedLoad, convert
+from tests.conversion_helpers import converted_by_a_second_router
 from tests.router_helpers import assert_paired, generate_body, running_router, wait_until
 
 TOKENS = 4
@@ -59,17 +59,8 @@ async def test_leg_to_a_worker_switched_behind_the_router_is_retried_and_the_wor
 
 async def test_a_second_routers_conversion_costs_an_unaware_router_no_request(cluster_factory):
     cluster = cluster_factory(prefill=2, decode=2, speed=1.0)
-    moved = cluster.decode_urls[0]
-    async with (
-        running_router(cluster, health=NO_PROBES, circuit={"cooldown_secs": 0.5}) as unaware,
-        running_router(cluster) as converting,
-        converting.client() as admin,
-    ):
-        worker = unaware.state.registry.get(moved)
-        async with CheckedLoad(unaware.url, concurrency=4, tokens=8) as load:
-            await load.wait_for_requests(10)
-            response = await convert(admin, server_url=moved, new_role="prefill")
-            assert response.json()["status"] == "succeeded", response.text
-            await wait_until(lambda: worker.role is Role.PREFILL, 10.0, "moved without probes")
-            await load.wait_for_requests(load.result.ok + load.result.failed + 40)
-        assert load.result.failed == 0, load.result.errors[:3]
+    async with converted_by_a_second_router(
+        cluster, cluster.decode_urls[0], within=10.0,
+        health=NO_PROBES, circuit={"cooldown_secs": 0.5},
+    ) as (_, load):  # fmt: skip
+        assert load.failed == 0, load.errors[:3]
