@@ -22,6 +22,7 @@ import orjson
 from aiohttp import web
 
 from pd_protocol.wire import ROLE_HEADER
+from pd_router.aborts import find_abort
 from pd_router.errors import (
     ClientClosedRequest,
     NoWorkers,
@@ -50,6 +51,7 @@ from pd_router.upstream import (
     LegResult,
     Legs,
     abort,
+    abort_failure,
     fetch_decode,
     fetch_prefill,
     open_stream,
@@ -298,7 +300,9 @@ class Exchange:
             if self.merge:
                 p_result = await p_task
                 pieces = merged_events(pieces, prefill_logprobs(p_result.body))
-            first_task = asyncio.create_task(first_piece(pieces, decode, router))
+            first_task = asyncio.create_task(
+                first_piece(pieces, decode, d_resp.content_type, router)
+            )
             first = await guarded(first_task, p_task)
             try:
                 response = await self.start_stream(d_resp)
@@ -398,9 +402,12 @@ async def join_unary(
     return p_result, d_result
 
 
-async def first_piece(pieces: AsyncIterator[bytes], decode: Worker, router: Router) -> bytes:
-    """The decode's first bytes; a stream that breaks or ends before them is a retryable
-    decode failure (nothing reached the client yet)."""
+async def first_piece(
+    pieces: AsyncIterator[bytes], decode: Worker, content_type: str, router: Router
+) -> bytes:
+    """The decode's first bytes; a stream that breaks or ends before them, or whose first
+    event is an abort the worker gave a 5xx status (a KV hand-off that failed), is a retryable
+    decode failure: nothing reached the client yet. Other aborts go to the client as sent."""
     try:
         piece = await anext(pieces)
     except StopAsyncIteration:
@@ -413,6 +420,10 @@ async def first_piece(pieces: AsyncIterator[bytes], decode: Worker, router: Rout
             Role.DECODE, decode, "disconnect",
             f"decode worker {decode.url} ended its stream without data", retryable=True,
         )  # fmt: skip
+        raise recorded(decode, failure, router.count_upstream_error)
+    abort = find_abort(piece, content_type)
+    if abort is not None and abort.status is not None and abort.status >= 500:
+        failure = abort_failure(Role.DECODE, decode, abort)
         raise recorded(decode, failure, router.count_upstream_error)
     return piece
 
