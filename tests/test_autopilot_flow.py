@@ -4,8 +4,12 @@ request); recommend mode decides the same and changes nothing; ``GET``/``PUT /au
 
 from __future__ import annotations
 
+import asyncio
+import io
+
 import pytest
 
+from pd_router.admin_client import autopilot
 from tests.conversion_helpers import CheckedLoad, pools, sample
 from tests.router_helpers import running_router, wait_until
 
@@ -77,8 +81,35 @@ async def test_recommend_mode_decides_and_changes_nothing(cluster):
         state = (await http.get("/autopilot")).json()
         recommended = next(d for d in state["decisions"] if d["action"] != "hold")
         assert (recommended["action"], recommended["applied"]) == ("decode_to_prefill", False)
+        seen = state["last_sample"]
+        assert seen["ttft_p90_ms"] >= 50.0 and seen["tpot_p90_ms"] > 0.0
+        assert {w["url"] for w in seen["workers"]} == {*cluster.prefill_urls, *cluster.decode_urls}
         assert (await http.get("/conversions")).json()["conversions"] == []
         assert (await pools(http))["decode"] == cluster.decode_urls
+        shown = (await http.get("/status")).json()["autopilot"]
+        assert shown["mode"] == "recommend"
+        assert shown["decisions"][0]["reason"] == recommended["reason"]
+        assert 'id="autopilot"' in (await http.get("/dashboard")).text
+
+
+async def test_the_autopilot_command_sets_the_mode_and_prints_loads_and_decisions(cluster):
+    async with running_router(cluster, autopilot={**AUTOPILOT, "mode": "off"}) as router:
+        out = io.StringIO()
+        argv = ["--router", router.url, "--mode", "recommend"]
+        async with CheckedLoad(router.url, concurrency=6) as load:
+            assert await asyncio.to_thread(autopilot, argv, out) == 0
+            await wait_until(
+                lambda: any(d.converts for d in router.state.autopilot.decisions),
+                within=20.0,
+                what="a recommendation",
+            )
+        assert load.result.failed == 0, load.result.errors[:3]
+        assert out.getvalue().startswith("autopilot: recommend  (ttft_slo_ms=20.0, ")
+        out = io.StringIO()
+        assert await asyncio.to_thread(autopilot, ["--router", router.url], out) == 0
+        text = out.getvalue()
+        assert "prefill  1        TTFT p90" in text
+        assert "decode_to_prefill" in text and "recommended  prefill TTFT p90 " in text
 
 
 async def test_put_autopilot_changes_mode_and_targets_with_the_admin_key(cluster):

@@ -53,7 +53,10 @@ class Autopilot:
         self.policy = AutopilotPolicy(
             router.config.autopilot, conversion.min_prefill, conversion.min_decode
         )
+        # Conversions decided (applied or recommended), oldest first; holds are only kept as
+        # the latest decision, or the history would be a column of "within target".
         self.decisions: deque[Decision] = deque(maxlen=router.config.autopilot.history)
+        self.last_decision: Decision | None = None
         self.last_sample: Sample | None = None
         self.last_error: str | None = None
         self._refused_seen: dict[str, int] = {}
@@ -146,7 +149,9 @@ class Autopilot:
         return {role: n for role, n in new.items() if n > 0}
 
     def _record(self, decision: Decision) -> None:
-        self.decisions.append(decision)
+        self.last_decision = decision
+        if decision.converts:
+            self.decisions.append(decision)
         metrics = self._router.metrics
         metrics.autopilot_decisions_total.labels(decision.action).inc()
         for role, count in decision.desired.items():
@@ -178,12 +183,20 @@ class Autopilot:
 
     def to_json(self) -> dict[str, Any]:
         """What ``GET /autopilot`` answers: mode, targets, the loads and the last sample it
-        saw, its last decisions (newest first)."""
+        saw, its latest decision and the conversions it decided (newest first)."""
+        last = self.last_decision
         return {
             "mode": self.config.mode,
             "config": dataclasses.asdict(self.config),
             "loads": {role: load.to_json() for role, load in self.policy.loads.items()},
             "last_sample": self.last_sample.to_json() if self.last_sample else None,
             "last_error": self.last_error,
-            "decisions": [d.to_json() for d in reversed(self.decisions)],
+            "last_decision": decision_json(last) if last else None,
+            "decisions": [decision_json(d) for d in reversed(self.decisions)],
         }
+
+
+def decision_json(decision: Decision) -> dict[str, Any]:
+    """A decision with its wall-clock ``time`` (the policy runs on the monotonic clock)."""
+    wall = time.time() - (time.monotonic() - decision.at)
+    return {**decision.to_json(), "time": round(wall, 3)}
