@@ -36,6 +36,9 @@ HOLD = "hold"
 PREFILL_TO_DECODE = "prefill_to_decode"
 DECODE_TO_PREFILL = "decode_to_prefill"
 ACTIONS = (HOLD, PREFILL_TO_DECODE, DECODE_TO_PREFILL)
+# A pool that made the router refuse requests within the window counts as at least twice over
+# its target: above any hysteresis band (< 1), whatever its measured load says.
+REFUSED_RATIO = 2.0
 
 
 @dataclass(frozen=True)
@@ -187,7 +190,7 @@ class AutopilotPolicy:
         refused = sum(s.no_worker_503s.get(role, 0) for s in self._window)
         ratio = value / target
         if refused:
-            ratio = max(ratio, 1.0 + 2 * self.config.hysteresis)
+            ratio = max(ratio, REFUSED_RATIO)
         over_for = self._track_over(role, ratio, now.at)
         return PoolLoad(
             role, len(now.pool(role)), measure, value, target, unit, ratio, refused, over_for
