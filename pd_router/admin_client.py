@@ -1,6 +1,7 @@
-"""``pd-router status`` and ``pd-router convert``: the admin API from the command line.
+"""``pd-router status``, ``pd-router convert`` and ``pd-router autopilot``: the admin API from
+the command line.
 
-Both talk to a running router over HTTP (httpx). The admin key comes from ``--admin-key`` or the
+They talk to a running router over HTTP (httpx). The admin key comes from ``--admin-key`` or the
 ``PD_ROUTER_ADMIN_KEY`` environment variable and is only ever sent in the Authorization header,
 never printed.
 """
@@ -120,7 +121,81 @@ def convert(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     return EXIT_OK if reply.get("success") else EXIT_FAILED
 
 
+def autopilot(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+    """Print the autopilot's mode, targets, pool loads and last decisions; ``--mode`` changes
+    the mode first."""
+    parser = _parser("pd-router autopilot", "Show (or set the mode of) the P:D autopilot.")
+    parser.add_argument("--mode", choices=("off", "recommend", "auto"), help="set the mode")
+    args = parser.parse_args(list(argv))
+    try:
+        with _client(args) as client:
+            if args.mode is not None:
+                _put_json(client, "/autopilot", {"mode": args.mode})
+            out.write(render_autopilot(_get_json(client, "/autopilot")))
+    except _Failure as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    return EXIT_OK
+
+
 # --- rendering ------------------------------------------------------------------------------
+
+
+def render_autopilot(state: dict[str, Any]) -> str:
+    """Mode and targets, each pool's load against its target, the latest decision and the
+    conversions decided (newest first), each with its reason."""
+    config = state.get("config", {})
+    in_effect = (
+        "ttft_slo_ms" if config.get("ttft_slo_ms") is not None else "prefill_queue_tokens",
+        "tpot_slo_ms" if config.get("tpot_slo_ms") is not None else "decode_kv_usage",
+    )
+    targets = ", ".join(f"{key}={config.get(key)}" for key in in_effect)
+    loads = state.get("loads", {})
+    parts = [
+        f"autopilot: {state.get('mode')}  ({targets})\n",
+        "\nPools\n",
+        _table(
+            ["role", "workers", "measure", "value", "target", "over_for_s"],
+            [
+                [
+                    str(load.get("role", role)),
+                    str(load.get("size", "")),
+                    str(load.get("measure", "")),
+                    f"{load.get('value', 0):g} {load.get('unit', '')}".rstrip(),
+                    f"{load.get('target', 0):g} {load.get('unit', '')}".rstrip(),
+                    f"{load.get('over_for_secs', 0):g}",
+                ]
+                for role, load in loads.items()
+            ],
+        )
+        if loads
+        else "(no sample yet)\n",
+    ]
+    last = state.get("last_decision")
+    if last:
+        parts.append(f"\nLatest: {last.get('action')}: {last.get('reason')}\n")
+    if state.get("last_error"):
+        parts.append(f"Last error: {state['last_error']}\n")
+    decisions = state.get("decisions", [])
+    parts.append("\nDecisions\n")
+    parts.append(
+        _table(
+            ["time", "action", "worker", "applied", "reason"],
+            [
+                [
+                    time.strftime("%H:%M:%S", time.localtime(d.get("time", 0))),
+                    str(d.get("action", "")),
+                    str(d.get("worker", "")),
+                    "yes" if d.get("applied") else "recommended",
+                    str(d.get("reason", "")),
+                ]
+                for d in decisions
+            ],
+        )
+        if decisions
+        else "(none)\n"
+    )
+    return "".join(parts)
 
 
 def render_status(workers: list[dict[str, Any]], conversions: list[dict[str, Any]]) -> str:
@@ -236,6 +311,18 @@ def _get_json(client: httpx.Client, path: str) -> dict[str, Any]:
         message = body.get("error", {}).get("message", response.text[:200])
         raise _Failure(f"GET {path}: HTTP {response.status_code}: {message}")
     return body
+
+
+def _put_json(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    try:
+        response = client.put(path, json=body)
+    except httpx.HTTPError as exc:
+        raise _Failure(f"router not reachable: {exc}") from exc
+    reply = _body(response)
+    if response.status_code != 200:
+        message = reply.get("error", {}).get("message", response.text[:200])
+        raise _Failure(f"PUT {path}: HTTP {response.status_code}: {message}")
+    return reply
 
 
 def _body(response: httpx.Response) -> dict[str, Any]:

@@ -15,7 +15,13 @@ from aiohttp import web
 from pd_router.errors import Unauthorized
 from pd_router.state import router_of
 
-ADMIN_PREFIXES = ("/workers", "/convert_pd_role", "/pd_role_switch", "/conversions")
+ADMIN_PREFIXES = (
+    "/workers",
+    "/convert_pd_role",
+    "/pd_role_switch",
+    "/conversions",
+    "/autopilot",
+)
 ADMIN_PATHS = frozenset({"/flush_cache"})
 
 

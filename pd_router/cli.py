@@ -1,4 +1,5 @@
-"""The ``pd-router`` command: ``serve`` (the default), ``demo``, ``status`` and ``convert``.
+"""The ``pd-router`` command: ``serve`` (the default), ``demo``, ``status``, ``convert`` and
+``autopilot``.
 
 ``serve`` takes the flags of ``python -m sglang_router.launch_router --pd-disaggregation`` that
 make sense for this router, so an existing mini_lb command line works unchanged:
@@ -20,7 +21,7 @@ from typing import Any
 
 from pd_router.config import ConfigError, RouterConfig, load_config
 
-SUBCOMMANDS = ("serve", "demo", "status", "convert")
+SUBCOMMANDS = ("serve", "demo", "status", "convert", "autopilot")
 WORKER_API_KEY_ENV = "PD_ROUTER_WORKER_API_KEY"
 log = logging.getLogger("pd_router.cli")
 
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="pd-router",
         description="Router for SGLang prefill/decode disaggregation "
-        "(subcommands: serve [default], demo, status, convert).",
+        "(subcommands: serve [default], demo, status, convert, autopilot).",
     )
     p.add_argument("--config", help="TOML config file (see configs/router.toml)")
     p.add_argument("--host", help="address to listen on (default 0.0.0.0)")
@@ -260,6 +261,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from pd_router.admin_client import convert
 
         return convert(rest)
+    if command == "autopilot":
+        from pd_router.admin_client import autopilot
+
+        return autopilot(rest)
     return serve(rest)
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pd_router.autopilot.policy import MODES, AutopilotConfig
 from pd_router.circuit import CircuitConfig
 from pd_router.http1 import LegLimits
 from pd_router.policies import POLICIES, POLICY_ALIASES, canonical_policy_name
@@ -90,6 +91,7 @@ class RouterConfig:
     retry: RetryConfig = field(default_factory=RetryConfig)
     conversion: ConversionConfig = field(default_factory=ConversionConfig)
     legs: LegLimits = field(default_factory=LegLimits)
+    autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
 
 
 SECTIONS: Mapping[str, type] = types.MappingProxyType(
@@ -99,6 +101,7 @@ SECTIONS: Mapping[str, type] = types.MappingProxyType(
         "retry": RetryConfig,
         "conversion": ConversionConfig,
         "legs": LegLimits,
+        "autopilot": AutopilotConfig,
     }
 )
 
@@ -263,6 +266,7 @@ def validate(config: RouterConfig) -> None:
     check_positive("conversion.drain_timeout_secs", c.drain_timeout_secs)
     for f in dataclasses.fields(LegLimits):
         check_positive(f"legs.{f.name}", getattr(config.legs, f.name))
+    validate_autopilot(config.autopilot)
     for key in ("admin_api_key", "worker_api_key"):
         value = getattr(config, key)
         if value is not None and not (
@@ -273,3 +277,40 @@ def validate(config: RouterConfig) -> None:
     duplicates = sorted({u for u in urls if urls.count(u) > 1})
     if duplicates:
         raise ConfigError("prefill/decode", f"worker listed twice: {', '.join(duplicates)}")
+
+
+def build_autopilot(data: dict[str, Any]) -> AutopilotConfig:
+    """An ``[autopilot]`` table (the file's, or one changed through ``PUT /autopilot``),
+    checked like the file."""
+    autopilot = parse_section("autopilot", AutopilotConfig, data)
+    validate_autopilot(autopilot)
+    return autopilot
+
+
+def validate_autopilot(a: AutopilotConfig) -> None:
+    if a.mode not in MODES:
+        raise ConfigError("autopilot.mode", f"must be one of {', '.join(MODES)}, got {a.mode!r}")
+    for key in ("interval_secs", "window_secs", "prefill_queue_tokens", "margin", "history"):
+        check_positive(f"autopilot.{key}", getattr(a, key))
+    for key in ("sustain_secs", "cooldown_secs", "hysteresis"):
+        check_positive(f"autopilot.{key}", getattr(a, key), allow_zero=True)
+    for key in ("ttft_slo_ms", "tpot_slo_ms"):
+        value = getattr(a, key)
+        if value is not None:
+            check_positive(f"autopilot.{key}", value)
+    if a.window_secs < a.interval_secs:
+        raise ConfigError(
+            "autopilot.window_secs",
+            f"must be at least interval_secs ({a.interval_secs}), got {a.window_secs}",
+        )
+    if not 0 < a.decode_kv_usage <= 1:
+        raise ConfigError(
+            "autopilot.decode_kv_usage", f"must be a fraction in (0, 1], got {a.decode_kv_usage}"
+        )
+    if a.margin > 1:
+        raise ConfigError(
+            "autopilot.margin",
+            f"must be at most 1 (the donor pool must stay under its target), got {a.margin}",
+        )
+    if a.hysteresis >= 1:
+        raise ConfigError("autopilot.hysteresis", f"must be below 1, got {a.hysteresis}")

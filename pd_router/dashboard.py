@@ -2,14 +2,15 @@
 ``GET /status`` (the JSON it polls).
 
 For operators without Grafana: the page shows the pools, each worker's state, role, in-flight
-count and health, the recent conversions, and converts a worker through the router's own
-``POST /convert_pd_role``. Everything comes from the registry and the conversion manager, so the
-page and ``pd-router status`` show exactly what the router routes on.
+count and health, the recent conversions, the autopilot's mode and last decisions (with their
+reasons), and converts a worker through the router's own ``POST /convert_pd_role``. Everything
+comes from the registry, the conversion manager and the autopilot, so the page and ``pd-router
+status`` show exactly what the router routes on.
 
 With an admin key configured, ``/status`` without the key shows no more than ``/metrics`` does
 (pools, and each worker's url, role, state, health, circuit and in-flight count): no worker
-errors, bootstrap ports, epochs or conversion records. The page itself holds no data and stays
-open; it asks for the key when an action needs it.
+errors, bootstrap ports, epochs, conversion records or autopilot decisions. The page itself
+holds no data and stays open; it asks for the key when an action needs it.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def status_snapshot(router: Router) -> dict[str, Any]:
         "workers": [worker.as_dict() for worker in registry],
         "conversions": conversions if conversions is not None else [],
         "conversions_available": conversions is not None,
+        "autopilot": autopilot_summary(router),
         "admin_key_required": router.config.admin_api_key is not None,
         "redacted": False,
         "time": time.time(),
@@ -89,7 +91,18 @@ def public_snapshot(snapshot: dict[str, Any]) -> dict[str, Any]:
             {key: worker[key] for key in PUBLIC_WORKER_FIELDS} for worker in snapshot["workers"]
         ],
         "conversions": [],
+        "autopilot": {**snapshot["autopilot"], "last_decision": None, "decisions": []},
         "redacted": True,
+    }
+
+
+def autopilot_summary(router: Router) -> dict[str, Any]:
+    """The autopilot's mode, latest decision and recent conversion decisions (newest first)."""
+    state = router.autopilot.to_json()
+    return {
+        "mode": state["mode"],
+        "last_decision": state["last_decision"],
+        "decisions": state["decisions"][:RECENT_CONVERSIONS],
     }
 
 

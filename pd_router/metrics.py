@@ -82,6 +82,11 @@ class RouterMetrics:
             PREFIX + "autopilot_decisions_total", "Autopilot decisions by action.",
             ["action"], registry=r,
         )  # fmt: skip
+        self.autopilot_desired_workers = Gauge(
+            PREFIX + "autopilot_desired_workers",
+            "Workers per role the autopilot's last decision aims for.",
+            ["role"], registry=r,
+        )  # fmt: skip
 
     def forget_worker(self, worker: str, role: str, states: Iterable[str]) -> None:
         """Drop a removed worker's labelled series (``worker_state`` for each of ``states``) so

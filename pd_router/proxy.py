@@ -231,7 +231,10 @@ class Exchange:
         return pending
 
     def observe_ttft(self) -> None:
-        self.router.metrics.ttft_seconds.observe(asyncio.get_running_loop().time() - self.started)
+        seconds = asyncio.get_running_loop().time() - self.started
+        self.router.metrics.ttft_seconds.observe(seconds)
+        if self.stream:
+            self.router.latency.observe_ttft(seconds)
 
     def start_legs(
         self,
@@ -355,10 +358,15 @@ class Exchange:
         pieces: AsyncIterator[bytes],
         decode: Worker,
     ) -> tuple[bool, bool]:
-        """Copy the decode's stream to the client; returns (decode finished, client gone)."""
+        """Copy the decode's stream to the client; returns (decode finished, client gone).
+        Events are counted by their blank-line ends, for the time per output token."""
+        loop = asyncio.get_running_loop()
+        first_at = loop.time()
+        events = first.count(b"\n\n")
         try:
             await response.write(first)
             async for piece in pieces:
+                events += piece.count(b"\n\n")
                 try:
                     await response.write(piece)
                 except ConnectionResetError:
@@ -382,6 +390,7 @@ class Exchange:
                 return False, True
             return False, False
         record_outcome(decode, None, self.router.count_upstream_error)
+        self.router.latency.observe_stream(loop.time() - first_at, events)
         return True, False
 
 

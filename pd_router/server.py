@@ -24,6 +24,7 @@ from aiohttp import web
 from pd_router import info, proxy, workers_api
 from pd_router.admission import BodyAdmission
 from pd_router.auth import is_admin_path, require_admin
+from pd_router.autopilot.api import add_autopilot_routes
 from pd_router.config import RouterConfig
 from pd_router.conversion_api import add_conversion_routes
 from pd_router.dashboard import add_dashboard_routes
@@ -174,6 +175,7 @@ def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     add_conversion_routes(app)
+    add_autopilot_routes(app)
     return app
 
 

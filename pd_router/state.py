@@ -2,9 +2,10 @@
 
 It owns the configuration, the worker registry, the metrics, the one shared aiohttp client
 session (probes, fan-outs, aborts, worker control), the keep-alive pool of the request legs
-(:attr:`Router.legs`), the selection policies and the health monitor; handlers reach everything
-through it. :attr:`Router.conversions` is set by ``conversion_api`` when the application starts
-(its conversion manager lives as long as its control session).
+(:attr:`Router.legs`), the selection policies, the health monitor, the recent latencies of
+finished requests (:attr:`Router.latency`) and the autopilot that reads them; handlers reach
+everything through it. :attr:`Router.conversions` is set by ``conversion_api`` when the
+application starts (its conversion manager lives as long as its control session).
 
 Worker lifecycle lives in the registry alone. The router listens to it: the legs still running
 on a worker that stops taking requests (unhealthy, FAILED, removed) are ended at once.
@@ -20,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from pd_router.autopilot.controller import Autopilot
 from pd_router.config import RouterConfig
 from pd_router.errors import NoWorkers
 from pd_router.health import HealthMonitor
 from pd_router.http1 import Http1Pool
 from pd_router.http1_conn import WorkerUnavailable
+from pd_router.latency import LatencyRecorder
 from pd_router.metrics import RouterMetrics
 from pd_router.policies import Policy, make_policy
 from pd_router.workers import Role, Unavailability, Worker, WorkerRegistry, WorkerState
@@ -48,6 +51,8 @@ class Router:
         }
         self.health = HealthMonitor(self.registry, config.health)
         self.conversions: ConversionManager | None = None
+        self.latency = LatencyRecorder()
+        self.autopilot = Autopilot(self)
         # Sent on every call to a worker (legs, probes, fan-outs, aborts, control).
         self.worker_headers: dict[str, str] = (
             {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else {}
@@ -98,8 +103,10 @@ class Router:
         self.health.start(self._session)
         await self.health.probe_all()
         self.health.run_in_background()
+        self.autopilot.run_in_background()
 
     async def stop(self) -> None:
+        await self.autopilot.stop()
         await self.health.stop()
         for task in list(self._background):
             task.cancel()
@@ -137,6 +144,7 @@ class Router:
             if fresh:
                 workers = fresh
         if not workers:
+            self.latency.count_refusal(role.value)
             raise NoWorkers(f"no available {role.value} worker (none active, healthy and closed)")
         return self.policies[role].select(workers)
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from dashboard_helpers import dashboard_queries, load_dashboard
-from router_helpers import fault, generate_body, running_router
+from router_helpers import fault, generate_body, running_router, wait_until
 
 yaml = pytest.importorskip("yaml", reason="PyYAML (test extra) parses the alert rules")
 
@@ -87,9 +87,10 @@ class Exported:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def exported(module_cluster_factory) -> Exported:
     """/metrics of a router and a worker after requests (streamed and not), a failed prefill
-    leg that was retried, and a prefill -> decode conversion."""
+    leg that was retried, a prefill -> decode conversion and autopilot decisions."""
     cluster = module_cluster_factory(prefill=2, decode=2)
-    async with running_router(cluster) as router, router.client() as http:
+    autopilot = {"mode": "recommend", "interval_secs": 0.05, "window_secs": 0.05}
+    async with running_router(cluster, autopilot=autopilot) as router, router.client() as http:
         for i in range(4):
             response = await http.post("/generate", json=generate_body(f"plain {i}"))
             assert response.status_code == 200
@@ -102,6 +103,9 @@ async def exported(module_cluster_factory) -> Exported:
         convert = {"server_url": cluster.prefill_urls[1], "new_role": "decode"}
         response = await http.post("/convert_pd_role", json=convert)
         assert response.status_code == 200, response.text
+        await wait_until(
+            lambda: router.state.autopilot.last_decision is not None, what="an autopilot decision"
+        )
         router_text = (await http.get("/metrics")).text
     async with httpx.AsyncClient(timeout=10.0) as client:
         worker_text = (await client.get(cluster.decode_urls[0] + "/metrics")).text

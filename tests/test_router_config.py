@@ -24,6 +24,7 @@ def test_example_config_loads():
     assert config.prefill[1].bootstrap_port is None
     assert len(config.decode) == 2
     assert config.retry.max_attempts == 3
+    assert config.autopilot.mode == "off"
 
 
 def test_mini_lb_command_line_works_unchanged():
@@ -99,6 +100,13 @@ def test_flags_override_the_config_file(tmp_path):
         ({"prefill": [{"url": "http://a:1"}], "decode": [{"url": "http://a:1"}]}, "prefill/decode"),
         ({"log_level": "loud"}, "log_level"),
         ({"colour": "blue"}, "colour"),
+        ({"autopilot": {"mode": "on"}}, "autopilot.mode"),
+        ({"autopilot": {"ttft_slo_ms": 0}}, "autopilot.ttft_slo_ms"),
+        ({"autopilot": {"decode_kv_usage": 85}}, "autopilot.decode_kv_usage"),
+        ({"autopilot": {"margin": 1.2}}, "autopilot.margin"),
+        ({"autopilot": {"interval_secs": 10, "window_secs": 5}}, "autopilot.window_secs"),
+        ({"autopilot": {"hysteresis": 1.0}}, "autopilot.hysteresis"),
+        ({"autopilot": {"cooldown": 60}}, "autopilot.cooldown"),
     ],
 )
 def test_invalid_values_name_the_key(data, key):

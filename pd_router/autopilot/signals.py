@@ -1,0 +1,112 @@
+"""What one autopilot sample saw: per worker and per pool, taken at one instant.
+
+Worker-side figures come from SGLang's ``GET /v1/loads`` (one ``loads[]`` entry per DP rank,
+summed here); router-side figures (in-flight, TTFT, TPOT, 503s for lack of a worker) from the
+router's own bookkeeping. The policy only reads these frozen records, so a recorded sequence of
+them replays a decision exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+PREFILL = "prefill"
+DECODE = "decode"
+ROLES = (PREFILL, DECODE)
+
+
+@dataclass(frozen=True)
+class WorkerSignals:
+    """One worker at sample time. ``running``/``waiting``/``token_usage``/``used_tokens``/
+    ``queued_prefill_tokens`` are zero when its ``/v1/loads`` could not be read."""
+
+    url: str
+    role: str
+    inflight: int = 0
+    running: int = 0
+    waiting: int = 0
+    token_usage: float = 0.0
+    used_tokens: int = 0
+    queued_prefill_tokens: int = 0
+
+    @property
+    def remaining_work(self) -> tuple[int, int, int]:
+        """Sort key of the work a drain must wait for: requests the worker holds (running and
+        waiting, or the router's in-flight count if larger), then KV tokens in use."""
+        held = max(self.running + self.waiting, self.inflight)
+        return (held, self.used_tokens, self.inflight)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """Everything the policy sees at time ``at`` (monotonic seconds). Latencies are the p90 of
+    requests finished within the controller's window (None: none finished); ``no_worker_503s``
+    counts requests refused for lack of a worker of each role since the previous sample;
+    ``converting`` is true while any conversion runs."""
+
+    at: float
+    workers: tuple[WorkerSignals, ...]
+    ttft_p90_ms: float | None = None
+    tpot_p90_ms: float | None = None
+    no_worker_503s: Mapping[str, int] = field(default_factory=dict)
+    converting: bool = False
+
+    def pool(self, role: str) -> tuple[WorkerSignals, ...]:
+        return tuple(w for w in self.workers if w.role == role)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "at": round(self.at, 3),
+            "ttft_p90_ms": _round(self.ttft_p90_ms),
+            "tpot_p90_ms": _round(self.tpot_p90_ms),
+            "no_worker_503s": dict(self.no_worker_503s),
+            "converting": self.converting,
+            "workers": [
+                {
+                    "url": w.url,
+                    "role": w.role,
+                    "inflight": w.inflight,
+                    "running": w.running,
+                    "waiting": w.waiting,
+                    "token_usage": w.token_usage,
+                    "used_tokens": w.used_tokens,
+                    "queued_prefill_tokens": w.queued_prefill_tokens,
+                }
+                for w in self.workers
+            ],
+        }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def worker_from_loads(url: str, role: str, inflight: int, body: Mapping[str, Any]) -> WorkerSignals:
+    """A worker's signals from its ``/v1/loads`` body (SGLang 0.5.x: ``loads[]`` per DP rank
+    with ``num_running_reqs``, ``num_waiting_reqs``, ``num_used_tokens``,
+    ``max_total_num_tokens``, ``num_waiting_uncached_tokens``). Ranks are summed; the usage is
+    used over total tokens across ranks. Missing or mistyped fields count as zero."""
+    ranks = [r for r in body.get("loads", ()) if isinstance(r, Mapping)]
+    used = _total(ranks, "num_used_tokens")
+    capacity = _total(ranks, "max_total_num_tokens")
+    return WorkerSignals(
+        url=url,
+        role=role,
+        inflight=inflight,
+        running=_total(ranks, "num_running_reqs"),
+        waiting=_total(ranks, "num_waiting_reqs"),
+        token_usage=used / capacity if capacity > 0 else 0.0,
+        used_tokens=used,
+        queued_prefill_tokens=_total(ranks, "num_waiting_uncached_tokens"),
+    )
+
+
+def _total(ranks: Iterable[Mapping[str, Any]], key: str) -> int:
+    total = 0
+    for rank in ranks:
+        value = rank.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            total += int(value)
+    return total

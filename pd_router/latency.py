@@ -1,0 +1,47 @@
+"""Recent latencies of finished requests and refusals for lack of a worker, for the autopilot.
+
+The request path appends one (time, seconds) pair per observation to a bounded ring (a deque
+append: no lock, no allocation beyond the tuple), and the autopilot reads percentiles over its
+window once per interval. TTFT is taken when the first byte of a stream reaches the client;
+TPOT is a stream's time from its first to its last event over the events in between.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+RING_SIZE = 4096
+
+
+class LatencyRecorder:
+    """Bounded rings of TTFT and TPOT samples and per-role refusal counters."""
+
+    def __init__(self, size: int = RING_SIZE) -> None:
+        self.ttft: deque[tuple[float, float]] = deque(maxlen=size)
+        self.tpot: deque[tuple[float, float]] = deque(maxlen=size)
+        self.refused: dict[str, int] = {}
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.ttft.append((time.monotonic(), seconds))
+
+    def observe_stream(self, seconds_after_first: float, events: int) -> None:
+        """A finished stream: ``events`` SSE events (the final ``[DONE]`` included) sent over
+        ``seconds_after_first`` after the first. Streams of fewer than three events say
+        nothing about the time per token."""
+        if events >= 3:
+            self.tpot.append((time.monotonic(), seconds_after_first / (events - 2)))
+
+    def count_refusal(self, role: str) -> None:
+        self.refused[role] = self.refused.get(role, 0) + 1
+
+
+def percentile_ms(
+    ring: deque[tuple[float, float]], since: float, quantile: float = 0.9
+) -> float | None:
+    """The ``quantile`` of the samples taken at or after ``since``, in ms (None: no sample)."""
+    values = sorted(value for at, value in ring if at >= since)
+    if not values:
+        return None
+    index = min(len(values) - 1, int(quantile * len(values)))
+    return 1000.0 * values[index]

@@ -1,0 +1,130 @@
+"""The autopilot in a real router over reference workers: prompt traffic arriving on a 1P2D
+cluster makes it convert a decode into a prefill while checked clients keep sending (no failed
+request); recommend mode decides the same and changes nothing; ``GET``/``PUT /autopilot``."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import pytest
+
+from pd_router.admin_client import autopilot
+from tests.conversion_helpers import CheckedLoad, pools, sample
+from tests.router_helpers import running_router, wait_until
+
+# Every prefill takes at least 50 ms of modeled time, so any stream's TTFT misses a 20 ms SLO,
+# while the decodes' KV stays nearly empty: the prefill pool is over target, the decode pool
+# can give up a server.
+TIMING = {"speed": 1.0, "prefill_batch_overhead_secs": 0.05}
+AUTOPILOT = {
+    "mode": "auto",
+    "interval_secs": 0.2,
+    "window_secs": 1.0,
+    "sustain_secs": 0.6,
+    "cooldown_secs": 60.0,
+    "ttft_slo_ms": 20.0,
+    "decode_kv_usage": 0.9,
+}
+ADMIN_KEY = "autopilot-admin"
+
+
+async def split(http) -> tuple[int, int]:
+    """(prefills, decodes) ACTIVE in the router."""
+    current = await pools(http)
+    return len(current["prefill"]), len(current["decode"])
+
+
+async def has_split(http, wanted: tuple[int, int]) -> bool:
+    return await split(http) == wanted
+
+
+@pytest.fixture
+def cluster(cluster_factory):
+    return cluster_factory(prefill=1, decode=2, **TIMING)
+
+
+async def test_prompt_traffic_makes_the_autopilot_convert_a_decode_with_no_failed_request(
+    cluster,
+):
+    async with running_router(cluster, autopilot=AUTOPILOT) as router, router.client() as http:
+        assert (await pools(http))["decode"] == cluster.decode_urls
+        async with CheckedLoad(router.url, concurrency=6) as load:
+            await wait_until(
+                lambda: has_split(http, (2, 1)), within=20.0, what="a decode became a prefill"
+            )
+            await load.wait_for_requests(load.result.ok + 20)
+        assert load.result.failed == 0, load.result.errors[:3]
+        state = (await http.get("/autopilot")).json()
+        converted = [d for d in state["decisions"] if d["action"] != "hold"]
+        assert [(d["action"], d["applied"]) for d in converted] == [("decode_to_prefill", True)]
+        assert converted[0]["reason"].startswith("prefill TTFT p90 ")
+        assert "> 20 ms for " in converted[0]["reason"]
+        assert converted[0]["worker"] in cluster.decode_urls
+        assert await split(http) == (2, 1)
+        action = {"action": "decode_to_prefill"}
+        assert await sample(http, "pd_router_autopilot_decisions_total", **action) == 1.0
+        desired = await sample(http, "pd_router_autopilot_desired_workers", role="prefill")
+        assert desired == 2.0
+
+
+async def test_recommend_mode_decides_and_changes_nothing(cluster):
+    config = {**AUTOPILOT, "mode": "recommend"}
+    async with running_router(cluster, autopilot=config) as router, router.client() as http:
+        async with CheckedLoad(router.url, concurrency=6) as load:
+            await wait_until(
+                lambda: any(d.converts for d in router.state.autopilot.decisions),
+                within=20.0,
+                what="a recommendation",
+            )
+        assert load.result.failed == 0, load.result.errors[:3]
+        state = (await http.get("/autopilot")).json()
+        recommended = next(d for d in state["decisions"] if d["action"] != "hold")
+        assert (recommended["action"], recommended["applied"]) == ("decode_to_prefill", False)
+        seen = state["last_sample"]
+        assert seen["ttft_p90_ms"] >= 50.0 and seen["tpot_p90_ms"] > 0.0
+        assert {w["url"] for w in seen["workers"]} == {*cluster.prefill_urls, *cluster.decode_urls}
+        assert (await http.get("/conversions")).json()["conversions"] == []
+        assert (await pools(http))["decode"] == cluster.decode_urls
+        shown = (await http.get("/status")).json()["autopilot"]
+        assert shown["mode"] == "recommend"
+        assert shown["decisions"][0]["reason"] == recommended["reason"]
+        assert 'id="autopilot"' in (await http.get("/dashboard")).text
+
+
+async def test_the_autopilot_command_sets_the_mode_and_prints_loads_and_decisions(cluster):
+    async with running_router(cluster, autopilot={**AUTOPILOT, "mode": "off"}) as router:
+        out = io.StringIO()
+        argv = ["--router", router.url, "--mode", "recommend"]
+        async with CheckedLoad(router.url, concurrency=6) as load:
+            assert await asyncio.to_thread(autopilot, argv, out) == 0
+            await wait_until(
+                lambda: any(d.converts for d in router.state.autopilot.decisions),
+                within=20.0,
+                what="a recommendation",
+            )
+        assert load.result.failed == 0, load.result.errors[:3]
+        assert out.getvalue().startswith("autopilot: recommend  (ttft_slo_ms=20.0, ")
+        out = io.StringIO()
+        assert await asyncio.to_thread(autopilot, ["--router", router.url], out) == 0
+        text = out.getvalue()
+        assert "prefill  1        TTFT p90" in text
+        assert "decode_to_prefill" in text and "recommended  prefill TTFT p90 " in text
+
+
+async def test_put_autopilot_changes_mode_and_targets_with_the_admin_key(cluster):
+    async with running_router(cluster, admin_api_key=ADMIN_KEY) as router:
+        async with router.client() as anonymous:
+            assert (await anonymous.get("/autopilot")).status_code == 401
+            assert (await anonymous.put("/autopilot", json={"mode": "auto"})).status_code == 401
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        async with router.client(headers=headers) as http:
+            assert (await http.get("/autopilot")).json()["mode"] == "off"
+            reply = await http.put("/autopilot", json={"mode": "recommend", "ttft_slo_ms": 300})
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["mode"] == "recommend"
+            assert reply.json()["config"]["ttft_slo_ms"] == 300.0
+            bad = await http.put("/autopilot", json={"mode": "sometimes"})
+            assert bad.status_code == 400
+            assert bad.json()["error"]["field"] == "autopilot.mode"
+            assert (await http.get("/autopilot")).json()["mode"] == "recommend"

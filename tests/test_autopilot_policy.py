@@ -1,0 +1,249 @@
+"""The autopilot's decision policy on recorded signal sequences (no processes, no clock)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+
+from pd_router.autopilot.policy import (
+    DECODE_TO_PREFILL,
+    HOLD,
+    PREFILL_TO_DECODE,
+    AutopilotConfig,
+    AutopilotPolicy,
+    Decision,
+)
+from pd_router.autopilot.signals import Sample, WorkerSignals, worker_from_loads
+
+CONFIG = AutopilotConfig(
+    mode="auto",
+    interval_secs=5.0,
+    window_secs=20.0,
+    sustain_secs=30.0,
+    cooldown_secs=60.0,
+    ttft_slo_ms=500.0,
+    decode_kv_usage=0.85,
+    margin=0.8,
+    hysteresis=0.1,
+)
+
+
+def cluster(
+    prefills: int, decodes: int, kv: float, decode_running: Iterable[int] = ()
+) -> tuple[WorkerSignals, ...]:
+    """``prefills`` idle prefills and ``decodes`` decodes at KV usage ``kv`` (0..1)."""
+    running = list(decode_running) or [4] * decodes
+    workers = [WorkerSignals(f"http://p{i}", "prefill") for i in range(prefills)]
+    workers += [
+        WorkerSignals(
+            f"http://d{i}",
+            "decode",
+            inflight=running[i],
+            running=running[i],
+            token_usage=kv,
+            used_tokens=1000 * running[i],
+        )
+        for i in range(decodes)
+    ]
+    return tuple(workers)
+
+
+def trace(ttfts: Iterable[float], workers: tuple[WorkerSignals, ...], start: float = 0.0):
+    """One sample every 5 s with the given prefill TTFT p90s."""
+    for i, ttft in enumerate(ttfts):
+        yield Sample(at=start + 5.0 * i, workers=workers, ttft_p90_ms=ttft)
+
+
+def run(policy: AutopilotPolicy, samples: Iterable[Sample]) -> list[Decision]:
+    return [policy.step(s) for s in samples]
+
+
+def conversions(decisions: Iterable[Decision]) -> list[Decision]:
+    return [d for d in decisions if d.converts]
+
+
+def applied_split(
+    policy: AutopilotPolicy, ttft: Iterator[float], kv: Iterator[float], steps: int
+) -> list[Decision]:
+    """Feed ``steps`` samples, applying each conversion to the cluster the next sample shows."""
+    prefills, decodes = 2, 2
+    decisions = []
+    for i in range(steps):
+        workers = cluster(prefills, decodes, next(kv))
+        decision = policy.step(Sample(at=5.0 * i, workers=workers, ttft_p90_ms=next(ttft)))
+        decisions.append(decision)
+        prefills, decodes = decision.desired["prefill"], decision.desired["decode"]
+    return decisions
+
+
+def test_persistent_prefill_overload_converts_a_decode():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    decisions = run(policy, trace([840.0] * 8, cluster(2, 4, 0.41)))
+    converted = conversions(decisions)
+    assert len(converted) == 1
+    assert converted[0].at == 30.0
+    assert converted[0].action == DECODE_TO_PREFILL
+    assert (converted[0].from_role, converted[0].to_role) == ("decode", "prefill")
+    assert converted[0].desired == {"prefill": 3, "decode": 3}
+    assert all(d.action == HOLD for d in decisions if d.at < 30.0)
+
+
+def test_persistent_decode_overload_converts_the_prefill_with_fewest_in_flight():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    workers = (
+        WorkerSignals("http://p0", "prefill", inflight=5),
+        WorkerSignals("http://p1", "prefill", inflight=1),
+        WorkerSignals("http://p2", "prefill", inflight=3),
+        *cluster(0, 2, 0.97),
+    )
+    converted = conversions(run(policy, trace([100.0] * 8, workers)))
+    assert [(d.action, d.worker) for d in converted] == [(PREFILL_TO_DECODE, "http://p1")]
+    assert "decode KV 97% > 85% for 30 s" in converted[0].reason
+
+
+def test_short_spike_does_not_convert():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    ttfts = [200.0] * 4 + [900.0] * 3 + [200.0] * 20
+    decisions = run(policy, trace(ttfts, cluster(2, 4, 0.41)))
+    assert conversions(decisions) == []
+
+
+def test_cooldown_holds_after_a_conversion():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    decisions = run(policy, trace([840.0] * 40, cluster(2, 6, 0.2)))
+    converted = conversions(decisions)
+    assert len(converted) >= 2
+    assert converted[1].at - converted[0].at >= CONFIG.cooldown_secs
+    in_cooldown = [d for d in decisions if converted[0].at < d.at < converted[0].at + 60.0]
+    assert in_cooldown and all("cooldown" in d.reason for d in in_cooldown)
+
+
+def test_no_decision_while_a_conversion_runs():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    workers = cluster(2, 4, 0.41)
+    samples = [
+        Sample(at=5.0 * i, workers=workers, ttft_p90_ms=840.0, converting=True) for i in range(12)
+    ]
+    decisions = run(policy, samples)
+    assert conversions(decisions) == []
+    assert decisions[-1].reason == "a conversion is running"
+
+
+def test_minimum_pool_size_holds():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=2)
+    decisions = run(policy, trace([840.0] * 12, cluster(1, 2, 0.05)))
+    assert conversions(decisions) == []
+    assert "decode pool at its minimum (2, min 2)" in decisions[-1].reason
+
+
+def test_donor_that_would_go_over_its_margin_is_kept():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    decisions = run(policy, trace([840.0] * 12, cluster(2, 3, 0.60)))
+    assert conversions(decisions) == []
+    assert "decode KV 60% would be 90% with one fewer" in decisions[-1].reason
+
+
+def test_both_pools_over_holds():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    decisions = run(policy, trace([840.0] * 12, cluster(2, 4, 0.99)))
+    assert conversions(decisions) == []
+    assert decisions[-1].reason.startswith("both pools over target")
+
+
+def test_recommend_mode_decides_but_applies_nothing():
+    config = dataclasses.replace(CONFIG, mode="recommend")
+    policy = AutopilotPolicy(config, min_prefill=1, min_decode=1)
+    converted = conversions(run(policy, trace([840.0] * 8, cluster(2, 4, 0.41))))
+    assert len(converted) == 1
+    assert converted[0].mode == "recommend"
+    assert not converted[0].applied
+
+
+def test_auto_mode_applies_its_conversion():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    converted = conversions(run(policy, trace([840.0] * 8, cluster(2, 4, 0.41))))
+    assert converted[0].applied
+
+
+def test_no_flapping_on_a_trace_at_the_boundary():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    ttft = iter([470.0, 540.0, 520.0, 490.0, 545.0, 505.0] * 40)
+    kv = iter([0.20, 0.30] * 120)
+    decisions = applied_split(policy, ttft, kv, 240)
+    assert conversions(decisions) == []
+
+
+def test_no_reversal_after_the_load_settles_at_the_boundary():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    ttft = iter([900.0] * 10 + [470.0, 540.0, 520.0, 490.0, 545.0, 505.0] * 40)
+    kv = iter([0.30] * 10 + [0.40, 0.55, 0.50, 0.45] * 60)
+    decisions = applied_split(policy, ttft, kv, 240)
+    assert [d.action for d in conversions(decisions)] == [DECODE_TO_PREFILL]
+
+
+def test_the_decode_with_the_least_remaining_work_is_chosen():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    workers = cluster(2, 4, 0.30, decode_running=[6, 2, 9, 3])
+    converted = conversions(run(policy, trace([840.0] * 8, workers)))
+    assert converted[0].worker == "http://d1"
+    assert converted[0].cost is not None
+    assert "waits for 2 running answers (2000 KV tokens)" in converted[0].cost
+
+
+def test_the_reason_names_the_numbers():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    converted = conversions(run(policy, trace([840.0] * 8, cluster(2, 4, 0.41))))
+    assert converted[0].reason.startswith(
+        "prefill TTFT p90 840 ms > 500 ms for 30 s; decode KV 41% would be 55% with one fewer; "
+        "convert http://d0:"
+    )
+
+
+def test_utilisation_thresholds_without_slos():
+    config = dataclasses.replace(CONFIG, ttft_slo_ms=None, prefill_queue_tokens=4096.0)
+    policy = AutopilotPolicy(config, min_prefill=1, min_decode=1)
+    prefills = tuple(
+        WorkerSignals(f"http://p{i}", "prefill", queued_prefill_tokens=9000) for i in range(2)
+    )
+    samples = [Sample(at=5.0 * i, workers=prefills + cluster(0, 4, 0.3)) for i in range(8)]
+    converted = conversions(run(policy, samples))
+    assert converted[0].reason.startswith(
+        "prefill queued prefill tokens per worker 9000 tokens > 4096 tokens for 30 s"
+    )
+
+
+def test_requests_refused_for_lack_of_a_worker_count_as_overload():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    workers = cluster(2, 4, 0.30)
+    samples = [
+        Sample(at=5.0 * i, workers=workers, ttft_p90_ms=100.0, no_worker_503s={"prefill": 2})
+        for i in range(8)
+    ]
+    converted = conversions(run(policy, samples))
+    assert converted and converted[0].to_role == "prefill"
+    assert "requests refused for lack of a prefill" in converted[0].reason
+
+
+def test_loads_of_several_dp_ranks_are_summed():
+    body = {
+        "loads": [
+            {
+                "num_running_reqs": 3,
+                "num_waiting_reqs": 1,
+                "num_used_tokens": 300,
+                "max_total_num_tokens": 1000,
+                "num_waiting_uncached_tokens": 50,
+            },
+            {
+                "num_running_reqs": 2,
+                "num_waiting_reqs": 0,
+                "num_used_tokens": 100,
+                "max_total_num_tokens": 1000,
+                "num_waiting_uncached_tokens": 0,
+            },
+        ]
+    }
+    worker = worker_from_loads("http://d0", "decode", 4, body)
+    assert (worker.running, worker.waiting, worker.used_tokens) == (5, 1, 400)
+    assert worker.token_usage == 0.2
+    assert worker.queued_prefill_tokens == 50
