@@ -57,7 +57,6 @@ PLOT = REPO / "docs" / "img" / "rebalance.png"
 PROFILE = "h100-8b"
 ROUTER_MAIN = "import sys; from pd_router.cli import main; sys.exit(main())"
 ROUTER_START_TIMEOUT_S = 30.0
-DEFAULT_AUTOPILOT = '[autopilot]\nmode = "auto"\n'
 WORKER_WAIT_SECS = 600.0
 REQUEST_READ_TIMEOUT_S = 600.0
 
@@ -86,7 +85,7 @@ class TraceSpec:
     seed: int = 10
     phases: int = 6
     phase_secs: float = 50.0
-    load: float = 1.0
+    load: float = 0.8
     shapes: tuple[Shape, Shape] = (PROMPT_HEAVY, ANSWER_HEAVY)
 
     @property
@@ -208,6 +207,21 @@ class Configuration:
     @property
     def autopilot(self) -> bool:
         return bool(self.router_toml)
+
+
+def default_autopilot(speed: float, slo: Slo) -> str:
+    """``[autopilot]`` in mode auto with the benchmark's SLOs, its sampling, window, sustain and
+    cooldown scaled like the trace (2, 10, 8 and 15 modeled seconds): the router measures wall
+    time, so every duration it is given is a modeled one times ``speed``."""
+    keys = {
+        "interval_secs": 2 * speed,
+        "window_secs": 10 * speed,
+        "sustain_secs": 8 * speed,
+        "cooldown_secs": 15 * speed,
+        "ttft_slo_ms": slo.ttft_secs * 1000 * speed,
+        "tpot_slo_ms": slo.tpot_secs * 1000 * speed,
+    }
+    return '[autopilot]\nmode = "auto"\n' + "".join(f"{k} = {v:g}\n" for k, v in keys.items())
 
 
 def configurations(autopilot_toml: str, restart_secs: float) -> list[Configuration]:
@@ -512,6 +526,7 @@ def plot(runs: list[Run], spec: TraceSpec, slo: Slo, path: Path, bin_secs: float
     bottom.set_ylabel("ACTIVE prefills (of 4)")
     bottom.set_xlabel("modeled time (s)")
     bottom.set_ylim(0, 4.2)
+    bottom.set_xlim(0, spec.duration)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -525,7 +540,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--speed", type=float, default=0.4, help="wall s per modeled s")
     parser.add_argument("--phases", type=int, default=6)
     parser.add_argument("--phase-secs", type=float, default=50.0, help="modeled seconds")
-    parser.add_argument("--load", type=float, default=1.0, help="multiplies every arrival rate")
+    parser.add_argument("--load", type=float, default=0.8, help="multiplies every arrival rate")
     parser.add_argument("--seed", type=int, default=10)
     parser.add_argument("--decode-batch-cap", type=int, default=8)
     parser.add_argument("--ttft-ms", type=float, default=2000.0)
@@ -536,7 +551,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=Path,
         default=None,
         help="TOML fragment appended to the router config of the autopilot configurations "
-        f"(default: {DEFAULT_AUTOPILOT!r})",
+        "(default: [autopilot] mode auto with the SLOs and reaction times scaled by --speed)",
     )
     parser.add_argument("--only", choices=("static", "autopilot"), default=None)
     parser.add_argument("--bin-secs", type=float, default=10.0, help="plot bin, modeled s")
@@ -569,7 +584,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     spec = TraceSpec(args.seed, args.phases, args.phase_secs, args.load)
     slo = Slo(args.ttft_ms / 1000, args.tpot_ms / 1000)
     autopilot_toml = (
-        args.autopilot_config.read_text() if args.autopilot_config else DEFAULT_AUTOPILOT
+        args.autopilot_config.read_text()
+        if args.autopilot_config
+        else default_autopilot(args.speed, slo)
     )
     trace = make_trace(spec)
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
