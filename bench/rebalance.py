@@ -444,6 +444,11 @@ def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value * 1000:.0f}"
 
 
+def _ratio(value: float, best: float) -> str:
+    """``value`` against the best static split (which a run of --only autopilot lacks)."""
+    return "-" if math.isnan(best) or best == 0 else f"{value / best:.2f}x"
+
+
 def _pct(value: float) -> str:
     return "-" if math.isnan(value) else f"{100 * value:.0f}%"
 
@@ -492,7 +497,7 @@ def report(
             f" (+{run.failed_conversions} failed)" if run.failed_conversions else ""
         )
         lines.append(
-            f"| {run.config.name} | {value:.2f} | {value / best:.2f}x | "
+            f"| {run.config.name} | {value:.2f} | {_ratio(value, best)} | "
             + " | ".join(_pct(s) for s in shares)
             + f" | {latency} | {conversions} | {failed} | {run.wall_secs:.0f} |"
         )
