@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser demo test lint bench bench-worker bench-overhead bench-convert screenshot clean
+.PHONY: install browser demo test lint bench bench-worker bench-overhead bench-convert bench-rebalance screenshot clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -46,6 +46,11 @@ bench-overhead: $(STAMP)
 
 bench-convert: $(STAMP)
 	$(VENV)/bin/python bench/convert_under_load.py
+
+# The autopilot against static P:D splits on a phase-shifting trace (~13 min; plots with matplotlib).
+bench-rebalance: $(STAMP)
+	$(VENV)/bin/python -c "import matplotlib" 2>/dev/null || $(VENV)/bin/python -m pip install --quiet -e '.[bench]'
+	$(VENV)/bin/python bench/rebalance.py
 
 screenshot: $(STAMP) browser
 	$(VENV)/bin/python bench/screenshot.py

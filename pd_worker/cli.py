@@ -1,8 +1,8 @@
 """``pd-worker`` command line: ``serve`` one worker, or start a whole ``cluster`` of processes.
 
     pd-worker serve --role prefill --port 30000 --bootstrap-port 8998 [--enable-pd-role-switch]
-                    [--speed 0.1] [--prefill-secs-per-token ...] [other timing knobs]
-    pd-worker cluster --prefill 2 --decode 2 [--base-port 30000] [--speed 1.0]
+                    [--profile h100-8b] [--speed 0.1] [--prefill-secs-per-token ...] [other knobs]
+    pd-worker cluster --prefill 2 --decode 2 [--base-port 30000] [--speed 1.0] [--profile NAME]
 
 Bad arguments print one line and exit with status 2.
 """
@@ -20,7 +20,7 @@ from typing import NoReturn
 
 from pd_protocol.wire import ROLES
 from pd_worker.config import WorkerConfig
-from pd_worker.timing import TimingModel
+from pd_worker.timing import PROFILES, TimingModel, profile
 
 USAGE_ERROR = 2
 
@@ -33,6 +33,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_timing_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILES),
+        default=None,
+        help="named timing model calibrated to a real GPU; the knobs below override it",
+    )
     defaults = TimingModel()
     for f in fields(TimingModel):
         kind = int if isinstance(getattr(defaults, f.name), int) else float
@@ -87,6 +93,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     cluster.add_argument("--host", default="127.0.0.1")
     cluster.add_argument("--speed", type=float, default=1.0)
+    cluster.add_argument("--profile", choices=sorted(PROFILES), default=None)
     cluster.add_argument(
         "--no-role-switch", action="store_true", help="launch without --enable-pd-role-switch"
     )
@@ -112,7 +119,7 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         enable_faults=args.enable_faults,
         decode_cuda_graph_memory_gb=args.decode_cuda_graph_memory_gb,
         gpu_free_memory_gb=args.gpu_free_memory_gb,
-        timing=TimingModel(**knobs),
+        timing=profile(args.profile, **knobs),
     )
 
 
@@ -206,6 +213,7 @@ def _run_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         base_port=args.base_port,
         host=args.host,
         enable_pd_role_switch=not args.no_role_switch,
+        profile=args.profile,
     )
     try:
         cluster.start()

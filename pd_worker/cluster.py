@@ -23,7 +23,8 @@ Asynchronous use (process start and health polling run in a thread)::
 Keyword arguments besides the documented ones are timing knobs of
 :class:`pd_worker.timing.TimingModel` (``speed``, ``max_total_num_tokens``,
 ``bootstrap_timeout_secs``, ...). Workers start with ``--enable-pd-role-switch`` and
-``--enable-faults`` unless told otherwise; ``admin_api_key`` guards their admin routes.
+``--enable-faults`` unless told otherwise; ``admin_api_key`` guards their admin routes;
+``profile`` names a calibrated timing model (``h100-8b``) that the knobs then override.
 :func:`free_port` returns a free loopback TCP port.
 """
 
@@ -105,6 +106,7 @@ class WorkerCluster:
         enable_pd_role_switch: bool = True,
         enable_faults: bool = True,
         admin_api_key: str | None = None,
+        profile: str | None = None,
         startup_timeout: float = 30.0,
         extra_args: tuple[str, ...] = (),
         **knobs: Any,
@@ -121,6 +123,7 @@ class WorkerCluster:
             (("--enable-pd-role-switch",) if enable_pd_role_switch else ())
             + (("--enable-faults",) if enable_faults else ())
             + (("--admin-api-key", admin_api_key) if admin_api_key else ())
+            + (("--profile", profile) if profile else ())
             + tuple(extra_args)
         )
         self.admin_api_key = admin_api_key

@@ -145,6 +145,7 @@ class DecodeRole:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self._puller = KVPuller()
+        self._context_tokens = 0
 
     def start(self) -> None:
         """Nothing to start: decode work runs inside each request."""
@@ -193,16 +194,30 @@ class DecodeRole:
         return pulled.payload, pulled.source
 
     async def _decode(self, item: GenItem, payload: bytes, source: str | None, emit: Emit) -> None:
-        engine = self._engine
-        timing = engine.timing
         planned = output_ids_from_payload(payload, item.max_new_tokens)
-        ids: list[int] = []
-        text = ""
         if not planned:
             emit(Progress([], "", {"type": "length", "length": 0}, source))
             return
+        held = [len(item.prompt_ids)]
+        self._context_tokens += held[0]
+        try:
+            await self._generate(item, planned, source, emit, held)
+        finally:
+            self._context_tokens -= held[0]
+
+    async def _generate(
+        self, item: GenItem, planned: list[int], source: str | None, emit: Emit, held: list[int]
+    ) -> None:
+        """One token per decode step; a step is as long as the whole running batch and the
+        context it attends to make it (``held[0]``: this request's share of that context)."""
+        engine = self._engine
+        timing = engine.timing
+        ids: list[int] = []
+        text = ""
         for token_id in planned:
-            await timing.wait(timing.decode_step_secs(engine.num_running))
+            await timing.wait(timing.decode_step_secs(engine.num_running, self._context_tokens))
+            self._context_tokens += 1
+            held[0] += 1
             ids.append(token_id)
             engine.stats.count_generated(1)
             finish = None

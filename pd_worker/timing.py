@@ -1,6 +1,8 @@
 """Timing model of a PD worker: how long prefill, decode steps and KV transfers take.
 
-Defaults loosely follow an 8B model on one modern GPU. Every modeled duration is multiplied by
+Defaults loosely follow an 8B model on one modern GPU; :data:`PROFILES` holds named sets of
+knobs calibrated to published figures (``h100-8b``: Llama-3.1-8B in BF16 on one H100 SXM, the
+sources in docs/PERFORMANCE.md, "Timing model"). Every modeled duration is multiplied by
 ``speed`` before sleeping: 1.0 is modeled real time, 0.1 runs ten times faster, and 0 removes
 artificial delays entirely (benchmarks and fast tests). Capacities (KV tokens, running requests,
 prefill token budget) are not scaled, so queueing and saturation behave the same at every speed.
@@ -9,7 +11,8 @@ prefill token budget) are not scaled, so queueing and saturation behave the same
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from types import MappingProxyType
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class TimingModel:
     max_prefill_tokens: int = 16384
     decode_step_base_secs: float = 0.01
     decode_step_per_req_secs: float = 0.0002
+    decode_step_per_ctx_token_secs: float = 0.0
     kv_bytes_per_token: int = 131072
     kv_transfer_gbps: float = 20.0
     max_total_num_tokens: int = 200000
@@ -46,9 +50,14 @@ class TimingModel:
         """Modeled duration of one prefill forward over ``num_tokens`` tokens."""
         return self.prefill_batch_overhead_secs + num_tokens * self.prefill_secs_per_token
 
-    def decode_step_secs(self, batch_size: int) -> float:
-        """Modeled duration of one decode step with ``batch_size`` running requests."""
-        return self.decode_step_base_secs + batch_size * self.decode_step_per_req_secs
+    def decode_step_secs(self, batch_size: int, context_tokens: int = 0) -> float:
+        """Modeled duration of one decode step with ``batch_size`` running requests whose KV
+        holds ``context_tokens`` tokens in all: attention reads every one of them each step."""
+        return (
+            self.decode_step_base_secs
+            + batch_size * self.decode_step_per_req_secs
+            + context_tokens * self.decode_step_per_ctx_token_secs
+        )
 
     def transfer_secs(self, num_tokens: int) -> float:
         """Modeled duration of moving the KV of ``num_tokens`` tokens from prefill to decode."""
@@ -63,3 +72,34 @@ class TimingModel:
     def scaled(self, modeled_secs: float) -> float:
         """Wall-clock seconds of a modeled duration."""
         return modeled_secs * self.speed
+
+
+_H100_8B = TimingModel(
+    prefill_secs_per_token=0.00004,
+    prefill_batch_overhead_secs=0.007,
+    max_prefill_tokens=16384,
+    decode_step_base_secs=0.009,
+    decode_step_per_req_secs=0.00002,
+    decode_step_per_ctx_token_secs=0.00000004,
+    kv_bytes_per_token=131072,
+    kv_transfer_gbps=25.0,
+    max_total_num_tokens=557000,
+    max_running_requests=256,
+    switch_secs=3.0,
+)
+
+PROFILES: MappingProxyType[str, TimingModel] = MappingProxyType({"h100-8b": _H100_8B})
+"""Named timing models (``pd-worker serve --profile NAME``); explicit knobs override them."""
+
+
+def profile(name: str | None, **knobs: float) -> TimingModel:
+    """The timing model of profile ``name`` (the defaults when None) with ``knobs`` applied.
+
+    Raises ValueError for an unknown profile name, listing the known ones."""
+    if name is None:
+        base = TimingModel()
+    elif name in PROFILES:
+        base = PROFILES[name]
+    else:
+        raise ValueError(f"unknown timing profile {name!r}; known: {', '.join(PROFILES)}")
+    return replace(base, **knobs)

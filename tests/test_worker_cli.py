@@ -28,6 +28,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
         ("serve", "--port", "9000", "--bootstrap-port", "9000"),
         ("serve", "--speed", "-1"),
         ("serve", "--max-running-requests", "0"),
+        ("serve", "--profile", "tpu-1b"),
         ("cluster", "--prefill", "0", "--decode", "0"),
         ("frobnicate",),
     ],
@@ -99,3 +100,12 @@ async def test_cluster_is_usable_as_an_async_context_manager():
 def test_unknown_timing_knob_is_a_type_error():
     with pytest.raises(TypeError, match="warp_speed"):
         WorkerCluster(warp_speed=9)
+
+
+async def test_a_timing_profile_sets_the_knobs_that_are_not_given_explicitly():
+    async with (
+        WorkerCluster(prefill=0, decode=1, profile="h100-8b", max_running_requests=8) as cluster,
+        httpx.AsyncClient(timeout=TIMEOUT) as client,
+    ):
+        load = (await client.get(cluster.decode_urls[0] + "/v1/loads")).json()["loads"][0]
+    assert (load["max_total_num_tokens"], load["max_running_requests"]) == (557000, 8)

@@ -1,0 +1,624 @@
+"""Rebalancing benchmark: static P:D splits against the autopilot on a trace that shifts phase.
+
+A 4-worker reference cluster (pd_worker processes, timing profile ``h100-8b``: Llama-3.1-8B on one
+H100, see docs/PERFORMANCE.md "Timing model") sits behind pd-router (its own process). This
+process replays one seeded trace against it per configuration: Poisson arrivals, prompt-heavy
+phases (long prompts, short answers) alternating with answer-heavy phases (short prompts, long
+answers), every request streamed so that its time to first token (TTFT) and time per output
+token (TPOT) are measured at the client. Times are reported in modeled seconds (wall / speed).
+
+Configurations: static 1P3D, 2P2D and 3P1D (nothing converts); ``autopilot`` (2P2D start, the
+router's ``[autopilot]`` section with mode "auto"); ``autopilot-restart`` (the same, but every
+role switch takes ``--restart-secs`` modeled seconds, the cost of a restart and weight reload).
+The autopilot configurations are skipped with a message when the router refuses the section.
+
+Reported per configuration: goodput (requests per second meeting both the TTFT and the TPOT SLO,
+over the trace), SLO attainment per phase, conversions made, failed requests. The report goes to
+bench/results/rebalance-<timestamp>.md and the plot of goodput and pool sizes over time to
+docs/img/rebalance.png (matplotlib: ``pip install -e '.[bench]'``).
+
+    .venv/bin/python bench/rebalance.py                       # every configuration (~13 min)
+    .venv/bin/python bench/rebalance.py --only static         # the three static splits
+    .venv/bin/python bench/rebalance.py --autopilot-config ap.toml   # [autopilot] section to use
+
+Exit status 2 on bad arguments or a missing matplotlib (unless --no-plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from pd_router.config import ConfigError, build_config  # noqa: E402
+from pd_worker.cluster import WorkerCluster, free_port  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+PLOT = REPO / "docs" / "img" / "rebalance.png"
+PROFILE = "h100-8b"
+ROUTER_MAIN = "import sys; from pd_router.cli import main; sys.exit(main())"
+ROUTER_START_TIMEOUT_S = 30.0
+WORKER_WAIT_SECS = 600.0
+REQUEST_READ_TIMEOUT_S = 600.0
+
+
+# --- the trace ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one kind of phase sends: prompt and answer lengths (uniform, inclusive) and rate."""
+
+    name: str
+    prompt_tokens: tuple[int, int]
+    output_tokens: tuple[int, int]
+    rate: float
+
+
+PROMPT_HEAVY = Shape("prompt-heavy", (2000, 6000), (8, 24), 15.0)
+ANSWER_HEAVY = Shape("answer-heavy", (100, 300), (100, 200), 11.0)
+
+
+@dataclass(frozen=True)
+class TraceSpec:
+    """Everything the trace depends on; the same spec gives the same trace."""
+
+    seed: int = 10
+    phases: int = 6
+    phase_secs: float = 50.0
+    load: float = 0.8
+    shapes: tuple[Shape, Shape] = (PROMPT_HEAVY, ANSWER_HEAVY)
+
+    @property
+    def duration(self) -> float:
+        return self.phases * self.phase_secs
+
+
+@dataclass(frozen=True)
+class Phase:
+    index: int
+    shape: Shape
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    """One request of the trace: when it is sent (modeled seconds) and how big it is."""
+
+    at: float
+    phase: int
+    prompt_tokens: int
+    output_tokens: int
+
+
+def phases(spec: TraceSpec) -> list[Phase]:
+    """The phases in order, alternating the two shapes, prompt-heavy first."""
+    return [
+        Phase(i, spec.shapes[i % 2], i * spec.phase_secs, (i + 1) * spec.phase_secs)
+        for i in range(spec.phases)
+    ]
+
+
+def make_trace(spec: TraceSpec) -> list[TraceRequest]:
+    """Poisson arrivals at each phase's rate (times ``load``) with uniform lengths, seeded."""
+    rng = random.Random(spec.seed)
+    trace: list[TraceRequest] = []
+    for phase in phases(spec):
+        shape = phase.shape
+        at = phase.start
+        while (at := at + rng.expovariate(shape.rate * spec.load)) < phase.end:
+            trace.append(
+                TraceRequest(
+                    at,
+                    phase.index,
+                    rng.randint(*shape.prompt_tokens),
+                    rng.randint(*shape.output_tokens),
+                )
+            )
+    return trace
+
+
+# --- outcomes and goodput -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service level objectives in modeled seconds."""
+
+    ttft_secs: float = 2.0
+    tpot_secs: float = 0.030
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the client saw of one request (modeled seconds); ``error`` set when it failed."""
+
+    request: TraceRequest
+    ttft: float | None = None
+    tpot: float | None = None
+    error: str | None = None
+
+
+def meets_slo(outcome: Outcome, slo: Slo) -> bool:
+    """Finished without error, first token within the TTFT SLO, every later one (on average)
+    within the TPOT SLO; a one-token answer has no TPOT to miss."""
+    if outcome.error is not None or outcome.ttft is None or outcome.ttft > slo.ttft_secs:
+        return False
+    return outcome.tpot is None or outcome.tpot <= slo.tpot_secs
+
+
+def goodput(outcomes: Sequence[Outcome], slo: Slo, duration: float) -> float:
+    """Requests per second (modeled) that met both SLOs, over ``duration``."""
+    return sum(meets_slo(o, slo) for o in outcomes) / duration
+
+
+def attainment_by_phase(outcomes: Sequence[Outcome], slo: Slo, count: int) -> list[float]:
+    """Per phase, the share of the requests sent in it that met both SLOs (nan when none)."""
+    sent = [0] * count
+    good = [0] * count
+    for outcome in outcomes:
+        sent[outcome.request.phase] += 1
+        good[outcome.request.phase] += meets_slo(outcome, slo)
+    return [g / s if s else math.nan for g, s in zip(good, sent, strict=True)]
+
+
+def goodput_series(
+    outcomes: Sequence[Outcome], slo: Slo, duration: float, bin_secs: float
+) -> list[float]:
+    """Goodput per bin of ``bin_secs``, each request counted in the bin it was sent in."""
+    bins = [0] * math.ceil(duration / bin_secs)
+    for outcome in outcomes:
+        if meets_slo(outcome, slo):
+            bins[min(int(outcome.request.at // bin_secs), len(bins) - 1)] += 1
+    return [n / bin_secs for n in bins]
+
+
+# --- configurations -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Configuration:
+    name: str
+    prefill: int
+    decode: int
+    router_toml: str = ""
+    switch_secs: float | None = None
+
+    @property
+    def autopilot(self) -> bool:
+        return bool(self.router_toml)
+
+
+def default_autopilot(speed: float, slo: Slo) -> str:
+    """``[autopilot]`` in mode auto with the benchmark's SLOs, its sampling, window, sustain and
+    cooldown scaled like the trace (2, 10, 8 and 15 modeled seconds): the router measures wall
+    time, so every duration it is given is a modeled one times ``speed``."""
+    keys = {
+        "interval_secs": 2 * speed,
+        "window_secs": 10 * speed,
+        "sustain_secs": 8 * speed,
+        "cooldown_secs": 15 * speed,
+        "ttft_slo_ms": slo.ttft_secs * 1000 * speed,
+        "tpot_slo_ms": slo.tpot_secs * 1000 * speed,
+    }
+    return '[autopilot]\nmode = "auto"\n' + "".join(f"{k} = {v:g}\n" for k, v in keys.items())
+
+
+def configurations(autopilot_toml: str, restart_secs: float) -> list[Configuration]:
+    return [
+        Configuration("static 1P3D", 1, 3),
+        Configuration("static 2P2D", 2, 2),
+        Configuration("static 3P1D", 3, 1),
+        Configuration("autopilot", 2, 2, autopilot_toml),
+        Configuration("autopilot-restart", 2, 2, autopilot_toml, restart_secs),
+    ]
+
+
+def router_toml(port: int, prefill: dict[str, int], decode: list[str], extra: str) -> str:
+    """The router's config: conversions allowed down to one worker per pool, plus ``extra``."""
+    lines = [
+        'host = "127.0.0.1"',
+        f"port = {port}",
+        'log_level = "warning"',
+        "[conversion]",
+        "min_prefill = 1",
+        "min_decode = 1",
+        "max_concurrent = 1",
+        "drain_timeout_secs = 600.0",
+        "[health]",
+        "interval_secs = 1.0",
+    ]
+    for url, bootstrap_port in prefill.items():
+        lines += ["[[prefill]]", f'url = "{url}"', f"bootstrap_port = {bootstrap_port}"]
+    for url in decode:
+        lines += ["[[decode]]", f'url = "{url}"']
+    return "\n".join(lines) + "\n" + extra
+
+
+def refusal(extra: str) -> str | None:
+    """Why the router would refuse ``extra`` (its own config validation), or None."""
+    text = router_toml(1, {"http://127.0.0.1:2": 3}, ["http://127.0.0.1:4"], extra)
+    try:
+        build_config(tomllib.loads(text))
+    except (ConfigError, tomllib.TOMLDecodeError) as exc:
+        return str(exc)
+    return None
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def running_router(cluster: WorkerCluster, extra: str, log_path: Path) -> Iterator[str]:
+    port = free_port()
+    prefill = {url: cluster.bootstrap_port(url) for url in cluster.prefill_urls}
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(router_toml(port, prefill, cluster.decode_urls, extra))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-c", ROUTER_MAIN, "serve", "--config", f.name],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, process, len(cluster.workers))
+        yield url
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+        os.unlink(f.name)
+
+
+def wait_ready(url: str, process: subprocess.Popen[bytes], workers: int) -> None:
+    import httpx
+
+    deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
+    with httpx.Client(timeout=1.0) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise SystemExit(f"router exited with {process.returncode}")
+            with contextlib.suppress(httpx.HTTPError):
+                listed = client.get(url + "/workers").json()["workers"]
+                if len(listed) == workers and all(w["healthy"] for w in listed):
+                    return
+            time.sleep(0.05)
+    raise SystemExit("router not ready in time")
+
+
+# --- replay ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """What one configuration produced."""
+
+    config: Configuration
+    outcomes: list[Outcome] = field(default_factory=list)
+    pools: list[tuple[float, int, int]] = field(default_factory=list)
+    conversions: int = 0
+    failed_conversions: int = 0
+    wall_secs: float = 0.0
+
+
+def prompt_ids(request: TraceRequest) -> list[int]:
+    return [(request.phase * 131 + i * 7) % 30000 + 1 for i in range(request.prompt_tokens)]
+
+
+async def send(
+    session: aiohttp.ClientSession, url: str, request: TraceRequest, speed: float
+) -> Outcome:
+    """Stream one request; TTFT from sending to the first token, TPOT over the rest."""
+    body = {
+        "input_ids": prompt_ids(request),
+        "sampling_params": {"max_new_tokens": request.output_tokens, "ignore_eos": True},
+        "stream": True,
+    }
+    sent = time.monotonic()
+    first = last = None
+    try:
+        async with session.post(url + "/generate", data=orjson.dumps(body)) as response:
+            if response.status != 200:
+                return Outcome(request, error=f"HTTP {response.status}")
+            async for line in response.content:
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    return finished(request, sent, first, last, speed)
+                if "error" in orjson.loads(payload):
+                    return Outcome(request, error=payload[:200].decode(errors="replace"))
+                last = time.monotonic()
+                first = first or last
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return Outcome(request, error=f"{type(exc).__name__}: {exc}")
+    return Outcome(request, error="stream ended without [DONE]")
+
+
+def finished(
+    request: TraceRequest, sent: float, first: float | None, last: float | None, speed: float
+) -> Outcome:
+    if first is None or last is None:
+        return Outcome(request, error="no token before [DONE]")
+    tpot = None
+    if request.output_tokens > 1:
+        tpot = (last - first) / (request.output_tokens - 1) / speed
+    return Outcome(request, ttft=(first - sent) / speed, tpot=tpot)
+
+
+async def sample_pools(
+    session: aiohttp.ClientSession, url: str, run: Run, began: float, speed: float
+) -> None:
+    """Record (modeled time, ACTIVE prefills, ACTIVE decodes) once a modeled second."""
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+            async with session.get(url + "/workers") as response:
+                workers = (await response.json())["workers"]
+            active = [w["role"] for w in workers if w["state"] == "active"]
+            now = (time.monotonic() - began) / speed
+            run.pools.append((now, active.count("prefill"), active.count("decode")))
+        await asyncio.sleep(speed)
+
+
+async def replay(url: str, trace: list[TraceRequest], speed: float, run: Run) -> None:
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=REQUEST_READ_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        began = time.monotonic()
+        sampler = asyncio.create_task(sample_pools(session, url, run, began, speed))
+        tasks = []
+        for request in trace:
+            delay = began + request.at * speed - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(session, url, request, speed)))
+        run.outcomes = list(await asyncio.gather(*tasks))
+        run.wall_secs = time.monotonic() - began
+        sampler.cancel()
+        async with session.get(url + "/conversions?limit=10000") as response:
+            records = (await response.json())["conversions"]
+    run.conversions = sum(bool(r["success"]) for r in records)
+    run.failed_conversions = len(records) - run.conversions
+
+
+def run_configuration(
+    config: Configuration, trace: list[TraceRequest], args: argparse.Namespace, log_dir: Path
+) -> Run:
+    knobs: dict[str, float] = {
+        "max_running_requests": args.decode_batch_cap,
+        "bootstrap_timeout_secs": WORKER_WAIT_SECS,
+        "room_timeout_secs": WORKER_WAIT_SECS,
+    }
+    if config.switch_secs is not None:
+        knobs["switch_secs"] = config.switch_secs
+    run = Run(config)
+    log_path = log_dir / f"router-{config.name.replace(' ', '-')}.log"
+    with (
+        WorkerCluster(
+            config.prefill, config.decode, speed=args.speed, profile=PROFILE, **knobs
+        ) as cluster,
+        running_router(cluster, config.router_toml, log_path) as url,
+    ):
+        asyncio.run(replay(url, trace, args.speed, run))
+    return run
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (nan for no values)."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 1000:.0f}"
+
+
+def _ratio(value: float, best: float) -> str:
+    """``value`` against the best static split (which a run of --only autopilot lacks)."""
+    return "-" if math.isnan(best) or best == 0 else f"{value / best:.2f}x"
+
+
+def _pct(value: float) -> str:
+    return "-" if math.isnan(value) else f"{100 * value:.0f}%"
+
+
+def report(
+    runs: list[Run], skipped: list[str], spec: TraceSpec, slo: Slo, args: argparse.Namespace
+) -> str:
+    phase_list = phases(spec)
+    trace = make_trace(spec)
+    static = [goodput(r.outcomes, slo, spec.duration) for r in runs if not r.config.autopilot]
+    best = max(static, default=math.nan)
+    heads = " | ".join(f"{p.shape.name[0].upper()}{p.index + 1}" for p in phase_list)
+    lines = [
+        f"# Rebalancing benchmark ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)",
+        "",
+        f"Command: `{' '.join(sys.argv)}`",
+        "",
+        f"- Cluster: 4 pd_worker processes, profile `{PROFILE}`, speed {args.speed} "
+        f"(1 modeled s = {args.speed} s wall), decode batch cap {args.decode_batch_cap} "
+        "running requests per worker.",
+        f"- Trace: seed {spec.seed}, {spec.phases} phases of {spec.phase_secs:.0f} modeled s "
+        f"({len(trace)} requests), load x{spec.load}; "
+        + "; ".join(
+            f"{s.name}: {s.rate * spec.load:g} req/s, prompt {s.prompt_tokens[0]}-"
+            f"{s.prompt_tokens[1]}, answer {s.output_tokens[0]}-{s.output_tokens[1]} tokens"
+            for s in spec.shapes
+        ),
+        f"- SLOs: TTFT <= {slo.ttft_secs * 1000:.0f} ms, TPOT <= {slo.tpot_secs * 1000:.0f} ms "
+        "(modeled); goodput = requests meeting both / trace duration.",
+        "",
+        f"| configuration | goodput (req/s) | vs best static | {heads} | TTFT p50/p90 ms "
+        "| TPOT p50/p90 ms | conversions | failed requests | wall s |",
+        "|---|---|---|" + "---|" * len(phase_list) + "---|---|---|---|---|",
+    ]
+    for run in runs:
+        value = goodput(run.outcomes, slo, spec.duration)
+        shares = attainment_by_phase(run.outcomes, slo, spec.phases)
+        failed = sum(o.error is not None for o in run.outcomes)
+        ttft = [o.ttft for o in run.outcomes if o.ttft is not None]
+        tpot = [o.tpot for o in run.outcomes if o.tpot is not None]
+        latency = (
+            f"{_ms(percentile(ttft, 50))}/{_ms(percentile(ttft, 90))} | "
+            f"{_ms(percentile(tpot, 50))}/{_ms(percentile(tpot, 90))}"
+        )
+        conversions = f"{run.conversions}" + (
+            f" (+{run.failed_conversions} failed)" if run.failed_conversions else ""
+        )
+        lines.append(
+            f"| {run.config.name} | {value:.2f} | {_ratio(value, best)} | "
+            + " | ".join(_pct(s) for s in shares)
+            + f" | {latency} | {conversions} | {failed} | {run.wall_secs:.0f} |"
+        )
+    lines += ["", *(f"Skipped: {reason}" for reason in skipped)]
+    errors = [o.error for r in runs for o in r.outcomes if o.error][:5]
+    if errors:
+        lines += ["", "First errors:", *(f"- {e}" for e in errors)]
+    return "\n".join(lines) + "\n"
+
+
+def plot(runs: list[Run], spec: TraceSpec, slo: Slo, path: Path, bin_secs: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    for phase in phases(spec):
+        if phase.shape is spec.shapes[0]:
+            for axis in (top, bottom):
+                axis.axvspan(phase.start, phase.end, color="0.92", lw=0)
+    for run in runs:
+        series = goodput_series(run.outcomes, slo, spec.duration, bin_secs)
+        times = [bin_secs * (i + 0.5) for i in range(len(series))]
+        top.plot(times, series, marker=".", label=run.config.name)
+        if run.pools:
+            bottom.step([p[0] for p in run.pools], [p[1] for p in run.pools], where="post")
+    top.set_ylabel("goodput (req/s)")
+    top.set_title("Goodput and prefill pool size (grey: prompt-heavy phases)")
+    top.legend(fontsize="small", ncol=3)
+    bottom.set_ylabel("ACTIVE prefills (of 4)")
+    bottom.set_xlabel("modeled time (s)")
+    bottom.set_ylim(0, 4.2)
+    bottom.set_xlim(0, spec.duration)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--speed", type=float, default=0.4, help="wall s per modeled s")
+    parser.add_argument("--phases", type=int, default=6)
+    parser.add_argument("--phase-secs", type=float, default=50.0, help="modeled seconds")
+    parser.add_argument("--load", type=float, default=0.8, help="multiplies every arrival rate")
+    parser.add_argument("--seed", type=int, default=10)
+    parser.add_argument("--decode-batch-cap", type=int, default=8)
+    parser.add_argument("--ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--tpot-ms", type=float, default=30.0)
+    parser.add_argument("--restart-secs", type=float, default=60.0, help="modeled switch time")
+    parser.add_argument(
+        "--autopilot-config",
+        type=Path,
+        default=None,
+        help="TOML fragment appended to the router config of the autopilot configurations "
+        "(default: [autopilot] mode auto with the SLOs and reaction times scaled by --speed)",
+    )
+    parser.add_argument("--only", choices=("static", "autopilot"), default=None)
+    parser.add_argument("--bin-secs", type=float, default=10.0, help="plot bin, modeled s")
+    parser.add_argument("--plot", type=Path, default=PLOT)
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    if args.speed <= 0 or args.phases < 1 or args.phase_secs <= 0 or args.load <= 0:
+        parser.error("--speed, --phases, --phase-secs and --load must be > 0")
+    return args
+
+
+def matplotlib_missing() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not args.no_plot and matplotlib_missing():
+        print(
+            "rebalance: matplotlib is missing; install it with "
+            "`.venv/bin/pip install -e '.[bench]'` or pass --no-plot",
+            file=sys.stderr,
+        )
+        return 2
+    spec = TraceSpec(args.seed, args.phases, args.phase_secs, args.load)
+    slo = Slo(args.ttft_ms / 1000, args.tpot_ms / 1000)
+    autopilot_toml = (
+        args.autopilot_config.read_text()
+        if args.autopilot_config
+        else default_autopilot(args.speed, slo)
+    )
+    trace = make_trace(spec)
+    stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    log_dir = args.results_dir / f"rebalance-{stamp}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs: list[Run] = []
+    skipped: list[str] = []
+    for config in configurations(autopilot_toml, args.restart_secs):
+        if args.only and (args.only == "autopilot") != config.autopilot:
+            continue
+        reason = refusal(config.router_toml) if config.autopilot else None
+        if reason is not None:
+            skipped.append(f"{config.name}: the router refuses the autopilot config ({reason})")
+            print(f"rebalance: skipping {skipped[-1]}", file=sys.stderr)
+            continue
+        print(f"rebalance: {config.name} ({len(trace)} requests)", file=sys.stderr, flush=True)
+        runs.append(run_configuration(config, trace, args, log_dir))
+    text = report(runs, skipped, spec, slo, args)
+    written = args.results_dir / f"rebalance-{stamp}.md"
+    written.write_text(text)
+    print(text)
+    print(f"rebalance: report written to {written}", file=sys.stderr)
+    if not args.no_plot and runs:
+        plot(runs, spec, slo, args.plot, args.bin_secs)
+        print(f"rebalance: plot written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

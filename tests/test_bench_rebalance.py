@@ -1,0 +1,82 @@
+"""The rebalancing benchmark's trace and goodput: the trace is seeded and shifts phase as
+specified, and goodput counts exactly the requests that met both SLOs. Pure functions, no
+processes; the figures themselves belong in docs/PERFORMANCE.md."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture
+def rb(monkeypatch: pytest.MonkeyPatch):
+    """bench/ is a folder of scripts, not a package: import rebalance.py from it."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import rebalance
+
+    return rebalance
+
+
+def test_the_same_seed_gives_the_same_trace_and_another_seed_another(rb) -> None:
+    spec = rb.TraceSpec(seed=3, phases=2, phase_secs=10.0)
+    assert rb.make_trace(spec) == rb.make_trace(rb.TraceSpec(seed=3, phases=2, phase_secs=10.0))
+    assert rb.make_trace(spec) != rb.make_trace(rb.TraceSpec(seed=4, phases=2, phase_secs=10.0))
+
+
+def test_phases_alternate_prompt_heavy_and_answer_heavy_shapes(rb) -> None:
+    spec = rb.TraceSpec(seed=1, phases=4, phase_secs=30.0)
+    trace = rb.make_trace(spec)
+    for phase in rb.phases(spec):
+        sent = [r for r in trace if r.phase == phase.index]
+        shape = rb.PROMPT_HEAVY if phase.index % 2 == 0 else rb.ANSWER_HEAVY
+        assert all(phase.start <= r.at < phase.end for r in sent)
+        assert all(
+            shape.prompt_tokens[0] <= r.prompt_tokens <= shape.prompt_tokens[1] for r in sent
+        )
+        assert all(
+            shape.output_tokens[0] <= r.output_tokens <= shape.output_tokens[1] for r in sent
+        )
+    prompt_heavy = [r for r in trace if r.phase == 0]
+    answer_heavy = [r for r in trace if r.phase == 1]
+    assert min(r.prompt_tokens for r in prompt_heavy) > max(r.prompt_tokens for r in answer_heavy)
+    assert max(r.output_tokens for r in prompt_heavy) < min(r.output_tokens for r in answer_heavy)
+
+
+def test_arrivals_follow_each_phase_rate_times_the_load(rb) -> None:
+    spec = rb.TraceSpec(seed=2, phases=2, phase_secs=200.0, load=0.5)
+    trace = rb.make_trace(spec)
+    for index, shape in enumerate(spec.shapes):
+        expected = shape.rate * spec.load * spec.phase_secs
+        count = sum(r.phase == index for r in trace)
+        assert abs(count - expected) < 5 * math.sqrt(expected)
+
+
+def test_goodput_counts_only_requests_meeting_both_slos(rb) -> None:
+    slo = rb.Slo(ttft_secs=1.0, tpot_secs=0.05)
+    request = rb.TraceRequest(at=0.0, phase=0, prompt_tokens=10, output_tokens=5)
+    outcomes = [
+        rb.Outcome(request, ttft=0.5, tpot=0.01),  # meets both
+        rb.Outcome(request, ttft=1.0, tpot=0.05),  # exactly at both limits
+        rb.Outcome(request, ttft=1.5, tpot=0.01),  # first token too late
+        rb.Outcome(request, ttft=0.5, tpot=0.06),  # answer too slow
+        rb.Outcome(request, error="HTTP 503"),  # failed
+    ]
+    assert rb.goodput(outcomes, slo, duration=4.0) == 0.5
+
+
+def test_attainment_is_per_phase_of_sending(rb) -> None:
+    slo = rb.Slo(ttft_secs=1.0, tpot_secs=0.05)
+    first = rb.TraceRequest(at=1.0, phase=0, prompt_tokens=10, output_tokens=1)
+    second = rb.TraceRequest(at=11.0, phase=1, prompt_tokens=10, output_tokens=5)
+    outcomes = [
+        rb.Outcome(first, ttft=0.2),
+        rb.Outcome(second, ttft=0.2, tpot=0.01),
+        rb.Outcome(second, ttft=3.0, tpot=0.01),
+    ]
+    assert rb.attainment_by_phase(outcomes, slo, 3)[:2] == [1.0, 0.5]
+    assert math.isnan(rb.attainment_by_phase(outcomes, slo, 3)[2])
+    assert rb.goodput_series(outcomes, slo, duration=20.0, bin_secs=10.0) == [0.1, 0.1]
