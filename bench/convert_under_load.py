@@ -23,15 +23,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import itertools
 import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,15 +36,16 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from pd_worker.cluster import WorkerCluster, free_port  # noqa: E402
+from router_process import running_router  # noqa: E402
+
+from pd_worker.cluster import WorkerCluster  # noqa: E402
 from pd_worker.tokens import expected_text  # noqa: E402
 
 OVERHEAD_GOAL_S = 0.020
 IDLE_TO_SWITCH_GOAL_S = 0.050
-ROUTER_START_TIMEOUT_S = 30.0
 MAX_BENCH_SECS = 600.0
 WARM_UP_TIMEOUT_SECS = 30.0
-ROUTER_MAIN = "import sys; from pd_router.cli import main; sys.exit(main())"
+DRAIN_TIMEOUT_SECS = 60.0
 
 
 @dataclass
@@ -58,72 +54,6 @@ class Load:
     ok: int = 0
     failed: int = 0
     errors: list[str] = field(default_factory=list)
-
-
-# --- processes ------------------------------------------------------------------------------
-
-
-def router_config(cluster: WorkerCluster, port: int) -> str:
-    lines = [
-        'host = "127.0.0.1"',
-        f"port = {port}",
-        'log_level = "warning"',
-        "[conversion]",
-        "min_prefill = 1",
-        "min_decode = 1",
-        "max_concurrent = 1",
-        "drain_timeout_secs = 60.0",
-        "[health]",
-        "interval_secs = 1.0",
-    ]
-    for url in cluster.prefill_urls:
-        lines += [
-            "[[prefill]]",
-            f'url = "{url}"',
-            f"bootstrap_port = {cluster.bootstrap_port(url)}",
-        ]
-    for url in cluster.decode_urls:
-        lines += ["[[decode]]", f'url = "{url}"']
-    return "\n".join(lines) + "\n"
-
-
-@contextlib.contextmanager
-def running_router(cluster: WorkerCluster) -> Iterator[str]:
-    port = free_port()
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write(router_config(cluster, port))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    process = subprocess.Popen(
-        [sys.executable, "-c", ROUTER_MAIN, "serve", "--config", f.name], env=env
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, process)
-        yield url
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
-        os.unlink(f.name)
-
-
-def wait_ready(url: str, process: subprocess.Popen[bytes]) -> None:
-    import httpx
-
-    deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
-    with httpx.Client(timeout=1.0) as client:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise SystemExit(f"router exited with {process.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                workers = client.get(url + "/workers").json()["workers"]
-                if len(workers) == 4 and all(w["healthy"] for w in workers):
-                    return
-            time.sleep(0.05)
-    raise SystemExit("router not ready in time")
 
 
 # --- load -----------------------------------------------------------------------------------
@@ -327,7 +257,7 @@ def main() -> int:
 
             for worker_url in cluster.urls:
                 httpx.post(worker_url + "/fault", json={"native_only": True}).raise_for_status()
-        with running_router(cluster) as url:
+        with running_router(cluster, drain_timeout_secs=DRAIN_TIMEOUT_SECS) as url:
             records, load, elapsed, problems = asyncio.run(soak(url, args))
     for problem in problems[:5]:
         print("conversion problem:", problem)

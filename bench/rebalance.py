@@ -30,15 +30,11 @@ import argparse
 import asyncio
 import contextlib
 import math
-import os
 import random
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 import tomllib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -49,14 +45,16 @@ import orjson
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from router_process import router_toml, running_router  # noqa: E402
+
 from pd_router.config import ConfigError, build_config  # noqa: E402
-from pd_worker.cluster import WorkerCluster, free_port  # noqa: E402
+from pd_worker.cluster import WorkerCluster  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 PLOT = REPO / "docs" / "img" / "rebalance.png"
 PROFILE = "h100-8b"
-ROUTER_MAIN = "import sys; from pd_router.cli import main; sys.exit(main())"
-ROUTER_START_TIMEOUT_S = 30.0
+# A conversion may wait for long answers of the modeled model to finish.
+DRAIN_TIMEOUT_SECS = 600.0
 WORKER_WAIT_SECS = 600.0
 REQUEST_READ_TIMEOUT_S = 600.0
 
@@ -234,82 +232,17 @@ def configurations(autopilot_toml: str, restart_secs: float) -> list[Configurati
     ]
 
 
-def router_toml(port: int, prefill: dict[str, int], decode: list[str], extra: str) -> str:
-    """The router's config: conversions allowed down to one worker per pool, plus ``extra``."""
-    lines = [
-        'host = "127.0.0.1"',
-        f"port = {port}",
-        'log_level = "warning"',
-        "[conversion]",
-        "min_prefill = 1",
-        "min_decode = 1",
-        "max_concurrent = 1",
-        "drain_timeout_secs = 600.0",
-        "[health]",
-        "interval_secs = 1.0",
-    ]
-    for url, bootstrap_port in prefill.items():
-        lines += ["[[prefill]]", f'url = "{url}"', f"bootstrap_port = {bootstrap_port}"]
-    for url in decode:
-        lines += ["[[decode]]", f'url = "{url}"']
-    return "\n".join(lines) + "\n" + extra
-
-
 def refusal(extra: str) -> str | None:
     """Why the router would refuse ``extra`` (its own config validation), or None."""
-    text = router_toml(1, {"http://127.0.0.1:2": 3}, ["http://127.0.0.1:4"], extra)
+    text = router_toml(
+        1, {"http://127.0.0.1:2": 3}, ["http://127.0.0.1:4"],
+        drain_timeout_secs=DRAIN_TIMEOUT_SECS, extra=extra,
+    )  # fmt: skip
     try:
         build_config(tomllib.loads(text))
     except (ConfigError, tomllib.TOMLDecodeError) as exc:
         return str(exc)
     return None
-
-
-# --- processes ------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def running_router(cluster: WorkerCluster, extra: str, log_path: Path) -> Iterator[str]:
-    port = free_port()
-    prefill = {url: cluster.bootstrap_port(url) for url in cluster.prefill_urls}
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write(router_toml(port, prefill, cluster.decode_urls, extra))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-c", ROUTER_MAIN, "serve", "--config", f.name],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, process, len(cluster.workers))
-        yield url
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
-        os.unlink(f.name)
-
-
-def wait_ready(url: str, process: subprocess.Popen[bytes], workers: int) -> None:
-    import httpx
-
-    deadline = time.monotonic() + ROUTER_START_TIMEOUT_S
-    with httpx.Client(timeout=1.0) as client:
-        while time.monotonic() < deadline:
-            if process.poll() is not None:
-                raise SystemExit(f"router exited with {process.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                listed = client.get(url + "/workers").json()["workers"]
-                if len(listed) == workers and all(w["healthy"] for w in listed):
-                    return
-            time.sleep(0.05)
-    raise SystemExit("router not ready in time")
 
 
 # --- replay ---------------------------------------------------------------------------------
@@ -423,7 +356,12 @@ def run_configuration(
         WorkerCluster(
             config.prefill, config.decode, speed=args.speed, profile=PROFILE, **knobs
         ) as cluster,
-        running_router(cluster, config.router_toml, log_path) as url,
+        running_router(
+            cluster,
+            drain_timeout_secs=DRAIN_TIMEOUT_SECS,
+            extra=config.router_toml,
+            log_path=log_path,
+        ) as url,  # fmt: skip
     ):
         asyncio.run(replay(url, trace, args.speed, run))
     return run
