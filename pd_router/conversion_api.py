@@ -13,7 +13,6 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from pd_protocol.wire import UNSUPPORTED_KNOBS
@@ -21,6 +20,8 @@ from pd_router.control import WorkerControl, open_control_session
 from pd_router.conversion import AlreadyInRole, ConversionManager
 from pd_router.conversion_history import Conversion, ConversionRequest, Status
 from pd_router.errors import BadRequest
+from pd_router.info import json_response
+from pd_router.requests import parse_admin_body
 from pd_router.state import ROUTER, router_of
 from pd_router.workers import Role
 
@@ -108,25 +109,25 @@ class InvalidField(BadRequest):
 
 async def convert_pd_role(request: web.Request) -> web.Response:
     """Start a conversion; with ``wait`` (default true) answer when it has ended."""
-    body = await _json_object(request)
+    body = parse_admin_body(await request.read())
     _check_known(body, CONVERT_FIELDS | PASS_THROUGH_FIELDS)
     wait = _bool(body, "wait", True)
     conversion_request = parse_convert_body(body)
     conversion = await _manager(request).start(conversion_request)
     location = f"/conversions/{conversion.id}"
     if not wait:
-        return _json(
+        return json_response(
             {"id": conversion.id, "status": conversion.status.value, "location": location},
             status=202,
             headers={"Location": location},
         )
     await conversion.wait()
-    return _json(conversion.as_dict(), status=200 if conversion.succeeded else 400)
+    return json_response(conversion.as_dict(), status=200 if conversion.succeeded else 400)
 
 
 async def pd_role_switch(request: web.Request) -> web.Response:
     """SGLang mini_lb's ``/pd_role_switch``: same body, same status codes."""
-    body = await _json_object(request)
+    body = parse_admin_body(await request.read())
     _check_known(body, MINI_LB_FIELDS)
     worker_url = body.get("worker_url")
     if not isinstance(worker_url, str) or not worker_url:
@@ -146,7 +147,7 @@ async def pd_role_switch(request: web.Request) -> web.Response:
     try:
         conversion = await _manager(request).start(conversion_request)
     except AlreadyInRole as exc:
-        return _json(
+        return json_response(
             {
                 "success": True,
                 "message": "already in target role",
@@ -157,18 +158,18 @@ async def pd_role_switch(request: web.Request) -> web.Response:
         )
     await conversion.wait()
     status, reply = mini_lb_reply(conversion)
-    return _json(reply, status=status)
+    return json_response(reply, status=status)
 
 
 async def list_conversions(request: web.Request) -> web.Response:
     limit = _query_int(request, "limit", DEFAULT_LIST_LIMIT)
     manager = _manager(request)
     records = [c.as_dict() for _, c in zip(range(limit), manager.history(), strict=False)]
-    return _json({"active": [c.id for c in manager.active()], "conversions": records})
+    return json_response({"active": [c.id for c in manager.active()], "conversions": records})
 
 
 async def get_conversion(request: web.Request) -> web.Response:
-    return _json(_manager(request).get(request.match_info["id"]).as_dict())
+    return json_response(_manager(request).get(request.match_info["id"]).as_dict())
 
 
 async def abort_conversion(request: web.Request) -> web.Response:
@@ -177,8 +178,8 @@ async def abort_conversion(request: web.Request) -> web.Response:
     try:
         await asyncio.wait_for(asyncio.shield(conversion.wait()), ABORT_REPLY_WAIT_SECS)
     except TimeoutError:
-        return _json(conversion.as_dict(), status=202)
-    return _json(conversion.as_dict())
+        return json_response(conversion.as_dict(), status=202)
+    return json_response(conversion.as_dict())
 
 
 # --- replies --------------------------------------------------------------------------------
@@ -241,17 +242,6 @@ def parse_convert_body(body: dict[str, Any]) -> ConversionRequest:
             if k in PASS_THROUGH_FIELDS and v is not None and v is not False
         },
     )
-
-
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw) if raw else {}
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object")
-    return body
 
 
 def _check_known(body: dict[str, Any], allowed: frozenset[str]) -> None:
@@ -318,12 +308,3 @@ def _query_int(request: web.Request, name: str, default: int) -> int:
     if value < 0:
         raise InvalidField(name, f"{name} must not be negative")
     return value
-
-
-def _json(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=orjson.dumps(body),
-        status=status,
-        content_type="application/json",
-        headers=headers,
-    )

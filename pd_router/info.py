@@ -67,8 +67,12 @@ class Reply:
         return entry
 
 
-def json_response(data: object, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+def json_response(
+    data: object, status: int = 200, headers: dict[str, str] | None = None
+) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(data), status=status, content_type="application/json", headers=headers
+    )
 
 
 async def call(

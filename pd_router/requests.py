@@ -40,6 +40,12 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     return body
 
 
+def parse_admin_body(raw: bytes) -> dict[str, Any]:
+    """An admin call's JSON object (``/convert_pd_role``, ``PUT /autopilot``, ...): an empty
+    body means no fields; anything else is checked as :func:`parse_body` checks it."""
+    return parse_body(raw) if raw else {}
+
+
 def check_nesting(raw: bytes, body: dict[str, Any]) -> None:
     """BadRequest when ``body`` is nested deeper than :data:`MAX_NESTING`. Nesting is at most
     the number of opening brackets; only a body with more of them than that (a long chat, a

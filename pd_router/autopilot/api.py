@@ -3,13 +3,12 @@ last decisions with their reasons) and ``PUT /autopilot`` (change mode and targe
 
 from __future__ import annotations
 
-from typing import Any
-
-import orjson
 from aiohttp import web
 
 from pd_router.config import ConfigError
 from pd_router.errors import BadRequest
+from pd_router.info import json_response
+from pd_router.requests import parse_admin_body
 from pd_router.state import router_of
 
 
@@ -26,7 +25,7 @@ def add_autopilot_routes(app: web.Application) -> None:
 
 
 async def get_autopilot(request: web.Request) -> web.Response:
-    return _json(router_of(request).autopilot.to_json())
+    return json_response(router_of(request).autopilot.to_json())
 
 
 async def put_autopilot(request: web.Request) -> web.Response:
@@ -34,22 +33,7 @@ async def put_autopilot(request: web.Request) -> web.Response:
     the new state."""
     autopilot = router_of(request).autopilot
     try:
-        autopilot.configure(await _json_object(request))
+        autopilot.configure(parse_admin_body(await request.read()))
     except ConfigError as exc:
         raise InvalidSetting(exc) from exc
-    return _json(autopilot.to_json())
-
-
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw) if raw else {}
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object")
-    return body
-
-
-def _json(data: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+    return json_response(autopilot.to_json())
