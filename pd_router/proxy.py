@@ -21,7 +21,6 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
-from pd_protocol.wire import ROLE_HEADER
 from pd_router.aborts import find_abort
 from pd_router.errors import (
     ClientClosedRequest,
@@ -49,7 +48,6 @@ from pd_router.upstream import (
     UPSTREAM_ERRORS,
     LegFailed,
     LegResult,
-    Legs,
     abort,
     abort_failure,
     fetch_decode,
@@ -134,18 +132,11 @@ class Exchange:
         self.request_id = request[REQUEST_ID]
         self.upstream_id = request[UPSTREAM_ID]
         self.client_rid = body.get("rid")
-        headers = {
-            "Content-Type": "application/json",
-            "X-Request-Id": self.request_id,
-            **router.worker_headers,
-        }
-        # Each leg names the role it is routed as: an extension worker that serves the other
-        # role answers 421 at once instead of failing the KV hand-off minutes later.
-        self.prefill_headers = {**headers, ROLE_HEADER: Role.PREFILL.value}
-        self.decode_headers = {**headers, ROLE_HEADER: Role.DECODE.value}
+        request_id = {"X-Request-Id": self.request_id}
+        self.prefill_headers = {**router.leg_headers[Role.PREFILL], **request_id}
+        self.decode_headers = {**router.leg_headers[Role.DECODE], **request_id}
         self.stream = bool(body.get("stream"))
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
-        self.legs = Legs(router.legs, router.config.legs, router.count_upstream_error)
 
     async def run(self) -> web.StreamResponse:
         retry = self.router.config.retry
@@ -249,7 +240,7 @@ class Exchange:
         registry.acquire(prefill)
         registry.acquire(decode)
         path = self.endpoint.path
-        legs = self.legs
+        legs = self.router.upstream
         p_task = asyncio.create_task(
             fetch_prefill(legs, prefill, prefill.url + path, payload, self.prefill_headers)
         )

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from pd_protocol.wire import ROLE_HEADER
 from pd_router.autopilot.controller import Autopilot
 from pd_router.config import RouterConfig
 from pd_router.errors import NoWorkers
@@ -30,6 +31,7 @@ from pd_router.http1_conn import WorkerUnavailable
 from pd_router.latency import LatencyRecorder
 from pd_router.metrics import RouterMetrics
 from pd_router.policies import Policy, make_policy
+from pd_router.upstream import Legs
 from pd_router.workers import Role, Unavailability, Worker, WorkerRegistry, WorkerState
 
 if TYPE_CHECKING:
@@ -62,6 +64,19 @@ class Router:
             connect_timeout=config.connect_timeout_secs,
             request_timeout=config.request_timeout_secs,
         )
+        # What every leg uses (the pool, its limits, the error metric), and the headers of each
+        # role's legs but the request id. A leg names the role it is routed as: an extension
+        # worker that serves the other role answers 421 at once instead of failing the KV
+        # hand-off minutes later.
+        self.upstream = Legs(self.legs, config.legs, self.count_upstream_error)
+        self.leg_headers: dict[Role, dict[str, str]] = {
+            role: {
+                "Content-Type": "application/json",
+                **self.worker_headers,
+                ROLE_HEADER: role.value,
+            }
+            for role in Role
+        }
         self.registry.on_unavailable(self._end_legs)
         self._background: set[asyncio.Task] = set()
         self._request_children: dict[tuple[str, int], Any] = {}
