@@ -222,7 +222,6 @@ class WorkerRegistry:
         self._by_url: dict[str, Worker] = {}
         self._by_id: dict[str, Worker] = {}
         self._ids = itertools.count(1)
-        self._changed = asyncio.Event()
         self._unavailable_callbacks: list[UnavailableCallback] = []
         for role in Role:
             self._metrics.pool_size.labels(role.value).set(0)
@@ -271,7 +270,6 @@ class WorkerRegistry:
         self._metrics.circuit_state.labels(url).set(0)
         self._export_state(worker)
         self._export_pools()
-        self._notify()
         return worker
 
     def begin_removal(self, worker: Worker) -> None:
@@ -290,7 +288,6 @@ class WorkerRegistry:
         del self._by_id[worker.id]
         self._metrics.forget_worker(worker.url, worker.role.value, [s.value for s in WorkerState])
         self._export_pools()
-        self._notify()
         self._tell_unavailable(worker, Unavailability.REMOVED)
 
     def get(self, key: str) -> Worker:
@@ -402,7 +399,6 @@ class WorkerRegistry:
             return
         worker.healthy = healthy
         self._metrics.worker_healthy.labels(worker.url).set(1 if healthy else 0)
-        self._notify()
         if not healthy:
             self._tell_unavailable(worker, Unavailability.UNHEALTHY)
 
@@ -429,7 +425,6 @@ class WorkerRegistry:
         if not self.registered(worker) or worker.admitting is admitting:
             return
         worker.admitting = admitting
-        self._notify()
 
     def mark_recovered(self, worker: Worker) -> None:
         """The probes saw the worker recover: healthy, with a closed circuit (the failures it
@@ -473,11 +468,7 @@ class WorkerRegistry:
             worker.inflight = 0
             worker._idle.set()
 
-    # --- change notification ----------------------------------------------------------------
-
-    async def wait_for_change(self) -> None:
-        """Return at the next change of membership, state or health (wrap in a timeout)."""
-        await self._changed.wait()
+    # --- unavailability listeners -----------------------------------------------------------
 
     def on_unavailable(self, callback: UnavailableCallback) -> None:
         """Call ``callback(worker, why)`` whenever a worker stops taking requests for good or
@@ -486,10 +477,6 @@ class WorkerRegistry:
         point is to let in-flight requests finish. Called after the registry changed, from the
         code that changed it: a callback must not block."""
         self._unavailable_callbacks.append(callback)
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
 
     def _tell_unavailable(self, worker: Worker, why: Unavailability) -> None:
         for callback in list(self._unavailable_callbacks):
@@ -544,7 +531,6 @@ class WorkerRegistry:
         worker.state = state
         self._export_state(worker)
         self._export_pools()
-        self._notify()
         if state is WorkerState.FAILED:
             self._tell_unavailable(worker, Unavailability.FAILED)
 

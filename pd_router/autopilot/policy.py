@@ -35,7 +35,6 @@ MODES = ("off", "recommend", "auto")
 HOLD = "hold"
 PREFILL_TO_DECODE = "prefill_to_decode"
 DECODE_TO_PREFILL = "decode_to_prefill"
-ACTIONS = (HOLD, PREFILL_TO_DECODE, DECODE_TO_PREFILL)
 # A pool that made the router refuse requests within the window counts as at least twice over
 # its target: above any hysteresis band (< 1), whatever its measured load says.
 REFUSED_RATIO = 2.0
