@@ -236,7 +236,7 @@ class Engine:
             "timestamp": time.time(),
             "num_running_reqs": self.num_running,
             "num_waiting_reqs": self.num_waiting(),
-            "num_waiting_uncached_tokens": 0,
+            "num_waiting_uncached_tokens": self.role.queued_tokens,
             "num_used_tokens": self.kv_pool.used,
             "num_total_tokens": self.kv_pool.used,
             "max_total_num_tokens": capacity,

@@ -47,6 +47,11 @@ class PrefillRole:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._batcher
 
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens waiting for a forward (SGLang's ``num_waiting_uncached_tokens``)."""
+        return sum(n for _, n, future in self._pending if not future.done())
+
     async def run(self, item: GenItem, req: Req, emit: Emit) -> None:
         engine = self._engine
         num_tokens = len(item.prompt_ids)
@@ -141,6 +146,8 @@ class DecodeRole:
     """Decode: reserve KV, pull it from the prefill's bootstrap server, then generate tokens."""
 
     name = "decode"
+    # A decode runs no prefill forwards, so no prompt tokens ever wait for one.
+    queued_tokens = 0
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine

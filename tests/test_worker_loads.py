@@ -196,6 +196,35 @@ async def test_prefill_queues_when_its_kv_pool_is_full(small_prefill, client):
     assert all(r.status_code == 200 for r in await asyncio.gather(*tasks))
 
 
+@pytest.fixture(scope="module")
+def slow_prefill(module_cluster_factory):
+    """A prefill whose forwards take 2 s each and hold one 30-token prompt at a time."""
+    return module_cluster_factory(
+        prefill=1, decode=0, speed=1.0, prefill_batch_overhead_secs=2.0, max_prefill_tokens=30
+    )
+
+
+async def test_prompt_tokens_waiting_for_a_forward_are_reported_as_uncached(slow_prefill, client):
+    prefill = slow_prefill.prefill_urls[0]
+    port = slow_prefill.bootstrap_port(prefill)
+    bodies = [
+        with_bootstrap({"text": c * n, "sampling_params": {"max_new_tokens": 1}}, port, new_room())
+        for c, n in (("x", 30), ("y", 25), ("z", 12))
+    ]
+    first = asyncio.create_task(client.post(prefill + "/generate", json=bodies[0]))
+    await wait_for(client, prefill, lambda x: x["num_running_reqs"] == 1)
+    tasks = [
+        first,
+        *(asyncio.create_task(client.post(prefill + "/generate", json=b)) for b in bodies[1:]),
+    ]
+    load = await wait_for(client, prefill, lambda x: x["num_waiting_reqs"] == 2)
+    assert load["num_running_reqs"] == 1
+    assert load["num_waiting_uncached_tokens"] == 25 + 12
+    await abort(client, prefill, abort_all=True)
+    await asyncio.gather(*tasks)
+    assert (await load_of(client, prefill))["num_waiting_uncached_tokens"] == 0
+
+
 async def test_metrics_expose_sglang_gauge_and_counter_names(small_prefill, client):
     text = (await client.get(small_prefill.decode_urls[0] + "/metrics")).text
     for name in (
