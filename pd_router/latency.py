@@ -2,8 +2,10 @@
 
 The request path appends one (time, seconds) pair per observation to a bounded ring (a deque
 append: no lock, no allocation beyond the tuple), and the autopilot reads percentiles over its
-window once per interval. TTFT is taken when the first byte of a stream reaches the client;
-TPOT is a stream's time from its first to its last event over the events in between.
+window once per interval. A stream's TTFT is split where the prefill answered: the time until
+then (the prefill pool's share: queueing, forward, KV handoff) and the wait from there to the
+first byte reaching the client (the decode pool's share: waiting for a batch slot, the first
+step). TPOT is a stream's time from its first to its last event over the events in between.
 """
 
 from __future__ import annotations
@@ -15,15 +17,21 @@ RING_SIZE = 4096
 
 
 class LatencyRecorder:
-    """Bounded rings of TTFT and TPOT samples and per-role refusal counters."""
+    """Bounded rings of the two shares of TTFT and of TPOT, and per-role refusal counters."""
 
     def __init__(self, size: int = RING_SIZE) -> None:
-        self.ttft: deque[tuple[float, float]] = deque(maxlen=size)
+        self.prefill: deque[tuple[float, float]] = deque(maxlen=size)
+        self.decode_wait: deque[tuple[float, float]] = deque(maxlen=size)
         self.tpot: deque[tuple[float, float]] = deque(maxlen=size)
         self.refused: dict[str, int] = {}
 
-    def observe_ttft(self, seconds: float) -> None:
-        self.ttft.append((time.monotonic(), seconds))
+    def observe_ttft(self, seconds: float, prefilled_after: float | None) -> None:
+        """A stream's first byte after ``seconds``; its prefill answered after
+        ``prefilled_after`` seconds (None: not yet, the whole wait is the prefill's)."""
+        now = time.monotonic()
+        prefill = seconds if prefilled_after is None else min(prefilled_after, seconds)
+        self.prefill.append((now, prefill))
+        self.decode_wait.append((now, seconds - prefill))
 
     def observe_stream(self, seconds_after_first: float, events: int) -> None:
         """A finished stream: ``events`` SSE events (the final ``[DONE]`` included) sent over

@@ -3,16 +3,19 @@ retries.
 
 Each client request becomes one or more attempts. An attempt picks a prefill and a decode, points
 the decode at the prefill (bootstrap host, port, fresh rooms), and sends the same body to both at
-once. Both legs count as in flight until both ended: the prefill is not idle before the decode
-pulled its KV. If a leg fails before the client got a byte, the other leg is cancelled (and told
-to abort) and, for transport errors and 502/503/504, the request is retried on a new pair with
-new rooms. After the first byte a failure ends the stream with an SSE error event. A client that
-goes away cancels both legs and both workers get ``/abort_request``.
+once. Each leg counts its worker in flight until that leg ended: a prefill answers once the
+decode pulled its KV (SGLang's prefill finishes a request when its transfer completed), so a
+draining prefill is free while the decodes still stream its answers. If a leg fails before the
+client got a byte, the other leg is cancelled (and told to abort) and, for transport errors and
+502/503/504, the request is retried on a new pair with new rooms. After the first byte a failure
+ends the stream with an SSE error event. A client that goes away cancels both legs and both
+workers get ``/abort_request``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import MappingProxyType
@@ -136,6 +139,8 @@ class Exchange:
         self.prefill_headers = {**router.leg_headers[Role.PREFILL], **request_id}
         self.decode_headers = {**router.leg_headers[Role.DECODE], **request_id}
         self.stream = bool(body.get("stream"))
+        # When the current attempt's prefill answered (loop time), to split TTFT between pools.
+        self.prefilled_at: float | None = None
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
 
     async def run(self) -> web.StreamResponse:
@@ -225,7 +230,17 @@ class Exchange:
         seconds = asyncio.get_running_loop().time() - self.started
         self.router.metrics.ttft_seconds.observe(seconds)
         if self.stream:
-            self.router.latency.observe_ttft(seconds)
+            prefilled = self.prefilled_at
+            self.router.latency.observe_ttft(
+                seconds, None if prefilled is None else prefilled - self.started
+            )
+
+    def prefill_ended(self, prefill: Worker, task: asyncio.Task) -> None:
+        """The prefill leg ended (answered, failed or cancelled): the prefill is no longer in
+        flight for it; an answer marks when the decode's part of TTFT began."""
+        self.router.registry.release(prefill)
+        if not task.cancelled() and task.exception() is None:
+            self.prefilled_at = asyncio.get_running_loop().time()
 
     def start_legs(
         self,
@@ -235,7 +250,9 @@ class Exchange:
         decode_leg: Callable[..., Awaitable[T]],
     ) -> tuple[asyncio.Task[LegResult], asyncio.Task[T]]:
         """Count the request in flight on both workers and send ``payload`` to both at once;
-        the prefill's answer is always read whole, the decode's by ``decode_leg``."""
+        the prefill's answer is always read whole, the decode's by ``decode_leg``. The prefill
+        is released when its leg ends (a done callback runs even for a task cancelled before
+        it started), the decode by the attempt once its leg ended."""
         registry = self.router.registry
         registry.acquire(prefill)
         registry.acquire(decode)
@@ -244,6 +261,8 @@ class Exchange:
         p_task = asyncio.create_task(
             fetch_prefill(legs, prefill, prefill.url + path, payload, self.prefill_headers)
         )
+        self.prefilled_at = None
+        p_task.add_done_callback(functools.partial(self.prefill_ended, prefill))
         d_task = asyncio.create_task(
             decode_leg(legs, decode, decode.url + path, payload, self.decode_headers)
         )
@@ -268,7 +287,6 @@ class Exchange:
             )
             if pending:
                 await asyncio.wait(pending)
-            registry.release(prefill)
             registry.release(decode)
         body = d_result.body
         if self.merge and p_result is not None:
@@ -331,7 +349,6 @@ class Exchange:
                     d_resp.close()
             if pending:
                 await asyncio.wait(pending)
-            registry.release(prefill)
             registry.release(decode)
 
     async def start_stream(self, d_resp: Response) -> web.StreamResponse:

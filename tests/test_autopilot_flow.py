@@ -13,9 +13,9 @@ from pd_router.admin_client import autopilot
 from tests.conversion_helpers import CheckedLoad, pools, sample
 from tests.router_helpers import running_router, wait_until
 
-# Every prefill takes at least 50 ms of modeled time, so any stream's TTFT misses a 20 ms SLO,
-# while the decodes' KV stays nearly empty: the prefill pool is over target, the decode pool
-# can give up a server.
+# Every prefill takes at least 50 ms of modeled time, so the time until the prefill answered
+# misses a 20 ms TTFT SLO, while the decodes' KV stays nearly empty: the prefill pool is over
+# target, the decode pool can give up a server.
 TIMING = {"speed": 1.0, "prefill_batch_overhead_secs": 0.05}
 AUTOPILOT = {
     "mode": "auto",
@@ -58,7 +58,7 @@ async def test_prompt_traffic_makes_the_autopilot_convert_a_decode_with_no_faile
         state = (await http.get("/autopilot")).json()
         converted = [d for d in state["decisions"] if d["action"] != "hold"]
         assert [(d["action"], d["applied"]) for d in converted] == [("decode_to_prefill", True)]
-        assert converted[0]["reason"].startswith("prefill TTFT p90 ")
+        assert converted[0]["reason"].startswith("prefill time to prefill p90 ")
         assert "> 20 ms for " in converted[0]["reason"]
         assert converted[0]["worker"] in cluster.decode_urls
         assert await split(http) == (2, 1)
@@ -82,7 +82,8 @@ async def test_recommend_mode_decides_and_changes_nothing(cluster):
         recommended = next(d for d in state["decisions"] if d["action"] != "hold")
         assert (recommended["action"], recommended["applied"]) == ("decode_to_prefill", False)
         seen = state["last_sample"]
-        assert seen["ttft_p90_ms"] >= 50.0 and seen["tpot_p90_ms"] > 0.0
+        assert seen["prefill_p90_ms"] >= 50.0 and seen["tpot_p90_ms"] > 0.0
+        assert 0.0 <= seen["decode_wait_p90_ms"] < seen["prefill_p90_ms"]
         assert {w["url"] for w in seen["workers"]} == {*cluster.prefill_urls, *cluster.decode_urls}
         assert (await http.get("/conversions")).json()["conversions"] == []
         assert (await pools(http))["decode"] == cluster.decode_urls
@@ -108,8 +109,8 @@ async def test_the_autopilot_command_sets_the_mode_and_prints_loads_and_decision
         out = io.StringIO()
         assert await asyncio.to_thread(autopilot, ["--router", router.url], out) == 0
         text = out.getvalue()
-        assert "prefill  1        TTFT p90" in text
-        assert "decode_to_prefill" in text and "recommended  prefill TTFT p90 " in text
+        assert "prefill  1        time to prefill p90" in text
+        assert "decode_to_prefill" in text and "recommended  prefill time to prefill p90 " in text
 
 
 async def test_put_autopilot_changes_mode_and_targets_with_the_admin_key(cluster):
@@ -128,3 +129,9 @@ async def test_put_autopilot_changes_mode_and_targets_with_the_admin_key(cluster
             assert bad.status_code == 400
             assert bad.json()["error"]["field"] == "autopilot.mode"
             assert (await http.get("/autopilot")).json()["mode"] == "recommend"
+
+
+async def test_every_decision_series_is_exported_at_zero_before_the_first_decision(cluster):
+    async with running_router(cluster) as router, router.client() as http:
+        for action in ("hold", "prefill_to_decode", "decode_to_prefill"):
+            assert await sample(http, "pd_router_autopilot_decisions_total", action=action) == 0.0

@@ -51,7 +51,7 @@ def cluster(
 def trace(ttfts: Iterable[float], workers: tuple[WorkerSignals, ...], start: float = 0.0):
     """One sample every 5 s with the given prefill TTFT p90s."""
     for i, ttft in enumerate(ttfts):
-        yield Sample(at=start + 5.0 * i, workers=workers, ttft_p90_ms=ttft)
+        yield Sample(at=start + 5.0 * i, workers=workers, prefill_p90_ms=ttft)
 
 
 def run(policy: AutopilotPolicy, samples: Iterable[Sample]) -> list[Decision]:
@@ -63,14 +63,19 @@ def conversions(decisions: Iterable[Decision]) -> list[Decision]:
 
 
 def applied_split(
-    policy: AutopilotPolicy, ttft: Iterator[float], kv: Iterator[float], steps: int
+    policy: AutopilotPolicy,
+    ttft: Iterator[float],
+    kv: Iterator[float],
+    steps: int,
+    start: tuple[int, int] = (2, 2),
 ) -> list[Decision]:
-    """Feed ``steps`` samples, applying each conversion to the cluster the next sample shows."""
-    prefills, decodes = 2, 2
+    """Feed ``steps`` samples from a ``start`` split (prefills, decodes), applying each
+    conversion to the cluster the next sample shows."""
+    prefills, decodes = start
     decisions = []
     for i in range(steps):
         workers = cluster(prefills, decodes, next(kv))
-        decision = policy.step(Sample(at=5.0 * i, workers=workers, ttft_p90_ms=next(ttft)))
+        decision = policy.step(Sample(at=5.0 * i, workers=workers, prefill_p90_ms=next(ttft)))
         decisions.append(decision)
         prefills, decodes = decision.desired["prefill"], decision.desired["decode"]
     return decisions
@@ -122,7 +127,8 @@ def test_no_decision_while_a_conversion_runs():
     policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
     workers = cluster(2, 4, 0.41)
     samples = [
-        Sample(at=5.0 * i, workers=workers, ttft_p90_ms=840.0, converting=True) for i in range(12)
+        Sample(at=5.0 * i, workers=workers, prefill_p90_ms=840.0, converting=True)
+        for i in range(12)
     ]
     decisions = run(policy, samples)
     assert conversions(decisions) == []
@@ -194,8 +200,8 @@ def test_the_reason_names_the_numbers():
     policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
     converted = conversions(run(policy, trace([840.0] * 8, cluster(2, 4, 0.41))))
     assert converted[0].reason.startswith(
-        "prefill TTFT p90 840 ms > 500 ms for 30 s; decode KV 41% would be 55% with one fewer; "
-        "convert http://d0:"
+        "prefill time to prefill p90 840 ms > 500 ms for 30 s; "
+        "decode KV 41% would be 55% with one fewer; convert http://d0:"
     )
 
 
@@ -208,7 +214,7 @@ def test_utilisation_thresholds_without_slos():
     samples = [Sample(at=5.0 * i, workers=prefills + cluster(0, 4, 0.3)) for i in range(8)]
     converted = conversions(run(policy, samples))
     assert converted[0].reason.startswith(
-        "prefill queued prefill tokens per worker 9000 tokens > 4096 tokens for 30 s"
+        "prefill queued tokens per worker 9000 tokens > 4096 tokens for 30 s"
     )
 
 
@@ -216,7 +222,7 @@ def test_requests_refused_for_lack_of_a_worker_count_as_overload():
     policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
     workers = cluster(2, 4, 0.30)
     samples = [
-        Sample(at=5.0 * i, workers=workers, ttft_p90_ms=100.0, no_worker_503s={"prefill": 2})
+        Sample(at=5.0 * i, workers=workers, prefill_p90_ms=100.0, no_worker_503s={"prefill": 2})
         for i in range(8)
     ]
     converted = conversions(run(policy, samples))
@@ -243,7 +249,131 @@ def test_loads_of_several_dp_ranks_are_summed():
             },
         ]
     }
+    body["loads"][0]["queues"] = {"waiting": 1}
     worker = worker_from_loads("http://d0", "decode", 4, body)
     assert (worker.running, worker.waiting, worker.used_tokens) == (5, 1, 400)
+    assert worker.waiting_for_slot == 1
     assert worker.token_usage == 0.2
     assert worker.queued_prefill_tokens == 50
+
+
+def decodes_with_slots(running: int, waiting: int, count: int = 2, kv: float = 0.1):
+    """``count`` decodes with 8 batch slots each, ``running`` and ``waiting`` requests."""
+    return tuple(
+        WorkerSignals(f"http://d{i}", "decode", inflight=running + waiting, running=running,
+                      waiting=waiting, waiting_for_slot=waiting, token_usage=kv, max_running=8)
+        for i in range(count)
+    )  # fmt: skip
+
+
+def test_decodes_short_of_batch_slots_convert_a_prefill():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    workers = cluster(2, 0, 0.0) + decodes_with_slots(running=8, waiting=5)
+    samples = [Sample(at=5.0 * i, workers=workers, prefill_p90_ms=40.0) for i in range(8)]
+    converted = conversions(run(policy, samples))
+    assert [d.action for d in converted] == [PREFILL_TO_DECODE]
+    assert converted[0].reason.startswith("decode batch slots in demand 162% > 100% for 30 s")
+
+
+def test_decode_requests_waiting_for_their_prefill_are_not_slot_demand():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    decodes = tuple(
+        dataclasses.replace(w, waiting=40, waiting_for_slot=0)
+        for w in decodes_with_slots(running=4, waiting=0)
+    )
+    samples = [
+        Sample(at=5.0 * i, workers=cluster(2, 0, 0.0) + decodes, prefill_p90_ms=40.0)
+        for i in range(8)
+    ]
+    decisions = run(policy, samples)
+    assert conversions(decisions) == []
+    assert "decode batch slots in demand 50%" in decisions[-1].reason
+
+
+def test_decode_kv_reserved_for_requests_waiting_for_their_prefill_is_not_decode_load():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    decodes = tuple(
+        WorkerSignals(f"http://d{i}", "decode", running=4, waiting=12, token_usage=0.6)
+        for i in range(2)
+    )
+    samples = [
+        Sample(at=5.0 * i, workers=cluster(2, 0, 0.0) + decodes, prefill_p90_ms=840.0)
+        for i in range(8)
+    ]
+    converted = conversions(run(policy, samples))
+    assert [d.action for d in converted] == [DECODE_TO_PREFILL]
+    assert "decode KV 15% would be 30% with one fewer" in converted[0].reason
+
+
+def test_a_slow_first_token_after_the_prefill_answered_blames_the_decodes():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    samples = [
+        Sample(at=5.0 * i, workers=cluster(3, 2, 0.2), prefill_p90_ms=90.0,
+               decode_wait_p90_ms=800.0)
+        for i in range(8)
+    ]  # fmt: skip
+    converted = conversions(run(policy, samples))
+    assert [d.action for d in converted] == [PREFILL_TO_DECODE]
+    assert "decode wait after prefill p90 800 ms > 500 ms" in converted[0].reason
+
+
+def test_a_latency_within_target_is_not_scaled_as_if_it_were_a_load():
+    config = dataclasses.replace(CONFIG, tpot_slo_ms=30.0)
+    policy = AutopilotPolicy(config, min_prefill=1, min_decode=1)
+    workers = cluster(1, 0, 0.0) + decodes_with_slots(running=1, waiting=0)
+    samples = [
+        Sample(at=5.0 * i, workers=workers, prefill_p90_ms=840.0, tpot_p90_ms=12.0)
+        for i in range(8)
+    ]
+    converted = conversions(run(policy, samples))
+    assert [d.action for d in converted] == [DECODE_TO_PREFILL]
+
+
+def test_cooldown_counts_from_the_end_of_the_conversion():
+    policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
+    workers = cluster(2, 6, 0.2)
+    busy = [Sample(at=5.0 * i, workers=workers, prefill_p90_ms=840.0) for i in range(7)]
+    converting = [
+        Sample(at=35.0 + 5.0 * i, workers=workers, prefill_p90_ms=840.0, converting=True)
+        for i in range(20)
+    ]
+    after = [Sample(at=135.0 + 5.0 * i, workers=workers, prefill_p90_ms=840.0) for i in range(20)]
+    decisions = run(policy, busy + converting + after)
+    converted = conversions(decisions)
+    assert [d.at for d in converted] == [30.0, 190.0]
+    assert next(d for d in decisions if d.at == 185.0).reason.startswith(
+        "cooldown: last conversion ended 55 s ago"
+    )
+
+
+def test_a_pool_still_over_target_after_a_conversion_gets_the_next_without_a_new_sustain():
+    config = dataclasses.replace(CONFIG, cooldown_secs=10.0)
+    policy = AutopilotPolicy(config, min_prefill=1, min_decode=1)
+    decisions = applied_split(policy, iter([840.0] * 40), iter([0.1] * 40), 40, start=(2, 4))
+    assert [d.at for d in conversions(decisions)][:2] == [30.0, 40.0]
+
+
+def test_a_pool_back_within_target_after_a_conversion_gets_no_second():
+    config = dataclasses.replace(CONFIG, cooldown_secs=10.0)
+    policy = AutopilotPolicy(config, min_prefill=1, min_decode=1)
+    ttft = iter([840.0] * 7 + [300.0] * 40)
+    decisions = applied_split(policy, ttft, iter([0.1] * 47), 47, start=(2, 4))
+    assert [d.at for d in conversions(decisions)] == [30.0]
+
+
+def test_a_pool_whose_queue_drains_gets_no_second_server_while_its_latency_lags():
+    config = dataclasses.replace(CONFIG, cooldown_secs=10.0, prefill_queue_tokens=4096.0)
+    policy = AutopilotPolicy(config, min_prefill=1, min_decode=1)
+    queues = [40000] * 7 + [int(40000 * 0.7**i) for i in range(12)]
+    decisions = []
+    prefills, decodes = 2, 4
+    for i, queued in enumerate(queues):
+        workers = tuple(
+            WorkerSignals(f"http://p{j}", "prefill", queued_prefill_tokens=queued)
+            for j in range(prefills)
+        ) + cluster(0, decodes, 0.1)
+        decision = policy.step(Sample(at=5.0 * i, workers=workers, prefill_p90_ms=3000.0))
+        decisions.append(decision)
+        prefills, decodes = decision.desired["prefill"], decision.desired["decode"]
+    assert [d.at for d in conversions(decisions)] == [30.0]
+    assert "over, falling," in decisions[-3].reason

@@ -195,9 +195,9 @@ async def test_page_in_chromium_shows_requests_in_flight_on_each_worker(router, 
 
             async def all_in_flight() -> bool:
                 workers = (await status(router))["workers"]
-                return sum(w["inflight"] for w in workers) == 2 * len(held)
+                return sum(w["inflight"] for w in workers if w["role"] == "decode") == len(held)
 
-            await wait_until(all_in_flight, 10.0, "3 requests in flight on P and D")
+            await wait_until(all_in_flight, 10.0, "3 requests in flight on the decodes")
             expected = {w["url"]: str(w["inflight"]) for w in (await status(router))["workers"]}
             page = await render(router.url + "/dashboard")
         finally:
@@ -239,21 +239,21 @@ async def test_page_in_chromium_shows_a_conversion_and_the_worker_in_its_new_poo
 
 @needs_chromium
 async def test_page_in_chromium_shows_a_worker_draining_while_its_conversion_waits(router):
-    long = generate_body("keeps the prefill busy", tokens=LONG_REQUEST_TOKENS)
+    long = generate_body("keeps the decode busy", tokens=LONG_REQUEST_TOKENS)
     async with router.client() as http:
         held = asyncio.create_task(http.post("/generate", json=long))
         try:
 
-            async def busy_prefill() -> str | None:
+            async def busy_decode() -> str | None:
                 workers = (await status(router))["workers"]
                 return next(
-                    (w["url"] for w in workers if w["role"] == "prefill" and w["inflight"]), None
+                    (w["url"] for w in workers if w["role"] == "decode" and w["inflight"]), None
                 )
 
-            await wait_until(busy_prefill, 10.0, "the request in flight on a prefill")
-            url = await busy_prefill()
+            await wait_until(busy_decode, 10.0, "the request in flight on a decode")
+            url = await busy_decode()
             started = await http.post(
-                "/convert_pd_role", json={"server_url": url, "new_role": "decode", "wait": False}
+                "/convert_pd_role", json={"server_url": url, "new_role": "prefill", "wait": False}
             )
             assert started.status_code == 202, started.text
             conversion_id = started.json()["id"]
@@ -266,7 +266,7 @@ async def test_page_in_chromium_shows_a_worker_draining_while_its_conversion_wai
             await asyncio.gather(held, return_exceptions=True)
     assert aborted.status_code in (200, 202)
     card = page.cards[url]
-    assert (card.pool, card.state) == ("prefill", "draining")
+    assert (card.pool, card.state) == ("decode", "draining")
     assert "draining" in page.conversions[conversion_id].split()
 
 

@@ -20,7 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from pd_router.autopilot.policy import AutopilotConfig, AutopilotPolicy, Decision
+from pd_router.autopilot.policy import (
+    ACTIONS,
+    AutopilotConfig,
+    AutopilotPolicy,
+    Decision,
+)
 from pd_router.autopilot.signals import ROLES, Sample, WorkerSignals, worker_from_loads
 from pd_router.config import build_autopilot
 from pd_router.conversion_history import ConversionRequest
@@ -61,6 +66,10 @@ class Autopilot:
         self.last_error: str | None = None
         self._refused_seen: dict[str, int] = {}
         self._task: asyncio.Task | None = None
+        # Every action's series exists at 0 from the start: a counter series that first
+        # appears at 1 is invisible to increase(), so the first conversion would not show.
+        for action in ACTIONS:
+            router.metrics.autopilot_decisions_total.labels(action)
 
     @property
     def config(self) -> AutopilotConfig:
@@ -122,7 +131,8 @@ class Autopilot:
         return Sample(
             at=time.monotonic(),
             workers=tuple(workers),
-            ttft_p90_ms=percentile_ms(latency.ttft, since),
+            prefill_p90_ms=percentile_ms(latency.prefill, since),
+            decode_wait_p90_ms=percentile_ms(latency.decode_wait, since),
             tpot_p90_ms=percentile_ms(latency.tpot, since),
             no_worker_503s=self._new_refusals(),
             converting=bool(router.registry.converting()) or bool(manager and manager.active()),

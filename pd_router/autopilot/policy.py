@@ -1,21 +1,36 @@
 """The autopilot's decision policy: pure code over a window of samples.
 
 It decides the way Dynamo's load planner does (docs.nvidia.com/dynamo, "Planner Guide" and the
-v0.8 "Load-based Planner"): every adjustment interval it averages each pool's load over the
-interval, compares prefill against a TTFT target or a queued-prefill-tokens-per-worker
-threshold and decode against a TPOT (ITL) target or a KV-usage threshold, and never goes below
-a minimum number of workers per pool. Dynamo acts by starting and killing workers (minutes of
-weight loading); here a server changes role in place, which makes a wrong move cheaper but not
-free, so the policy is more careful than a scaler:
+v0.8 "Load-based Planner"): every adjustment interval it averages each pool's load over a
+window and never goes below a minimum number of workers per pool. Each pool has several
+measures, and its load is the one furthest over its target:
+
+- prefill: prompt tokens queued per prefill (``prefill_queue_tokens``) and, with a TTFT SLO,
+  the p90 time until the prefill answered;
+- decode: KV usage of the requests it runs or could run (``decode_kv_usage``), requests
+  running or waiting per batch slot (100%: full) and, with SLOs, TPOT p90 and the p90 wait
+  from the prefill's answer to the first token.
+
+Splitting TTFT where the prefill answered tells whose queue a slow first token waited in, so
+a decode pool short of batch slots is not mistaken for a slow prefill. Utilisation is always
+measured because it leads: a queue grows before finished requests show it in their latency.
+
+Dynamo acts by starting and killing workers (minutes of weight loading); here a server changes
+role in place, which makes a wrong move cheaper but not free, so the policy is more careful
+than a scaler:
 
 - a pool counts as over target only after its smoothed load rose above ``1 + hysteresis`` times
   the target, and stays over until it falls back to the target (a band, so a load sitting at
   the target neither starts nor resets the clock);
 - it converts only after that lasted ``sustain_secs`` (a short spike does nothing), and only if
-  the other pool could lose a server and stay under ``margin`` times its target, its load
-  scaled by N/(N-1) (each remaining server takes its share of the lost one's load);
-- one conversion at a time, then ``cooldown_secs`` of holding, and never below the minimum
-  pool sizes;
+  the other pool could lose a server and stay under ``margin`` times its target: utilisation
+  scaled by N/(N-1) (each remaining server takes its share of the lost one's load), latency
+  as measured;
+- one conversion at a time, then ``cooldown_secs`` of holding counted from its end, and never
+  below the minimum pool sizes; when the needy pool is still over target after a conversion,
+  the next one needs fresh samples and the cooldown but no new sustain period, so a phase that
+  wants two servers moved gets them one after the other, unless its load is falling across
+  the window (the backlog of the old split draining: the new one suffices);
 - the direction has a cost: a prefill turns into a decode as soon as the decodes pulled its
   last KV, a decode into a prefill only after every running answer ended, so the decode with
   the least remaining work is chosen and its drain is stated in the decision.
@@ -26,6 +41,7 @@ Each decision carries its reason in words with the numbers it was made on.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +51,7 @@ MODES = ("off", "recommend", "auto")
 HOLD = "hold"
 PREFILL_TO_DECODE = "prefill_to_decode"
 DECODE_TO_PREFILL = "decode_to_prefill"
+ACTIONS = (HOLD, PREFILL_TO_DECODE, DECODE_TO_PREFILL)
 # A pool that made the router refuse requests within the window counts as at least twice over
 # its target: above any hysteresis band (< 1), whatever its measured load says.
 REFUSED_RATIO = 2.0
@@ -42,8 +59,8 @@ REFUSED_RATIO = 2.0
 
 @dataclass(frozen=True)
 class AutopilotConfig:
-    """The ``[autopilot]`` section. Latency SLOs, when set, are the target of their pool;
-    without them the pool's utilisation threshold is."""
+    """The ``[autopilot]`` section. The utilisation thresholds always apply; latency SLOs,
+    when set, add targets to their pools."""
 
     mode: str = "off"
     interval_secs: float = 5.0
@@ -60,51 +77,86 @@ class AutopilotConfig:
 
 
 @dataclass(frozen=True)
-class PoolLoad:
-    """One pool's smoothed load against its target; ``ratio`` 1.0 is exactly on target."""
+class Measure:
+    """One smoothed measure of a pool against its target. A utilisation (queued tokens, KV,
+    batch slots) ``scales``: spread over one server fewer it grows by N/(N-1). A latency does
+    not: a decode step takes about as long with one decode fewer until the slots run out."""
 
-    role: str
-    size: int
-    measure: str
+    name: str
     value: float
     target: float
     unit: str
-    ratio: float
-    refused: int
-    over_for: float
+    scales: bool
 
-    def projected_ratio(self) -> float:
-        """The load ratio with one server fewer (N/(N-1)); infinite for a pool of one."""
-        return self.ratio * self.size / (self.size - 1) if self.size > 1 else float("inf")
+    @property
+    def ratio(self) -> float:
+        return self.value / self.target
 
-    def describe(self) -> str:
-        return f"{self.role} {self.measure} {self.fmt(self.value)}"
+    def projected(self, size: int) -> float:
+        """This measure's value with one server fewer; infinite for a pool of one."""
+        if size <= 1:
+            return float("inf")
+        return self.value * size / (size - 1) if self.scales else self.value
 
     def fmt(self, value: float) -> str:
         return f"{value:.0f}{self.unit}" if self.unit == "%" else f"{value:.0f} {self.unit}"
 
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """One pool's smoothed load: its measures, the one furthest over its target (``measure``)
+    and that ratio (1.0 is exactly on target; refusals raise it to ``REFUSED_RATIO``)."""
+
+    role: str
+    size: int
+    measures: tuple[Measure, ...]
+    ratio: float
+    refused: int
+    over_for: float
+    falling: bool = False
+
+    @property
+    def measure(self) -> Measure:
+        return max(self.measures, key=lambda m: m.ratio)
+
+    def projected_ratio(self) -> float:
+        """The load ratio with one server fewer, over every measure."""
+        return max(m.projected(self.size) / m.target for m in self.measures)
+
+    def describe(self, measure: Measure | None = None) -> str:
+        m = measure or self.measure
+        return f"{self.role} {m.name} {m.fmt(m.value)}"
+
     def over_text(self) -> str:
-        text = f"{self.describe()} > {self.fmt(self.target)} for {self.over_for:.0f} s"
+        m = self.measure
+        text = f"{self.describe()} > {m.fmt(m.target)} for {self.over_for:.0f} s"
         if self.refused:
             text += f", {self.refused} requests refused for lack of a {self.role}"
         return text
 
     def donor_text(self) -> str:
-        projected = self.value * self.size / (self.size - 1)
-        return f"{self.describe()} would be {self.fmt(projected)} with one fewer"
+        m = max(self.measures, key=lambda m: m.projected(self.size) / m.target)
+        return f"{self.describe(m)} would be {m.fmt(m.projected(self.size))} with one fewer"
 
     def to_json(self) -> dict[str, Any]:
+        m = self.measure
         return {
             "role": self.role,
             "size": self.size,
-            "measure": self.measure,
-            "value": round(self.value, 2),
-            "target": round(self.target, 2),
-            "unit": self.unit.strip(),
+            "measure": m.name,
+            "value": round(m.value, 2),
+            "target": round(m.target, 2),
+            "unit": m.unit.strip(),
             "ratio": round(self.ratio, 3),
             "refused": self.refused,
             "over_for_secs": round(self.over_for, 1),
-        }
+            "falling": self.falling,
+            "measures": [
+                {"measure": x.name, "value": round(x.value, 2), "target": round(x.target, 2),
+                 "unit": x.unit.strip(), "ratio": round(x.ratio, 3)}
+                for x in self.measures
+            ],
+        }  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -170,6 +222,11 @@ class AutopilotPolicy:
         self.config = config
 
     def step(self, sample: Sample) -> Decision:
+        if sample.converting:
+            # The pools are mid-change: what they show now says nothing about either split.
+            # The cooldown runs from the end of the conversion.
+            self._last_conversion = sample.at
+            return self._hold(sample, "a conversion is running")
         self._remember(sample)
         self.loads = {role: self._pool_load(role, sample) for role in ROLES}
         return self._decide(sample)
@@ -183,40 +240,57 @@ class AutopilotPolicy:
             self._window.popleft()
 
     def _pool_load(self, role: str, now: Sample) -> PoolLoad:
-        measure, unit, target = self._target(role)
-        values = [v for v in (self._measure(role, s) for s in self._window) if v is not None]
-        value = sum(values) / len(values) if values else 0.0
+        specs = self._specs(role)
+        series = {spec.name: self._series(role, spec) for spec in specs}
+        measures = tuple(
+            Measure(spec.name, _mean(series[spec.name]), spec.target, spec.unit, spec.scales)
+            for spec in specs
+        )
         refused = sum(s.no_worker_503s.get(role, 0) for s in self._window)
-        ratio = value / target
+        ratio = max(m.ratio for m in measures)
         if refused:
             ratio = max(ratio, REFUSED_RATIO)
         over_for = self._track_over(role, ratio, now.at)
-        return PoolLoad(
-            role, len(now.pool(role)), measure, value, target, unit, ratio, refused, over_for
-        )
+        falling = not refused and self._falling(measures, series)
+        return PoolLoad(role, len(now.pool(role)), measures, ratio, refused, over_for, falling)
 
-    def _target(self, role: str) -> tuple[str, str, float]:
+    def _falling(self, measures: tuple[Measure, ...], series: dict[str, list[float]]) -> bool:
+        """Whether the pool's fullest queue or cache (its utilisation measure furthest over
+        target) fell by more than the hysteresis across the window. Latency percentiles lag:
+        they still rise while the backlog behind them drains, so they do not say."""
+        utilisation = [m for m in measures if m.scales]
+        if not utilisation:
+            return False
+        values = series[max(utilisation, key=lambda m: m.ratio).name]
+        return len(values) >= 2 and values[-1] < values[0] * (1.0 - self.config.hysteresis)
+
+    def _specs(self, role: str) -> list[_Spec]:
+        """What each pool is measured by. Utilisation always (it leads: a queue grows before
+        the latencies of finished requests show it); latency SLOs when set. TTFT is split at
+        the prefill's answer, so a decode that keeps requests waiting for a batch slot is
+        blamed for its part instead of the prefill."""
         c = self.config
         if role == PREFILL:
+            specs = [_Spec("queued tokens per worker", "tokens", c.prefill_queue_tokens, True,
+                           _queued_prefill_tokens)]  # fmt: skip
             if c.ttft_slo_ms is not None:
-                return "TTFT p90", "ms", c.ttft_slo_ms
-            return "queued prefill tokens per worker", "tokens", c.prefill_queue_tokens
+                specs.append(_Spec("time to prefill p90", "ms", c.ttft_slo_ms, False,
+                                   lambda s: s.prefill_p90_ms))  # fmt: skip
+            return specs
+        specs = [
+            _Spec("KV", "%", c.decode_kv_usage * 100, True, _decode_kv_percent),
+            _Spec("batch slots in demand", "%", 100.0, True, _decode_slots_percent),
+        ]
         if c.tpot_slo_ms is not None:
-            return "TPOT p90", "ms", c.tpot_slo_ms
-        return "KV", "%", c.decode_kv_usage * 100
+            specs.append(_Spec("TPOT p90", "ms", c.tpot_slo_ms, False, lambda s: s.tpot_p90_ms))
+        if c.ttft_slo_ms is not None:
+            specs.append(_Spec("wait after prefill p90", "ms", c.ttft_slo_ms, False,
+                               lambda s: s.decode_wait_p90_ms))  # fmt: skip
+        return specs
 
-    def _measure(self, role: str, sample: Sample) -> float | None:
-        c = self.config
-        if role == PREFILL and c.ttft_slo_ms is not None:
-            return sample.ttft_p90_ms
-        if role == DECODE and c.tpot_slo_ms is not None:
-            return sample.tpot_p90_ms
-        pool = sample.pool(role)
-        if not pool:
-            return None
-        if role == PREFILL:
-            return sum(w.queued_prefill_tokens for w in pool) / len(pool)
-        return 100 * sum(w.token_usage for w in pool) / len(pool)
+    def _series(self, role: str, spec: _Spec) -> list[float]:
+        """The measure's values over the window, oldest first."""
+        return [v for v in (spec.read(s) for s in self._window if s.pool(role)) if v is not None]
 
     def _track_over(self, role: str, ratio: float, now: float) -> float:
         """Seconds the pool has been over target: the clock starts above the band and stops
@@ -232,14 +306,12 @@ class AutopilotPolicy:
 
     def _decide(self, sample: Sample) -> Decision:
         prefill, decode = self.loads[PREFILL], self.loads[DECODE]
-        if sample.converting:
-            return self._hold(sample, "a conversion is running")
         if self._last_conversion is not None:
             elapsed = sample.at - self._last_conversion
             if elapsed < self.config.cooldown_secs:
                 return self._hold(
                     sample,
-                    f"cooldown: last conversion {elapsed:.0f} s ago "
+                    f"cooldown: last conversion ended {elapsed:.0f} s ago "
                     f"(cooldown {self.config.cooldown_secs:.0f} s)",
                 )
         over = [p for p in (prefill, decode) if self._persistently_over(p)]
@@ -266,17 +338,23 @@ class AutopilotPolicy:
         return self._convert(sample, needy, donor)
 
     def _persistently_over(self, pool: PoolLoad) -> bool:
+        """Over target for ``sustain_secs`` and not already recovering: a pool whose load
+        falls across the window (a backlog draining after a conversion) needs no server."""
         return (
             self._over_since[pool.role] is not None
             and pool.over_for >= self.config.sustain_secs
             and pool.ratio > 1.0
+            and not pool.falling
         )
 
     def _convert(self, sample: Sample, needy: PoolLoad, donor: PoolLoad) -> Decision:
         worker, cost = pick_donor(sample.pool(donor.role), donor.role)
         self._last_conversion = sample.at
+        # Samples of the old split say nothing about the new one. The needy pool's clock keeps
+        # running: if it is still over target once the converted server serves, the next step
+        # toward it needs no new sustain period, only the cooldown and fresh samples.
         self._window.clear()
-        self._over_since = dict.fromkeys(ROLES)
+        self._over_since[donor.role] = None
         action = PREFILL_TO_DECODE if donor.role == PREFILL else DECODE_TO_PREFILL
         return Decision(
             at=sample.at,
@@ -305,9 +383,48 @@ class AutopilotPolicy:
     def _steady_text(prefill: PoolLoad, decode: PoolLoad) -> str:
         parts = []
         for pool in (prefill, decode):
-            state = "over" if pool.over_for else "within"
-            parts.append(f"{pool.describe()} ({state} target {pool.fmt(pool.target)})")
+            state = "within"
+            if pool.over_for:
+                state = "over, falling," if pool.falling else "over"
+            m = pool.measure
+            parts.append(f"{pool.describe()} ({state} target {m.fmt(m.target)})")
         return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How to read one measure from a sample (None: nothing to read this time)."""
+
+    name: str
+    unit: str
+    target: float
+    scales: bool
+    read: Callable[[Sample], float | None]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _queued_prefill_tokens(sample: Sample) -> float | None:
+    pool = sample.pool(PREFILL)
+    return sum(w.queued_prefill_tokens for w in pool) / len(pool) if pool else None
+
+
+def _decode_kv_percent(sample: Sample) -> float | None:
+    pool = sample.pool(DECODE)
+    return 100 * sum(w.active_token_usage for w in pool) / len(pool) if pool else None
+
+
+def _decode_slots_percent(sample: Sample) -> float | None:
+    """Requests running or waiting for a batch slot per slot of the pool (over 100%: a queue),
+    from the workers that report their ``max_running_requests``. Requests still waiting for
+    their prefill's KV are the prefill pool's load, not this one's."""
+    pool = [w for w in sample.pool(DECODE) if w.max_running > 0]
+    if not pool:
+        return None
+    demand = sum(w.running + w.waiting_for_slot for w in pool)
+    return 100 * demand / sum(w.max_running for w in pool)
 
 
 def pick_donor(pool: tuple[WorkerSignals, ...], role: str) -> tuple[WorkerSignals, str]:

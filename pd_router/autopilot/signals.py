@@ -20,7 +20,11 @@ ROLES = (PREFILL, DECODE)
 @dataclass(frozen=True)
 class WorkerSignals:
     """One worker at sample time. ``running``/``waiting``/``token_usage``/``used_tokens``/
-    ``queued_prefill_tokens`` are zero when its ``/v1/loads`` could not be read."""
+    ``queued_prefill_tokens``/``max_running`` are zero when its ``/v1/loads`` could not be
+    read (``max_running`` also when the worker does not report it). ``waiting`` is every
+    request the worker holds but does not run; ``waiting_for_slot`` only those a decode could
+    run now (their KV is in) but for a free batch slot, not those still waiting for their
+    prefill."""
 
     url: str
     role: str
@@ -30,6 +34,18 @@ class WorkerSignals:
     token_usage: float = 0.0
     used_tokens: int = 0
     queued_prefill_tokens: int = 0
+    max_running: int = 0
+    waiting_for_slot: int = 0
+
+    @property
+    def active_token_usage(self) -> float:
+        """KV usage of the requests a decode runs or could run now. A decode reserves KV for
+        a request as soon as it arrives, while its prefill may still be queued: that part
+        grows with the prefill pool's backlog and would not shrink by adding a decode."""
+        held = self.running + self.waiting
+        if held <= 0:
+            return self.token_usage
+        return self.token_usage * min(1.0, (self.running + self.waiting_for_slot) / held)
 
     @property
     def remaining_work(self) -> tuple[int, int, int]:
@@ -42,13 +58,16 @@ class WorkerSignals:
 @dataclass(frozen=True)
 class Sample:
     """Everything the policy sees at time ``at`` (monotonic seconds). Latencies are the p90 of
-    requests finished within the controller's window (None: none finished); ``no_worker_503s``
+    the streams observed within the controller's window (None: none): the time until the
+    prefill answered, the wait from there to the first token, and the time per output token.
+    ``no_worker_503s``
     counts requests refused for lack of a worker of each role since the previous sample;
     ``converting`` is true while any conversion runs."""
 
     at: float
     workers: tuple[WorkerSignals, ...]
-    ttft_p90_ms: float | None = None
+    prefill_p90_ms: float | None = None
+    decode_wait_p90_ms: float | None = None
     tpot_p90_ms: float | None = None
     no_worker_503s: Mapping[str, int] = field(default_factory=dict)
     converting: bool = False
@@ -59,7 +78,8 @@ class Sample:
     def to_json(self) -> dict[str, Any]:
         return {
             "at": round(self.at, 3),
-            "ttft_p90_ms": _round(self.ttft_p90_ms),
+            "prefill_p90_ms": _round(self.prefill_p90_ms),
+            "decode_wait_p90_ms": _round(self.decode_wait_p90_ms),
             "tpot_p90_ms": _round(self.tpot_p90_ms),
             "no_worker_503s": dict(self.no_worker_503s),
             "converting": self.converting,
@@ -73,6 +93,8 @@ class Sample:
                     "token_usage": w.token_usage,
                     "used_tokens": w.used_tokens,
                     "queued_prefill_tokens": w.queued_prefill_tokens,
+                    "max_running": w.max_running,
+                    "waiting_for_slot": w.waiting_for_slot,
                 }
                 for w in self.workers
             ],
@@ -86,7 +108,8 @@ def _round(value: float | None) -> float | None:
 def worker_from_loads(url: str, role: str, inflight: int, body: Mapping[str, Any]) -> WorkerSignals:
     """A worker's signals from its ``/v1/loads`` body (SGLang 0.5.x: ``loads[]`` per DP rank
     with ``num_running_reqs``, ``num_waiting_reqs``, ``num_used_tokens``,
-    ``max_total_num_tokens``, ``num_waiting_uncached_tokens``). Ranks are summed; the usage is
+    ``max_total_num_tokens``, ``num_waiting_uncached_tokens``, ``max_running_requests``, the
+    scheduler's ``queues.waiting``). Ranks are summed; the usage is
     used over total tokens across ranks. Missing or mistyped fields count as zero."""
     ranks = [r for r in body.get("loads", ()) if isinstance(r, Mapping)]
     used = _total(ranks, "num_used_tokens")
@@ -100,6 +123,10 @@ def worker_from_loads(url: str, role: str, inflight: int, body: Mapping[str, Any
         token_usage=used / capacity if capacity > 0 else 0.0,
         used_tokens=used,
         queued_prefill_tokens=_total(ranks, "num_waiting_uncached_tokens"),
+        max_running=_total(ranks, "max_running_requests"),
+        waiting_for_slot=_total(
+            (q for r in ranks if isinstance(q := r.get("queues"), Mapping)), "waiting"
+        ),
     )
 
 
