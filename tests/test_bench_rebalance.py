@@ -27,12 +27,12 @@ def test_the_same_seed_gives_the_same_trace_and_another_seed_another(rb) -> None
     assert rb.make_trace(spec) != rb.make_trace(rb.TraceSpec(seed=4, phases=2, phase_secs=10.0))
 
 
-def test_phases_alternate_prompt_heavy_and_answer_heavy_shapes(rb) -> None:
+def test_phases_alternate_answer_heavy_and_prompt_heavy_shapes(rb) -> None:
     spec = rb.TraceSpec(seed=1, phases=4, phase_secs=30.0)
     trace = rb.make_trace(spec)
     for phase in rb.phases(spec):
         sent = [r for r in trace if r.phase == phase.index]
-        shape = rb.PROMPT_HEAVY if phase.index % 2 == 0 else rb.ANSWER_HEAVY
+        shape = rb.ANSWER_HEAVY if phase.index % 2 == 0 else rb.PROMPT_HEAVY
         assert all(phase.start <= r.at < phase.end for r in sent)
         assert all(
             shape.prompt_tokens[0] <= r.prompt_tokens <= shape.prompt_tokens[1] for r in sent
@@ -40,8 +40,8 @@ def test_phases_alternate_prompt_heavy_and_answer_heavy_shapes(rb) -> None:
         assert all(
             shape.output_tokens[0] <= r.output_tokens <= shape.output_tokens[1] for r in sent
         )
-    prompt_heavy = [r for r in trace if r.phase == 0]
-    answer_heavy = [r for r in trace if r.phase == 1]
+    answer_heavy = [r for r in trace if r.phase == 0]
+    prompt_heavy = [r for r in trace if r.phase == 1]
     assert min(r.prompt_tokens for r in prompt_heavy) > max(r.prompt_tokens for r in answer_heavy)
     assert max(r.output_tokens for r in prompt_heavy) < min(r.output_tokens for r in answer_heavy)
 
