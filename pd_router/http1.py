@@ -130,12 +130,20 @@ class Response:
 class Http1Pool:
     """Keep-alive connections per worker, and the POST that uses them."""
 
-    def __init__(self, *, connect_timeout: float, request_timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        request_timeout: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        """``ssl_context``: verifies https:// workers (and may carry a client certificate);
+        None: the stdlib's defaults, made on the first https:// connection."""
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout
         self._targets: dict[str, Target] = {}
         self._routes: dict[str, tuple[Target, str]] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
         self._ticker: asyncio.TimerHandle | None = None
 
     def _route(self, url: str) -> tuple[Target, str]:
@@ -275,6 +283,7 @@ class Http1Pool:
                     target.host,
                     target.port,
                     ssl=self._ssl if target.tls else None,
+                    server_hostname=target.host if target.tls else None,
                 )
         except OSError as exc:
             self._free_slot(target)
