@@ -132,6 +132,20 @@ async def test_https_router_closes_a_connection_that_never_starts_its_handshake(
             writer.close()
 
 
+async def test_https_router_closes_a_connection_whose_request_head_stalls(pd_cluster, pki):
+    tls = {"cert_path": pki.server_cert, "key_path": pki.server_key}
+    async with running_router(pd_cluster, tls=tls, client_header_timeout_secs=0.3) as router:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", router.server.port, ssl=client_verifying(pki)
+        )
+        try:
+            writer.write(b"POST /generate HTTP/1.1\r\nHost: x\r\n")
+            async with asyncio.timeout(10.0):
+                assert await reader.read() == b""
+        finally:
+            writer.close()
+
+
 # --- TLS and mTLS to workers -----------------------------------------------------------------
 
 
