@@ -102,6 +102,11 @@ async def test_without_allowed_origins_no_cors_headers_are_added(pd_cluster):
     assert "Access-Control-Allow-Origin" not in simple.headers
 
 
+def test_allowed_origins_load_from_a_list():
+    config = load_config(None, {"cors_allowed_origins": [ALLOWED, "http://127.0.0.1:8080", "*"]})
+    assert config.cors_allowed_origins == (ALLOWED, "http://127.0.0.1:8080", "*")
+
+
 @pytest.mark.parametrize("origin", ["app.example.com", "https://app.example.com/", "ftp://x"])
 def test_an_entry_that_is_not_an_origin_is_a_config_error(origin):
     with pytest.raises(ConfigError) as err:
