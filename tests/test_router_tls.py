@@ -17,6 +17,7 @@ import pytest
 from pd_router.config import ConfigError, load_config
 from pd_router.http1 import LegLimits
 from pd_router.http1_conn import UpstreamConnectError, UpstreamDisconnected
+from pd_router.workers import Role
 from pd_worker.cluster import ClusterTLS, WorkerCluster
 from tests.router_helpers import assert_paired, generate_body, running_router, sse_events
 from tests.tls_helpers import Pki, make_pki, requires_openssl
@@ -190,3 +191,25 @@ async def test_router_refuses_workers_whose_certificate_its_ca_did_not_sign(
             await router.state.legs.post(
                 mtls_cluster.decode_urls[0] + "/generate", b"{}", {}, LegLimits()
             )
+
+
+async def test_fan_outs_reach_mtls_workers(mtls_cluster, pki):
+    async with running_router(mtls_cluster, tls=worker_tls(pki)) as router, router.client() as http:
+        response = await http.post("/flush_cache")
+    assert response.status_code == 200
+    assert [w["status"] for w in response.json()["workers"]] == [200, 200]
+
+
+async def test_conversion_control_calls_reach_mtls_workers(mtls_cluster, pki):
+    url = mtls_cluster.prefill_urls[0]
+    convert = {"server_url": url, "new_role": "decode"}
+    no_minimum = {"min_prefill": 0, "min_decode": 0}
+    async with (
+        running_router(mtls_cluster, tls=worker_tls(pki), conversion=no_minimum) as router,
+        router.client(timeout=30.0) as http,
+    ):
+        converted = await http.post("/convert_pd_role", json=convert)
+        assert converted.status_code == 200, converted.text
+        assert router.state.registry.get(url).role is Role.DECODE
+        back = await http.post("/convert_pd_role", json={**convert, "new_role": "prefill"})
+        assert back.status_code == 200, back.text
