@@ -197,16 +197,16 @@ def parse_section(prefix: str, cls: type, value: Any, skip: tuple[str, ...] = ()
 
 
 def coerce(key: str, hint: Any, value: Any) -> Any:
-    """Check ``value`` against a field type (int, float, str, bool, optional of these, or a
-    tuple of strings, written as a list)."""
-    if typing.get_origin(hint) is tuple:
-        return coerce_strings(key, value)
+    """Check ``value`` against a field type (int, float, str, bool, a tuple of strings written
+    as a list, or a union of these with None)."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None:
         if type(None) in options:
             return None
         raise ConfigError(key, "must not be empty")
     for option in options:
+        if typing.get_origin(option) is tuple and isinstance(value, list | tuple):
+            return coerce_strings(key, value)
         if option is bool and isinstance(value, bool):
             return value
         if option is int and isinstance(value, int) and not isinstance(value, bool):
@@ -215,12 +215,18 @@ def coerce(key: str, hint: Any, value: Any) -> Any:
             return float(value)
         if option is str and isinstance(value, str):
             return value
-    wanted = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
+    wanted = " or ".join(type_name(o) for o in options if o is not type(None))
     raise ConfigError(key, f"must be {wanted}, got {type(value).__name__} {value!r}")
 
 
-def coerce_strings(key: str, value: Any) -> tuple[str, ...]:
-    if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+def type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return "list of strings"
+    return getattr(hint, "__name__", str(hint))
+
+
+def coerce_strings(key: str, value: list[Any] | tuple[Any, ...]) -> tuple[str, ...]:
+    if not all(isinstance(v, str) for v in value):
         raise ConfigError(key, f"must be a list of strings, got {value!r}")
     return tuple(value)
 
@@ -316,13 +322,14 @@ def validate_tls(tls: TLSConfig) -> None:
         if (getattr(tls, cert) is None) != (getattr(tls, key) is None):
             raise ConfigError(f"tls.{key}", f"tls.{cert} and tls.{key} must be set together")
     for f in dataclasses.fields(TLSConfig):
-        path = getattr(tls, f.name)
-        if path is not None and not Path(path).is_file():
-            raise ConfigError(f"tls.{f.name}", f"no such file: {path}")
+        paths = getattr(tls, f.name)
+        for path in (paths,) if isinstance(paths, str) else paths or ():
+            if not Path(path).is_file():
+                raise ConfigError(f"tls.{f.name}", f"no such file: {path}")
     if tls.serves_https:
         check_loads("tls.cert_path", lambda: server_context(tls))
-    if tls.ca_cert_path is not None:
-        check_loads("tls.ca_cert_path", lambda: ssl.create_default_context(cafile=tls.ca_cert_path))
+    for ca in tls.ca_files:
+        check_loads("tls.ca_cert_path", lambda ca=ca: ssl.create_default_context(cafile=ca))
     if tls.client_cert_path is not None:
         check_loads("tls.client_cert_path", lambda: worker_context(tls))
 

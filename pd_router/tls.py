@@ -17,18 +17,27 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class TLSConfig:
     """The ``[tls]`` section. ``cert_path``/``key_path``: serve HTTPS to clients (both or
-    neither). ``ca_cert_path``: trust this CA for https:// workers (else the system store).
+    neither). ``ca_cert_path``: trust this CA for https:// workers (else the system store); a
+    list of files trusts each (the peers' ``--ca-cert-paths`` takes several).
     ``client_cert_path``/``client_key_path``: present this certificate to workers (mTLS)."""
 
     cert_path: str | None = None
     key_path: str | None = None
-    ca_cert_path: str | None = None
+    ca_cert_path: str | tuple[str, ...] | None = None
     client_cert_path: str | None = None
     client_key_path: str | None = None
 
     @property
     def serves_https(self) -> bool:
         return self.cert_path is not None and self.key_path is not None
+
+    @property
+    def ca_files(self) -> tuple[str, ...]:
+        """The CA files named by ``ca_cert_path`` (none: the system store)."""
+        ca = self.ca_cert_path
+        if ca is None:
+            return ()
+        return (ca,) if isinstance(ca, str) else ca
 
     @property
     def configures_workers(self) -> bool:
@@ -53,10 +62,13 @@ def server_context(tls: TLSConfig) -> ssl.SSLContext | None:
 
 def worker_context(tls: TLSConfig) -> ssl.SSLContext:
     """The context of every connection to an https:// worker: the worker's certificate is
-    verified (against ``ca_cert_path``, else the system store) together with its host name,
-    and the client certificate is presented when configured. Raises OSError or ssl.SSLError
-    as :func:`server_context` does."""
-    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls.ca_cert_path)
+    verified (against the ``ca_cert_path`` files, else the system store) together with its
+    host name, and the client certificate is presented when configured. Raises OSError or
+    ssl.SSLError as :func:`server_context` does."""
+    cas = tls.ca_files
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=cas[0] if cas else None)
+    for ca in cas[1:]:
+        context.load_verify_locations(cafile=ca)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     if tls.client_cert_path is not None and tls.client_key_path is not None:
         context.load_cert_chain(tls.client_cert_path, tls.client_key_path)

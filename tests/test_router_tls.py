@@ -84,6 +84,13 @@ def test_missing_ca_file_names_ca_cert_path(tmp_path):
     assert err.value.key == "tls.ca_cert_path"
 
 
+def test_one_missing_file_of_a_ca_list_names_ca_cert_path(pki, tmp_path):
+    cas = [pki.ca_cert, str(tmp_path / "absent.pem")]
+    with pytest.raises(ConfigError) as err:
+        load_config(None, {"tls": {"ca_cert_path": cas}})
+    assert err.value.key == "tls.ca_cert_path"
+
+
 def test_key_that_does_not_match_its_certificate_names_cert_path(pki):
     with pytest.raises(ConfigError) as err:
         load_config(None, {"tls": {"cert_path": pki.server_cert, "key_path": pki.client_key}})
@@ -213,3 +220,11 @@ async def test_conversion_control_calls_reach_mtls_workers(mtls_cluster, pki):
         assert router.state.registry.get(url).role is Role.DECODE
         back = await http.post("/convert_pd_role", json={**convert, "new_role": "prefill"})
         assert back.status_code == 200, back.text
+
+
+async def test_a_list_of_cas_trusts_workers_signed_by_any_of_them(mtls_cluster, pki, other_pki):
+    tls = {**worker_tls(pki), "ca_cert_path": [other_pki.ca_cert, pki.ca_cert]}
+    async with running_router(mtls_cluster, tls=tls) as router, router.client() as http:
+        response = await http.post("/generate", json=generate_body("two cas", TOKENS))
+    assert response.status_code == 200
+    assert_paired(response.json(), "two cas", TOKENS)
