@@ -15,6 +15,10 @@ worker's own keep-alive timeout (5 s in SGLang/uvicorn) can close one under a re
 connection that still turns out closed before any byte of the answer arrived is replaced once by
 a fresh one (the worker never read the request).
 
+An https:// worker gets TLS on its connections (asyncio's ``ssl=``, the URL's host as the
+name the certificate must carry) with the context the pool was given: the router's
+``[tls]`` CAs and client certificate.
+
 Every leg has a total deadline (``request_timeout``), a first-byte timeout when the caller asks
 for one (time to the first byte of the body: the first event of a stream, the whole answer of a
 unary request) and a stream-idle timeout between body bytes. One pool-wide ticker checks them
