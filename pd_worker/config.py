@@ -48,6 +48,10 @@ class WorkerConfig:
             raise ValueError("ssl_certfile and ssl_keyfile must be given together")
         if self.ssl_ca_certs is not None and self.ssl_certfile is None:
             raise ValueError("ssl_ca_certs needs ssl_certfile and ssl_keyfile")
+        try:
+            self.ssl_context()
+        except OSError as exc:
+            raise ValueError(f"cannot load the TLS files: {exc}") from exc
         if self.decode_cuda_graph_memory_gb < 0 or self.gpu_free_memory_gb < 0:
             raise ValueError("memory sizes must be >= 0")
         self.timing.validate()

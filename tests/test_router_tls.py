@@ -18,6 +18,7 @@ from pd_router.config import ConfigError, load_config
 from pd_router.http1 import LegLimits
 from pd_router.http1_conn import UpstreamConnectError, UpstreamDisconnected
 from pd_router.workers import Role
+from pd_worker.cli import main as worker_main
 from pd_worker.cluster import ClusterTLS, WorkerCluster
 from tests.router_helpers import assert_paired, generate_body, running_router, sse_events
 from tests.tls_helpers import Pki, make_pki, requires_openssl
@@ -101,6 +102,19 @@ def test_ca_file_that_holds_no_certificate_names_ca_cert_path(pki):
     with pytest.raises(ConfigError) as err:
         load_config(None, {"tls": {"ca_cert_path": pki.server_key}})
     assert err.value.key == "tls.ca_cert_path"
+
+
+def test_worker_refuses_a_certificate_without_its_key(pki):
+    with pytest.raises(SystemExit) as exited:
+        worker_main(["serve", "--ssl-certfile", pki.server_cert])
+    assert exited.value.code == 2
+
+
+def test_worker_refuses_a_key_that_does_not_match_its_certificate(pki):
+    argv = ["serve", "--ssl-certfile", pki.server_cert, "--ssl-keyfile", pki.client_key]
+    with pytest.raises(SystemExit) as exited:
+        worker_main(argv)
+    assert exited.value.code == 2
 
 
 # --- HTTPS to clients ------------------------------------------------------------------------
