@@ -8,18 +8,21 @@ offending key and what is allowed, and start-up stops there.
 from __future__ import annotations
 
 import dataclasses
+import ssl
 import tomllib
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pd_router.autopilot.policy import MODES, AutopilotConfig
 from pd_router.circuit import CircuitConfig
 from pd_router.http1 import LegLimits
 from pd_router.policies import POLICIES, POLICY_ALIASES, canonical_policy_name
+from pd_router.tls import TLSConfig, server_context, worker_context
 from pd_router.workers import normalize_url
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
@@ -86,12 +89,14 @@ class RouterConfig:
     worker_api_key: str | None = field(default=None, repr=False)
     log_level: str = "info"
     log_format: str = "json"
+    cors_allowed_origins: tuple[str, ...] = ()
     health: HealthConfig = field(default_factory=HealthConfig)
     circuit: CircuitConfig = field(default_factory=CircuitConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     conversion: ConversionConfig = field(default_factory=ConversionConfig)
     legs: LegLimits = field(default_factory=LegLimits)
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
+    tls: TLSConfig = field(default_factory=TLSConfig)
 
 
 SECTIONS: Mapping[str, type] = types.MappingProxyType(
@@ -102,6 +107,7 @@ SECTIONS: Mapping[str, type] = types.MappingProxyType(
         "conversion": ConversionConfig,
         "legs": LegLimits,
         "autopilot": AutopilotConfig,
+        "tls": TLSConfig,
     }
 )
 
@@ -191,13 +197,16 @@ def parse_section(prefix: str, cls: type, value: Any, skip: tuple[str, ...] = ()
 
 
 def coerce(key: str, hint: Any, value: Any) -> Any:
-    """Check ``value`` against a field type (int, float, str, bool, optional of these)."""
+    """Check ``value`` against a field type (int, float, str, bool, a tuple of strings written
+    as a list, or a union of these with None)."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None:
         if type(None) in options:
             return None
         raise ConfigError(key, "must not be empty")
     for option in options:
+        if typing.get_origin(option) is tuple and isinstance(value, list | tuple):
+            return coerce_strings(key, value)
         if option is bool and isinstance(value, bool):
             return value
         if option is int and isinstance(value, int) and not isinstance(value, bool):
@@ -206,8 +215,20 @@ def coerce(key: str, hint: Any, value: Any) -> Any:
             return float(value)
         if option is str and isinstance(value, str):
             return value
-    wanted = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
+    wanted = " or ".join(type_name(o) for o in options if o is not type(None))
     raise ConfigError(key, f"must be {wanted}, got {type(value).__name__} {value!r}")
+
+
+def type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return "list of strings"
+    return getattr(hint, "__name__", str(hint))
+
+
+def coerce_strings(key: str, value: list[Any] | tuple[Any, ...]) -> tuple[str, ...]:
+    if not all(isinstance(v, str) for v in value):
+        raise ConfigError(key, f"must be a list of strings, got {value!r}")
+    return tuple(value)
 
 
 def check_port(key: str, port: int | None) -> None:
@@ -267,6 +288,8 @@ def validate(config: RouterConfig) -> None:
     for f in dataclasses.fields(LegLimits):
         check_positive(f"legs.{f.name}", getattr(config.legs, f.name))
     validate_autopilot(config.autopilot)
+    validate_cors(config.cors_allowed_origins)
+    validate_tls(config.tls)
     for key in ("admin_api_key", "worker_api_key"):
         value = getattr(config, key)
         if value is not None and not (
@@ -277,6 +300,45 @@ def validate(config: RouterConfig) -> None:
     duplicates = sorted({u for u in urls if urls.count(u) > 1})
     if duplicates:
         raise ConfigError("prefill/decode", f"worker listed twice: {', '.join(duplicates)}")
+
+
+def validate_cors(origins: tuple[str, ...]) -> None:
+    """Each entry is ``*`` or an origin as browsers send it: ``scheme://host[:port]``."""
+    for origin in origins:
+        if origin == "*":
+            continue
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.netloc or parts.path:
+            raise ConfigError(
+                "cors_allowed_origins",
+                f"{origin!r} is not '*' or an origin like https://example.com[:port]",
+            )
+
+
+def validate_tls(tls: TLSConfig) -> None:
+    """Paired keys set together, every named file present, and the files loadable (a key that
+    does not match its certificate stops start-up here, naming the key)."""
+    for cert, key in (("cert_path", "key_path"), ("client_cert_path", "client_key_path")):
+        if (getattr(tls, cert) is None) != (getattr(tls, key) is None):
+            raise ConfigError(f"tls.{key}", f"tls.{cert} and tls.{key} must be set together")
+    for f in dataclasses.fields(TLSConfig):
+        paths = getattr(tls, f.name)
+        for path in (paths,) if isinstance(paths, str) else paths or ():
+            if not Path(path).is_file():
+                raise ConfigError(f"tls.{f.name}", f"no such file: {path}")
+    if tls.serves_https:
+        check_loads("tls.cert_path", lambda: server_context(tls))
+    for ca in tls.ca_files:
+        check_loads("tls.ca_cert_path", lambda ca=ca: ssl.create_default_context(cafile=ca))
+    if tls.client_cert_path is not None:
+        check_loads("tls.client_cert_path", lambda: worker_context(tls))
+
+
+def check_loads(key: str, load: Callable[[], object]) -> None:
+    try:
+        load()
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(key, f"cannot load: {exc}") from exc
 
 
 def build_autopilot(data: dict[str, Any]) -> AutopilotConfig:

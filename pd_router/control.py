@@ -13,6 +13,7 @@ from :mod:`pd_protocol.wire`.
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,16 +90,19 @@ class LoadReading:
     num_waiting: int
 
 
-def open_control_session() -> aiohttp.ClientSession:
+def open_control_session(ssl_context: ssl.SSLContext | None = None) -> aiohttp.ClientSession:
     """The control plane's client session: a new connection for every call (``force_close``).
 
     Control calls are a handful per conversion, so the handshake costs nothing that matters;
     in exchange a call to a dead worker fails to connect (never delivered: nothing changed)
     instead of failing on a kept-alive connection the worker's death left behind, where
-    nobody can tell whether the worker saw the call.
+    nobody can tell whether the worker saw the call. ``ssl_context`` verifies https://
+    workers (None: aiohttp's defaults).
     """
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(force_close=True, limit=0),
+        connector=aiohttp.TCPConnector(
+            force_close=True, limit=0, ssl=ssl_context if ssl_context is not None else True
+        ),
         timeout=aiohttp.ClientTimeout(total=DEFAULT_SWITCH_TIMEOUT_SECS),
     )
 

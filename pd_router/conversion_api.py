@@ -74,7 +74,7 @@ def add_conversion_routes(app: web.Application) -> None:
 async def _conversions(app: web.Application) -> AsyncIterator[None]:
     router = app[ROUTER]
     settings = router.config.conversion
-    async with open_control_session() as session:
+    async with open_control_session(router.worker_ssl) as session:
         manager = ConversionManager(
             router.registry,
             router.metrics,

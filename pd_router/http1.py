@@ -15,6 +15,10 @@ worker's own keep-alive timeout (5 s in SGLang/uvicorn) can close one under a re
 connection that still turns out closed before any byte of the answer arrived is replaced once by
 a fresh one (the worker never read the request).
 
+An https:// worker gets TLS on its connections (asyncio's ``ssl=``, the URL's host as the
+name the certificate must carry) with the context the pool was given: the router's
+``[tls]`` CAs and client certificate.
+
 Every leg has a total deadline (``request_timeout``), a first-byte timeout when the caller asks
 for one (time to the first byte of the body: the first event of a stream, the whole answer of a
 unary request) and a stream-idle timeout between body bytes. One pool-wide ticker checks them
@@ -130,12 +134,20 @@ class Response:
 class Http1Pool:
     """Keep-alive connections per worker, and the POST that uses them."""
 
-    def __init__(self, *, connect_timeout: float, request_timeout: float) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        request_timeout: float,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        """``ssl_context``: verifies https:// workers (and may carry a client certificate);
+        None: the stdlib's defaults, made on the first https:// connection."""
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout
         self._targets: dict[str, Target] = {}
         self._routes: dict[str, tuple[Target, str]] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
         self._ticker: asyncio.TimerHandle | None = None
 
     def _route(self, url: str) -> tuple[Target, str]:
@@ -275,6 +287,7 @@ class Http1Pool:
                     target.host,
                     target.port,
                     ssl=self._ssl if target.tls else None,
+                    server_hostname=target.host if target.tls else None,
                 )
         except OSError as exc:
             self._free_slot(target)

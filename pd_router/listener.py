@@ -26,6 +26,7 @@ import asyncio
 import collections
 import logging
 import resource
+import ssl
 import time
 from dataclasses import dataclass
 
@@ -321,12 +322,26 @@ class ClientProtocol(web.RequestHandler):
 
 class ClientSite(web.BaseSite):
     """A TCP listening socket whose connections are :class:`ClientProtocol` (aiohttp's
-    ``TCPSite`` with its own protocol factory)."""
+    ``TCPSite`` with its own protocol factory), HTTPS when given an SSL context.
+
+    With TLS a connection reaches :class:`ClientProtocol` (and its cap and timeouts) once its
+    handshake is done; the handshake itself gets the header timeout, so a client that opens a
+    connection and never finishes its hello holds it no longer than one that never sends a
+    request head."""
 
     __slots__ = ("_host", "_limits", "_port")
 
-    def __init__(self, runner: web.BaseRunner, host: str, port: int, limits: ClientLimits) -> None:
-        super().__init__(runner, backlog=backlog_for(limits.max_connections))
+    def __init__(
+        self,
+        runner: web.BaseRunner,
+        host: str,
+        port: int,
+        limits: ClientLimits,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
+        super().__init__(
+            runner, backlog=backlog_for(limits.max_connections), ssl_context=ssl_context
+        )
         self._host = host
         self._port = port
         self._limits = limits
@@ -334,7 +349,8 @@ class ClientSite(web.BaseSite):
     @property
     def name(self) -> str:
         host = f"[{self._host}]" if ":" in self._host else self._host
-        return f"http://{host}:{self._port}"
+        scheme = "https" if self._ssl_context is not None else "http"
+        return f"{scheme}://{host}:{self._port}"
 
     async def start(self) -> None:
         await super().start()
@@ -349,4 +365,6 @@ class ClientSite(web.BaseSite):
             self._host,
             self._port,
             backlog=self._backlog,
+            ssl=self._ssl_context,
+            ssl_handshake_timeout=limits.header_timeout if self._ssl_context else None,
         )

@@ -1,12 +1,13 @@
 """The aiohttp application: routes, the middleware (request id, admin auth, body size, error
-mapping, request metrics) and the lifecycle of the shared state.
+mapping, request metrics; CORS in front when configured) and the lifecycle of the shared state.
 
 ``build_app(config)`` returns an Application holding one :class:`~pd_router.state.Router` under
 :data:`ROUTER`; other modules add their routes to that app (``add_conversion_routes(app)``,
 ``add_dashboard_routes(app)``). Run it with :func:`start_server` (tests, demo) or
 :func:`run_server` (the CLI); both listen through :mod:`pd_router.listener` (header and body
-timeouts, the client connection cap) and enable handler cancellation so a client that goes
-away cancels its request and the workers get ``/abort_request``.
+timeouts, the client connection cap; HTTPS with ``[tls]`` cert and key) and enable handler
+cancellation so a client that goes away cancels its request and the workers get
+``/abort_request``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pd_router.auth import is_admin_path, require_admin
 from pd_router.autopilot.api import add_autopilot_routes
 from pd_router.config import RouterConfig
 from pd_router.conversion_api import add_conversion_routes
+from pd_router.cors import add_cors
 from pd_router.dashboard import add_dashboard_routes
 from pd_router.errors import MAPPED_ERRORS, RouterError, error_response
 from pd_router.listener import (
@@ -39,6 +41,7 @@ from pd_router.listener import (
 )
 from pd_router.metrics import RouterMetrics
 from pd_router.state import REQUEST_ID, ROUTER, UPSTREAM_ID, Router
+from pd_router.tls import server_context
 
 log = logging.getLogger("pd_router.server")
 
@@ -170,6 +173,7 @@ def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web
     app[ROUTER] = Router(config, metrics)
     app[REQUEST_IDS] = RequestIds()
     app[BODY_ADMISSION] = BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes)
+    add_cors(app, config.cors_allowed_origins)
     add_routes(app)
     add_dashboard_routes(app)
     app.on_startup.append(_on_startup)
@@ -187,11 +191,12 @@ class RunningServer:
     runner: web.AppRunner
     host: str
     port: int
+    scheme: str = "http"
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     @property
     def router(self) -> Router:
@@ -216,15 +221,17 @@ async def start_server(
     app: web.Application, host: str = "127.0.0.1", port: int = 0
 ) -> RunningServer:
     """Serve ``app`` in the running loop (port 0: a free port); stop with ``.stop()``. A router
-    application's client limits come from its config, any other application gets the
-    defaults."""
+    application's client limits and TLS come from its config, any other application gets the
+    defaults (plain HTTP)."""
     config = app[ROUTER].config if ROUTER in app else RouterConfig()
+    ssl_context = server_context(config.tls)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = ClientSite(runner, host, port, client_limits(config))
+    site = ClientSite(runner, host, port, client_limits(config), ssl_context)
     await site.start()
     server = runner.addresses[0]
-    return RunningServer(app, runner, host, server[1])
+    scheme = "https" if ssl_context is not None else "http"
+    return RunningServer(app, runner, host, server[1], scheme)
 
 
 def tune_gc() -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Coroutine, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,7 @@ from pd_router.http1_conn import WorkerUnavailable
 from pd_router.latency import LatencyRecorder
 from pd_router.metrics import RouterMetrics
 from pd_router.policies import Policy, make_policy
+from pd_router.tls import worker_context
 from pd_router.upstream import Legs
 from pd_router.workers import Role, Unavailability, Worker, WorkerRegistry, WorkerState
 
@@ -60,9 +62,15 @@ class Router:
             {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else {}
         )
         self._session: aiohttp.ClientSession | None = None
+        # Every connection to an https:// worker (legs, session, control) verifies it with
+        # this context; None: the defaults (system CAs, no client certificate).
+        self.worker_ssl: ssl.SSLContext | None = (
+            worker_context(config.tls) if config.tls.configures_workers else None
+        )
         self.legs = Http1Pool(
             connect_timeout=config.connect_timeout_secs,
             request_timeout=config.request_timeout_secs,
+            ssl_context=self.worker_ssl,
         )
         # What every leg uses (the pool, its limits, the error metric), and the headers of each
         # role's legs but the request id. A leg names the role it is routed as: an extension
@@ -104,6 +112,7 @@ class Router:
             limit_per_host=0,
             keepalive_timeout=75,
             ttl_dns_cache=300,
+            ssl=self.worker_ssl if self.worker_ssl is not None else True,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,

@@ -73,6 +73,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "--api-key", default=None, help="SGLang's --api-key: every route but /health* and "
         "/metrics needs Authorization: Bearer <key>",
     )  # fmt: skip
+    serve.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
+    serve.add_argument("--ssl-keyfile", default=None, help="the key of --ssl-certfile")
+    serve.add_argument(
+        "--ssl-ca-certs", default=None, help="require client certificates signed by this CA"
+    )
     serve.add_argument("--model-path", default="pd-worker/toy-model")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--decode-cuda-graph-memory-gb", type=float, default=0.6)
@@ -119,6 +124,9 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         enable_faults=args.enable_faults,
         decode_cuda_graph_memory_gb=args.decode_cuda_graph_memory_gb,
         gpu_free_memory_gb=args.gpu_free_memory_gb,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_ca_certs=args.ssl_ca_certs,
         timing=profile(args.profile, **knobs),
     )
 
@@ -164,7 +172,8 @@ async def serve(config: WorkerConfig, parent_pid: int | None = None) -> None:
     runner = web.AppRunner(build_app(config), access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.host, config.port).start()
+        site = web.TCPSite(runner, config.host, config.port, ssl_context=config.ssl_context())
+        await site.start()
         logging.getLogger("pd_worker").info(
             "%s worker on %s, bootstrap port %d", config.role, config.url, config.bootstrap_port
         )

@@ -24,7 +24,8 @@ Keyword arguments besides the documented ones are timing knobs of
 :class:`pd_worker.timing.TimingModel` (``speed``, ``max_total_num_tokens``,
 ``bootstrap_timeout_secs``, ...). Workers start with ``--enable-pd-role-switch`` and
 ``--enable-faults`` unless told otherwise; ``admin_api_key`` guards their admin routes;
-``profile`` names a calibrated timing model (``h100-8b``) that the knobs then override.
+``profile`` names a calibrated timing model (``h100-8b``) that the knobs then override;
+``tls`` (:class:`ClusterTLS`) makes every worker serve HTTPS (mTLS with ``ca_certs``).
 :func:`free_port` returns a free loopback TCP port.
 """
 
@@ -37,6 +38,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -92,6 +94,29 @@ class WorkerProcess:
         return "\n".join(text.splitlines()[-lines:])
 
 
+@dataclass(frozen=True)
+class ClusterTLS:
+    """HTTPS for every worker of a cluster: its certificate and key, and ``ca_certs`` to
+    require client certificates signed by that CA (mTLS). The cluster's own health polls
+    trust ``ca_certs`` (else the system store) and present ``client_cert``/``client_key``."""
+
+    certfile: str
+    keyfile: str
+    ca_certs: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+
+    def flags(self) -> tuple[str, ...]:
+        ca = ("--ssl-ca-certs", self.ca_certs) if self.ca_certs else ()
+        return ("--ssl-certfile", self.certfile, "--ssl-keyfile", self.keyfile, *ca)
+
+    def client_context(self) -> ssl.SSLContext:
+        context = ssl.create_default_context(cafile=self.ca_certs)
+        if self.client_cert is not None and self.client_key is not None:
+            context.load_cert_chain(self.client_cert, self.client_key)
+        return context
+
+
 class WorkerCluster:
     """A set of worker processes (see the module docstring for the API)."""
 
@@ -109,6 +134,7 @@ class WorkerCluster:
         profile: str | None = None,
         startup_timeout: float = 30.0,
         extra_args: tuple[str, ...] = (),
+        tls: ClusterTLS | None = None,
         **knobs: Any,
     ) -> None:
         unknown = set(knobs) - _KNOBS
@@ -124,8 +150,11 @@ class WorkerCluster:
             + (("--enable-faults",) if enable_faults else ())
             + (("--admin-api-key", admin_api_key) if admin_api_key else ())
             + (("--profile", profile) if profile else ())
+            + (tls.flags() if tls is not None else ())
             + tuple(extra_args)
         )
+        self._tls = tls
+        self._scheme = "https" if tls is not None else "http"
         self.admin_api_key = admin_api_key
         self._startup_timeout = startup_timeout
         self._log_dir = Path(tempfile.mkdtemp(prefix="pd-worker-cluster-"))
@@ -265,7 +294,7 @@ class WorkerCluster:
                 argv, stdout=log_file, stderr=subprocess.STDOUT, env=_child_env()
             )
         worker = WorkerProcess(
-            role, f"http://{self._host}:{port}", port, bootstrap_port, process, log_path
+            role, f"{self._scheme}://{self._host}:{port}", port, bootstrap_port, process, log_path
         )
         self.workers.append(worker)
         return worker
@@ -299,7 +328,8 @@ class WorkerCluster:
 
     def _wait_healthy(self, worker: WorkerProcess) -> None:
         deadline = time.monotonic() + self._startup_timeout
-        with httpx.Client(timeout=1.0) as client:
+        verify = self._tls.client_context() if self._tls is not None else True
+        with httpx.Client(timeout=1.0, verify=verify) as client:
             while time.monotonic() < deadline:
                 if not worker.alive:
                     raise WorkerExited(

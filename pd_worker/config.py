@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 
 from pd_protocol.wire import ROLES
@@ -26,6 +27,11 @@ class WorkerConfig:
     enable_faults: bool = False
     decode_cuda_graph_memory_gb: float = 0.6
     gpu_free_memory_gb: float = 8.0
+    # SGLang's --ssl-certfile/--ssl-keyfile (serve HTTPS) and --ssl-ca-certs (with them:
+    # require client certificates signed by this CA, i.e. mTLS).
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
     timing: TimingModel = field(default_factory=TimingModel)
 
     def validate(self) -> None:
@@ -38,6 +44,14 @@ class WorkerConfig:
                 raise ValueError(f"{name} must be in 1..65535, got {value}")
         if self.port == self.bootstrap_port:
             raise ValueError("port and bootstrap_port must differ")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile must be given together")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_ca_certs needs ssl_certfile and ssl_keyfile")
+        try:
+            self.ssl_context()
+        except OSError as exc:
+            raise ValueError(f"cannot load the TLS files: {exc}") from exc
         if self.decode_cuda_graph_memory_gb < 0 or self.gpu_free_memory_gb < 0:
             raise ValueError("memory sizes must be >= 0")
         self.timing.validate()
@@ -45,7 +59,20 @@ class WorkerConfig:
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        scheme = "https" if self.ssl_certfile is not None else "http"
+        return f"{scheme}://{host}:{self.port}"
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """The HTTP listener's context (None: plain HTTP); with ``ssl_ca_certs`` a client
+        must present a certificate signed by that CA. Raises OSError or ssl.SSLError for
+        files that cannot be loaded."""
+        if self.ssl_certfile is None or self.ssl_keyfile is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=self.ssl_ca_certs)
+        context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+        if self.ssl_ca_certs is not None:
+            context.verify_mode = ssl.CERT_REQUIRED
+        return context
 
     @property
     def model_name(self) -> str:
