@@ -20,6 +20,7 @@ from pd_router.autopilot.policy import MODES, AutopilotConfig
 from pd_router.circuit import CircuitConfig
 from pd_router.http1 import LegLimits
 from pd_router.policies import POLICIES, POLICY_ALIASES, canonical_policy_name
+from pd_router.retry import RetryConfig
 from pd_router.workers import normalize_url
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
@@ -47,13 +48,7 @@ class HealthConfig:
     failure_threshold: int = 3
     success_threshold: int = 2
     endpoint: str = "/health"
-
-
-@dataclass(frozen=True)
-class RetryConfig:
-    max_attempts: int = 3
-    backoff_base_secs: float = 0.02
-    backoff_max_secs: float = 0.5
+    enabled: bool = True
 
 
 @dataclass(frozen=True)
@@ -256,9 +251,9 @@ def validate(config: RouterConfig) -> None:
         raise ConfigError("health.endpoint", "must be a path starting with '/'")
     check_positive("circuit.failure_threshold", config.circuit.failure_threshold)
     check_positive("circuit.cooldown_secs", config.circuit.cooldown_secs, allow_zero=True)
-    check_positive("retry.max_attempts", config.retry.max_attempts)
-    check_positive("retry.backoff_base_secs", config.retry.backoff_base_secs, allow_zero=True)
-    check_positive("retry.backoff_max_secs", config.retry.backoff_max_secs, allow_zero=True)
+    check_positive("circuit.success_threshold", config.circuit.success_threshold)
+    check_positive("circuit.window_secs", config.circuit.window_secs, allow_zero=True)
+    validate_retry(config.retry)
     c = config.conversion
     check_positive("conversion.min_prefill", c.min_prefill, allow_zero=True)
     check_positive("conversion.min_decode", c.min_decode, allow_zero=True)
@@ -277,6 +272,15 @@ def validate(config: RouterConfig) -> None:
     duplicates = sorted({u for u in urls if urls.count(u) > 1})
     if duplicates:
         raise ConfigError("prefill/decode", f"worker listed twice: {', '.join(duplicates)}")
+
+
+def validate_retry(r: RetryConfig) -> None:
+    check_positive("retry.max_attempts", r.max_attempts)
+    check_positive("retry.backoff_base_secs", r.backoff_base_secs, allow_zero=True)
+    check_positive("retry.backoff_max_secs", r.backoff_max_secs, allow_zero=True)
+    check_positive("retry.backoff_multiplier", r.backoff_multiplier)
+    if not 0 <= r.jitter_factor <= 1:
+        raise ConfigError("retry.jitter_factor", f"must be in [0, 1], got {r.jitter_factor}")
 
 
 def build_autopilot(data: dict[str, Any]) -> AutopilotConfig:
