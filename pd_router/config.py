@@ -18,6 +18,7 @@ from typing import Any
 
 from pd_router.autopilot.policy import MODES, AutopilotConfig
 from pd_router.circuit import CircuitConfig
+from pd_router.concurrency import AdmissionConfig
 from pd_router.http1 import LegLimits
 from pd_router.policies import POLICIES, POLICY_ALIASES, canonical_policy_name
 from pd_router.retry import RetryConfig
@@ -48,7 +49,6 @@ class HealthConfig:
     failure_threshold: int = 3
     success_threshold: int = 2
     endpoint: str = "/health"
-    enabled: bool = True
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class RouterConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     circuit: CircuitConfig = field(default_factory=CircuitConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     conversion: ConversionConfig = field(default_factory=ConversionConfig)
     legs: LegLimits = field(default_factory=LegLimits)
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
@@ -94,6 +95,7 @@ SECTIONS: Mapping[str, type] = types.MappingProxyType(
         "health": HealthConfig,
         "circuit": CircuitConfig,
         "retry": RetryConfig,
+        "admission": AdmissionConfig,
         "conversion": ConversionConfig,
         "legs": LegLimits,
         "autopilot": AutopilotConfig,
@@ -254,6 +256,7 @@ def validate(config: RouterConfig) -> None:
     check_positive("circuit.success_threshold", config.circuit.success_threshold)
     check_positive("circuit.window_secs", config.circuit.window_secs, allow_zero=True)
     validate_retry(config.retry)
+    validate_admission(config.admission)
     c = config.conversion
     check_positive("conversion.min_prefill", c.min_prefill, allow_zero=True)
     check_positive("conversion.min_decode", c.min_decode, allow_zero=True)
@@ -281,6 +284,15 @@ def validate_retry(r: RetryConfig) -> None:
     check_positive("retry.backoff_multiplier", r.backoff_multiplier)
     if not 0 <= r.jitter_factor <= 1:
         raise ConfigError("retry.jitter_factor", f"must be in [0, 1], got {r.jitter_factor}")
+
+
+def validate_admission(a: AdmissionConfig) -> None:
+    check_positive("admission.max_concurrent_requests", a.max_concurrent_requests, allow_zero=True)
+    check_positive("admission.queue_size", a.queue_size, allow_zero=True)
+    check_positive("admission.queue_timeout_secs", a.queue_timeout_secs)
+    check_positive(
+        "admission.rate_limit_tokens_per_second", a.rate_limit_tokens_per_second, allow_zero=True
+    )
 
 
 def build_autopilot(data: dict[str, Any]) -> AutopilotConfig:

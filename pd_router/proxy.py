@@ -89,8 +89,9 @@ async def serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     started = asyncio.get_running_loop().time()
     body = parse_body(await request.read())
     items, samples = endpoint.count_items(body)
-    exchange = Exchange(router, request, endpoint, body, items, samples, started)
-    return await exchange.run()
+    async with router.admission.admitted():
+        exchange = Exchange(router, request, endpoint, body, items, samples, started)
+        return await exchange.run()
 
 
 async def guarded(main: asyncio.Task[T], guard: asyncio.Task) -> T:
