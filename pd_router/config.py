@@ -49,6 +49,7 @@ class HealthConfig:
     failure_threshold: int = 3
     success_threshold: int = 2
     endpoint: str = "/health"
+    enabled: bool = True
 
 
 @dataclass(frozen=True)
