@@ -24,6 +24,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import NoReturn
 
 from pd_router.errors import RouterError
 from pd_router.metrics import RouterMetrics
@@ -194,6 +195,6 @@ class RequestAdmission:
         self._metrics.admission_queue_depth.set(0)
         self._active -= 1
 
-    def _reject(self, reason: str, message: str, retry_after_secs: float) -> None:
+    def _reject(self, reason: str, message: str, retry_after_secs: float) -> NoReturn:
         self._rejections[reason].inc()
         raise TooManyRequests(message, reason, max(1, math.ceil(retry_after_secs)))
