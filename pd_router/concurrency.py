@@ -22,7 +22,7 @@ import contextlib
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -102,6 +102,9 @@ class RequestAdmission:
             if config.rate_limit_tokens_per_second
             else None
         )
+        limited = config.max_concurrent_requests or self._bucket is not None
+        self._slot = Slot(self) if limited else None
+        self._no_limits: contextlib.AbstractAsyncContextManager[None] = contextlib.nullcontext()
         self._rejections = {
             reason: metrics.admission_rejections_total.labels(reason)
             for reason in REJECTION_REASONS
@@ -117,17 +120,19 @@ class RequestAdmission:
     def queued(self) -> int:
         return len(self._waiters)
 
-    @contextlib.asynccontextmanager
-    async def admitted(self) -> AsyncIterator[None]:
-        """Hold a slot for the body of the ``async with``; TooManyRequests if refused."""
+    def admitted(self) -> contextlib.AbstractAsyncContextManager[None]:
+        """For ``async with``: admits the request on entry (TooManyRequests if refused) and
+        frees its slot on exit. Without limits a no-op context, which costs a request nothing."""
+        return self._slot if self._slot is not None else self._no_limits
+
+    async def admit(self) -> None:
+        """Admit one request (TooManyRequests if refused); :meth:`finish` frees its slot."""
         self._take_token()
-        if not self.config.max_concurrent_requests:
-            yield
-            return
-        await self._acquire()
-        try:
-            yield
-        finally:
+        if self.config.max_concurrent_requests:
+            await self._acquire()
+
+    def finish(self) -> None:
+        if self.config.max_concurrent_requests:
             self._release()
 
     def _take_token(self) -> None:
@@ -198,3 +203,20 @@ class RequestAdmission:
     def _reject(self, reason: str, message: str, retry_after_secs: float) -> NoReturn:
         self._rejections[reason].inc()
         raise TooManyRequests(message, reason, max(1, math.ceil(retry_after_secs)))
+
+
+class Slot(contextlib.AbstractAsyncContextManager[None]):
+    """The ``async with`` of :meth:`RequestAdmission.admitted` when there are limits (a class:
+    cheaper per request than a generator-based context manager). It holds no per-request
+    state, so one serves every request."""
+
+    __slots__ = ("_admission",)
+
+    def __init__(self, admission: RequestAdmission) -> None:
+        self._admission = admission
+
+    async def __aenter__(self) -> None:
+        await self._admission.admit()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._admission.finish()
