@@ -19,11 +19,18 @@ through and 503 for the rest. Two rules keep that from happening:
 
 Half-open stays at one trial in flight: with the pool-wide rule a burst is no longer limited by
 it, and while other workers serve, one trial is enough to learn that a worker is back.
+
+The knobs the peers have (sglang-router's and smg's ``--cb-*`` flags): ``success_threshold``
+trials must succeed in a row to close a half-open circuit; ``window_secs`` > 0 opens the circuit
+on ``failure_threshold`` failures within that many seconds, successes in between or not (smg
+accepts a window but counts consecutive failures only); ``enabled = false`` keeps every circuit
+closed, so only the health probes take a worker out.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -39,11 +46,15 @@ class CircuitState(StrEnum):
 class CircuitConfig:
     failure_threshold: int = 5
     cooldown_secs: float = 10.0
+    enabled: bool = True
+    success_threshold: int = 1
+    window_secs: float = 0.0
 
 
 class CircuitBreaker:
-    """Closed -> open after ``failure_threshold`` consecutive failures -> half-open after
-    ``cooldown_secs`` -> closed on one success, open again on one failure."""
+    """Closed -> open after ``failure_threshold`` failures (consecutive, or within
+    ``window_secs``) -> half-open after ``cooldown_secs`` -> closed after ``success_threshold``
+    successful trials, open again on one failure. Disabled: always closed."""
 
     def __init__(
         self,
@@ -55,7 +66,10 @@ class CircuitBreaker:
         self._clock = clock
         self._on_change = on_change
         self._state = CircuitState.CLOSED
-        self._failures = 0
+        # When the last ``failure_threshold`` failures happened: enough to tell whether that
+        # many fell within the window, and bounded whatever the failure rate.
+        self._failures: deque[float] = deque(maxlen=self.config.failure_threshold)
+        self._trial_successes = 0
         self._opened_at = 0.0
         self._trial_in_flight = False
 
@@ -80,9 +94,16 @@ class CircuitBreaker:
             self._trial_in_flight = True
 
     def record_success(self) -> None:
-        self._failures = 0
+        """A request succeeded: consecutive counting starts over; a half-open circuit closes
+        once ``success_threshold`` trials succeeded in a row."""
         self._trial_in_flight = False
-        if self._state is not CircuitState.CLOSED:
+        if not self.config.window_secs:
+            self._failures.clear()
+        if self.state is CircuitState.CLOSED:
+            return
+        self._trial_successes += 1
+        if self._trial_successes >= self.config.success_threshold:
+            self._failures.clear()
             self._set(CircuitState.CLOSED)
 
     def release_trial(self) -> None:
@@ -92,18 +113,29 @@ class CircuitBreaker:
 
     def record_failure(self) -> None:
         self._trial_in_flight = False
-        self._failures += 1
-        if self._state is CircuitState.HALF_OPEN or (
-            self._state is CircuitState.CLOSED and self._failures >= self.config.failure_threshold
+        if not self.config.enabled:
+            return
+        now = self._clock()
+        self._failures.append(now)
+        state = self.state
+        if state is CircuitState.HALF_OPEN or (
+            state is CircuitState.CLOSED and self._threshold_reached(now)
         ):
-            self._opened_at = self._clock()
+            self._opened_at = now
             self._set(CircuitState.OPEN)
 
     def reset(self) -> None:
         """Forget past failures (a worker re-added by an operator starts closed)."""
-        self._failures = 0
+        self._failures.clear()
         self._trial_in_flight = False
         self._set(CircuitState.CLOSED)
+
+    def _threshold_reached(self, now: float) -> bool:
+        """``failure_threshold`` failures recorded, all within the window when there is one."""
+        if len(self._failures) < self.config.failure_threshold:
+            return False
+        window = self.config.window_secs
+        return not window or now - self._failures[0] <= window
 
     def _cooled_down(self) -> bool:
         return self._clock() - self._opened_at >= self.config.cooldown_secs
@@ -112,6 +144,7 @@ class CircuitBreaker:
         if state is self._state:
             return
         self._state = state
+        self._trial_successes = 0
         if self._on_change is not None:
             self._on_change(state)
 

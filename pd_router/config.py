@@ -20,8 +20,10 @@ from urllib.parse import urlsplit
 
 from pd_router.autopilot.policy import MODES, AutopilotConfig
 from pd_router.circuit import CircuitConfig
+from pd_router.concurrency import AdmissionConfig
 from pd_router.http1 import LegLimits
 from pd_router.policies import POLICIES, POLICY_ALIASES, canonical_policy_name
+from pd_router.retry import RetryConfig
 from pd_router.tls import TLSConfig, server_context, worker_context
 from pd_router.workers import normalize_url
 
@@ -50,13 +52,7 @@ class HealthConfig:
     failure_threshold: int = 3
     success_threshold: int = 2
     endpoint: str = "/health"
-
-
-@dataclass(frozen=True)
-class RetryConfig:
-    max_attempts: int = 3
-    backoff_base_secs: float = 0.02
-    backoff_max_secs: float = 0.5
+    enabled: bool = True
 
 
 @dataclass(frozen=True)
@@ -93,6 +89,7 @@ class RouterConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     circuit: CircuitConfig = field(default_factory=CircuitConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     conversion: ConversionConfig = field(default_factory=ConversionConfig)
     legs: LegLimits = field(default_factory=LegLimits)
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
@@ -104,6 +101,7 @@ SECTIONS: Mapping[str, type] = types.MappingProxyType(
         "health": HealthConfig,
         "circuit": CircuitConfig,
         "retry": RetryConfig,
+        "admission": AdmissionConfig,
         "conversion": ConversionConfig,
         "legs": LegLimits,
         "autopilot": AutopilotConfig,
@@ -277,9 +275,10 @@ def validate(config: RouterConfig) -> None:
         raise ConfigError("health.endpoint", "must be a path starting with '/'")
     check_positive("circuit.failure_threshold", config.circuit.failure_threshold)
     check_positive("circuit.cooldown_secs", config.circuit.cooldown_secs, allow_zero=True)
-    check_positive("retry.max_attempts", config.retry.max_attempts)
-    check_positive("retry.backoff_base_secs", config.retry.backoff_base_secs, allow_zero=True)
-    check_positive("retry.backoff_max_secs", config.retry.backoff_max_secs, allow_zero=True)
+    check_positive("circuit.success_threshold", config.circuit.success_threshold)
+    check_positive("circuit.window_secs", config.circuit.window_secs, allow_zero=True)
+    validate_retry(config.retry)
+    validate_admission(config.admission)
     c = config.conversion
     check_positive("conversion.min_prefill", c.min_prefill, allow_zero=True)
     check_positive("conversion.min_decode", c.min_decode, allow_zero=True)
@@ -339,6 +338,24 @@ def check_loads(key: str, load: Callable[[], object]) -> None:
         load()
     except (OSError, ssl.SSLError) as exc:
         raise ConfigError(key, f"cannot load: {exc}") from exc
+
+
+def validate_retry(r: RetryConfig) -> None:
+    check_positive("retry.max_attempts", r.max_attempts)
+    check_positive("retry.backoff_base_secs", r.backoff_base_secs, allow_zero=True)
+    check_positive("retry.backoff_max_secs", r.backoff_max_secs, allow_zero=True)
+    check_positive("retry.backoff_multiplier", r.backoff_multiplier)
+    if not 0 <= r.jitter_factor <= 1:
+        raise ConfigError("retry.jitter_factor", f"must be in [0, 1], got {r.jitter_factor}")
+
+
+def validate_admission(a: AdmissionConfig) -> None:
+    check_positive("admission.max_concurrent_requests", a.max_concurrent_requests, allow_zero=True)
+    check_positive("admission.queue_size", a.queue_size, allow_zero=True)
+    check_positive("admission.queue_timeout_secs", a.queue_timeout_secs)
+    check_positive(
+        "admission.rate_limit_tokens_per_second", a.rate_limit_tokens_per_second, allow_zero=True
+    )
 
 
 def build_autopilot(data: dict[str, Any]) -> AutopilotConfig:

@@ -33,6 +33,13 @@ dropped when a conversion took or moved the worker while it was being read. The 
 calls :meth:`HealthMonitor.suspect` when a leg says its worker is in another role (an extension
 worker's 421), so that worker is read and moved at once instead of at the next probe.
 
+Probes off (``enabled = false``, the peers' ``--disable-health-check``): no worker is ever
+probed; each counts as healthy from its registration on, so the router learns of a failing
+worker only from its requests (the circuit breaker, the retries). A prefill without a configured
+bootstrap port still has it read once from its ``/server_info`` (the default, 8998, when that
+fails): pairing needs it. Role drift goes unnoticed unless a leg's 421 asks for a reading
+(:meth:`HealthMonitor.suspect`).
+
 Circuit recovery: a worker the probes saw recover (unhealthy -> healthy, a drain ending, a
 restart) gets its circuit closed: the failures it counted were the outage the probes saw. A
 circuit that opened while the probes saw nothing wrong is left to its cool-down and trial.
@@ -118,7 +125,8 @@ class HealthMonitor:
         self._session = session
 
     def run_in_background(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        if self._config.enabled:
+            self._task = asyncio.get_running_loop().create_task(self._run())
 
     async def stop(self) -> None:
         tasks = list(self._suspicions.values())
@@ -182,7 +190,14 @@ class HealthMonitor:
 
     async def check(self, worker: Worker) -> bool:
         """Probe ``worker`` once (health, then live role when ACTIVE), apply the thresholds and
-        bring the registry in line with the reading; returns the worker's health."""
+        bring the registry in line with the reading; returns the worker's health. With probes
+        off the worker is taken as healthy without a call."""
+        if not self._config.enabled:
+            if worker.role is Role.PREFILL and worker.bootstrap_port is None:
+                await self._learn_bootstrap_port(worker)
+            if not worker.healthy:
+                self._registry.mark_recovered(worker)
+            return True
         ok, error = await self._probe(worker)
         reading: RoleReading | None = None
         detected = False
@@ -289,6 +304,21 @@ class HealthMonitor:
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
             return False, f"health probe failed: {type(exc).__name__}: {exc}"
         return True, None
+
+    async def _learn_bootstrap_port(self, worker: Worker) -> None:
+        """Read the prefill's bootstrap port once (probes off); the default if that fails."""
+        if self._session is None:
+            raise RuntimeError("health monitor not started")
+        timeout = aiohttp.ClientTimeout(total=self._config.timeout_secs)
+        try:
+            port = await self._bootstrap_port(worker, timeout)
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            log.warning(
+                "bootstrap port not read; using the default",
+                extra={"worker": worker.url, "port": DEFAULT_BOOTSTRAP_PORT, "error": str(exc)},
+            )
+            port = DEFAULT_BOOTSTRAP_PORT
+        self._registry.set_bootstrap_port(worker, port)
 
     async def _bootstrap_port(self, worker: Worker, limit: aiohttp.ClientTimeout) -> int:
         """The prefill's ``disaggregation_bootstrap_port`` from /server_info (8998 if absent)."""

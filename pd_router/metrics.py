@@ -69,6 +69,15 @@ class RouterMetrics:
             PREFIX + "circuit_state", "Circuit breaker state: 0 closed, 1 open, 2 half-open.",
             ["worker"], registry=r,
         )  # fmt: skip
+        self.admission_queue_depth = Gauge(
+            PREFIX + "admission_queue_depth",
+            "Generation requests waiting for a slot (max_concurrent_requests).", registry=r,
+        )  # fmt: skip
+        self.admission_rejections_total = Counter(
+            PREFIX + "admission_rejections_total",
+            "Generation requests refused with 429: queue_full, queue_timeout, rate_limited.",
+            ["reason"], registry=r,
+        )  # fmt: skip
         self.conversions_total = Counter(
             PREFIX + "conversions_total", "Role conversions by direction and outcome.",
             ["from_role", "to_role", "outcome"], registry=r,

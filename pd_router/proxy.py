@@ -46,6 +46,7 @@ from pd_router.requests import (
     parse_body,
     router_rid,
 )
+from pd_router.retry import attempts, backoff_secs
 from pd_router.state import REQUEST_ID, UPSTREAM_ID, Router, router_of
 from pd_router.upstream import (
     UPSTREAM_ERRORS,
@@ -88,8 +89,9 @@ async def serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
     started = asyncio.get_running_loop().time()
     body = parse_body(await request.read())
     items, samples = endpoint.count_items(body)
-    exchange = Exchange(router, request, endpoint, body, items, samples, started)
-    return await exchange.run()
+    async with router.admission.admitted():
+        exchange = Exchange(router, request, endpoint, body, items, samples, started)
+        return await exchange.run()
 
 
 async def guarded(main: asyncio.Task[T], guard: asyncio.Task) -> T:
@@ -186,14 +188,12 @@ class Exchange:
                 if failure.wrong_role:
                     self.router.health.suspect(failure.worker)
                 attempt += 1
-                if not failure.retryable or attempt >= retry.max_attempts:
+                if not failure.retryable or attempt >= attempts(retry):
                     return failure_response(failure)
                 avoid.append(failure.worker)
                 last = failure
             self.router.metrics.retries_total.inc()
-            await asyncio.sleep(
-                min(retry.backoff_max_secs, retry.backoff_base_secs * 2 ** (attempt - 1))
-            )
+            await asyncio.sleep(backoff_secs(retry, attempt))
 
     def prepare(self, attempt: int, prefill: Worker) -> tuple[bytes, list[str]]:
         """The body for this attempt (new rooms, the rid workers know it by) and its rids."""

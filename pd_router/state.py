@@ -1,6 +1,7 @@
 """The router's state object: one per application, stored under :data:`ROUTER`.
 
-It owns the configuration, the worker registry, the metrics, the one shared aiohttp client
+It owns the configuration, the worker registry, the metrics, the admission of generation
+requests by number and rate (:attr:`Router.admission`), the one shared aiohttp client
 session (probes, fan-outs, aborts, worker control), the keep-alive pool of the request legs
 (:attr:`Router.legs`), the selection policies, the health monitor, the recent latencies of
 finished requests (:attr:`Router.latency`) and the autopilot that reads them; handlers reach
@@ -24,6 +25,7 @@ from aiohttp import web
 
 from pd_protocol.wire import ROLE_HEADER
 from pd_router.autopilot.controller import Autopilot
+from pd_router.concurrency import RequestAdmission
 from pd_router.config import RouterConfig
 from pd_router.errors import NoWorkers
 from pd_router.health import HealthMonitor
@@ -54,6 +56,7 @@ class Router:
             Role.DECODE: make_policy(config.decode_policy),
         }
         self.health = HealthMonitor(self.registry, config.health)
+        self.admission = RequestAdmission(config.admission, self.metrics)
         self.conversions: ConversionManager | None = None
         self.latency = LatencyRecorder()
         self.autopilot = Autopilot(self)
