@@ -8,6 +8,7 @@ offending key and what is allowed, and start-up stops there.
 from __future__ import annotations
 
 import dataclasses
+import string
 import tomllib
 import types
 import typing
@@ -24,6 +25,7 @@ from pd_router.workers import normalize_url
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
 LOG_FORMATS = ("json", "text")
+HEADER_NAME_CHARS = frozenset(string.ascii_letters + string.digits + "!#$%&'*+-.^_`|~")
 
 
 class ConfigError(ValueError):
@@ -86,6 +88,7 @@ class RouterConfig:
     worker_api_key: str | None = field(default=None, repr=False)
     log_level: str = "info"
     log_format: str = "json"
+    request_id_headers: tuple[str, ...] = ()
     health: HealthConfig = field(default_factory=HealthConfig)
     circuit: CircuitConfig = field(default_factory=CircuitConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
@@ -192,6 +195,8 @@ def parse_section(prefix: str, cls: type, value: Any, skip: tuple[str, ...] = ()
 
 def coerce(key: str, hint: Any, value: Any) -> Any:
     """Check ``value`` against a field type (int, float, str, bool, optional of these)."""
+    if typing.get_origin(hint) in (list, tuple):
+        return coerce_sequence(key, hint, value)
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None:
         if type(None) in options:
@@ -208,6 +213,22 @@ def coerce(key: str, hint: Any, value: Any) -> Any:
             return value
     wanted = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
     raise ConfigError(key, f"must be {wanted}, got {type(value).__name__} {value!r}")
+
+
+def coerce_sequence(key: str, hint: Any, value: Any) -> Any:
+    """Check a list value (``list[X]`` or ``tuple[X, ...]``) item by item."""
+    if not isinstance(value, list | tuple):
+        raise ConfigError(key, f"must be a list, got {type(value).__name__} {value!r}")
+    item_hint = typing.get_args(hint)[0]
+    items = [coerce(f"{key}[{i}]", item_hint, item) for i, item in enumerate(value)]
+    return typing.get_origin(hint)(items)
+
+
+def check_header_names(key: str, names: tuple[str, ...]) -> None:
+    """Each must be an HTTP field name (RFC 9110 token), or no request could carry it."""
+    for i, name in enumerate(names):
+        if not name or not all(c in HEADER_NAME_CHARS for c in name):
+            raise ConfigError(f"{key}[{i}]", f"must be an HTTP header name, got {name!r}")
 
 
 def check_port(key: str, port: int | None) -> None:
@@ -273,6 +294,7 @@ def validate(config: RouterConfig) -> None:
             value.isascii() and value.isprintable() and value.split() == [value]
         ):
             raise ConfigError(key, "must be non-empty printable ASCII without spaces")
+    check_header_names("request_id_headers", config.request_id_headers)
     urls = [w.url for w in (*config.prefill, *config.decode)]
     duplicates = sorted({u for u in urls if urls.count(u) > 1})
     if duplicates:
