@@ -207,17 +207,6 @@ def no_limit_below_one(value: int) -> int:
     return max(0, value)
 
 
-def single_ca(paths: list[str]) -> str | None:
-    """pd-router verifies workers against one CA file; several CAs go in one PEM bundle."""
-    if len(paths) > 1:
-        raise ConfigError(
-            "--ca-cert-paths",
-            f"pd-router takes one CA file; concatenate the {len(paths)} PEM files into one "
-            "bundle and pass that",
-        )
-    return paths[0] if paths else None
-
-
 NO_TOKENIZER = "pd-router routes requests as sent and never tokenizes; the workers load the model"
 NO_PARSERS = (
     "pd-router relays the workers' answers unchanged; reasoning and tool-call parsing is done by "
@@ -441,8 +430,8 @@ PEER_OPTIONS: Mapping[str, Option] = MappingProxyType({o.names[0]: o for o in (
     # TLS and keys.
     option("--tls-cert-path", BOTH, STR, "tls.cert_path"),
     option("--tls-key-path", BOTH, STR, "tls.key_path"),
-    option("--ca-cert-paths", BOTH, STRS, "tls.ca_cert_path", convert=single_ca,
-           note="one CA file (a PEM bundle); several files are refused with that advice"),
+    option("--ca-cert-paths", BOTH, STRS, "tls.ca_cert_path",
+           note="every CA file named is trusted for https:// workers"),
     option("--client-cert-path", BOTH, STR, "tls.client_cert_path"),
     option("--client-key-path", BOTH, STR, "tls.client_key_path"),
     option("--api-key", BOTH, STR, "worker_api_key",

@@ -8,7 +8,6 @@ offending key and what is allowed, and start-up stops there.
 from __future__ import annotations
 
 import dataclasses
-import string
 import tomllib
 import types
 import typing
@@ -25,7 +24,6 @@ from pd_router.workers import normalize_url
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
 LOG_FORMATS = ("json", "text")
-HEADER_NAME_CHARS = frozenset(string.ascii_letters + string.digits + "!#$%&'*+-.^_`|~")
 
 
 class ConfigError(ValueError):
@@ -83,12 +81,12 @@ class RouterConfig:
     client_body_timeout_secs: float = 60.0
     client_keepalive_timeout_secs: float = 75.0
     max_client_connections: int = 0
+    request_id_headers: tuple[str, ...] = ()
     worker_removal_timeout_secs: float = 300.0
     admin_api_key: str | None = field(default=None, repr=False)
     worker_api_key: str | None = field(default=None, repr=False)
     log_level: str = "info"
     log_format: str = "json"
-    request_id_headers: tuple[str, ...] = ()
     health: HealthConfig = field(default_factory=HealthConfig)
     circuit: CircuitConfig = field(default_factory=CircuitConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
@@ -194,15 +192,16 @@ def parse_section(prefix: str, cls: type, value: Any, skip: tuple[str, ...] = ()
 
 
 def coerce(key: str, hint: Any, value: Any) -> Any:
-    """Check ``value`` against a field type (int, float, str, bool, optional of these)."""
-    if typing.get_origin(hint) in (list, tuple):
-        return coerce_sequence(key, hint, value)
+    """Check ``value`` against a field type (int, float, str, bool, a tuple of strings written
+    as a list, or a union of these with None)."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None:
         if type(None) in options:
             return None
         raise ConfigError(key, "must not be empty")
     for option in options:
+        if typing.get_origin(option) is tuple and isinstance(value, list | tuple):
+            return coerce_strings(key, value)
         if option is bool and isinstance(value, bool):
             return value
         if option is int and isinstance(value, int) and not isinstance(value, bool):
@@ -211,24 +210,20 @@ def coerce(key: str, hint: Any, value: Any) -> Any:
             return float(value)
         if option is str and isinstance(value, str):
             return value
-    wanted = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
+    wanted = " or ".join(type_name(o) for o in options if o is not type(None))
     raise ConfigError(key, f"must be {wanted}, got {type(value).__name__} {value!r}")
 
 
-def coerce_sequence(key: str, hint: Any, value: Any) -> Any:
-    """Check a list value (``list[X]`` or ``tuple[X, ...]``) item by item."""
-    if not isinstance(value, list | tuple):
-        raise ConfigError(key, f"must be a list, got {type(value).__name__} {value!r}")
-    item_hint = typing.get_args(hint)[0]
-    items = [coerce(f"{key}[{i}]", item_hint, item) for i, item in enumerate(value)]
-    return typing.get_origin(hint)(items)
+def type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is tuple:
+        return "list of strings"
+    return getattr(hint, "__name__", str(hint))
 
 
-def check_header_names(key: str, names: tuple[str, ...]) -> None:
-    """Each must be an HTTP field name (RFC 9110 token), or no request could carry it."""
-    for i, name in enumerate(names):
-        if not name or not all(c in HEADER_NAME_CHARS for c in name):
-            raise ConfigError(f"{key}[{i}]", f"must be an HTTP header name, got {name!r}")
+def coerce_strings(key: str, value: list[Any] | tuple[Any, ...]) -> tuple[str, ...]:
+    if not all(isinstance(v, str) for v in value):
+        raise ConfigError(key, f"must be a list of strings, got {value!r}")
+    return tuple(value)
 
 
 def check_port(key: str, port: int | None) -> None:
@@ -336,3 +331,16 @@ def validate_autopilot(a: AutopilotConfig) -> None:
         )
     if a.hysteresis >= 1:
         raise ConfigError("autopilot.hysteresis", f"must be below 1, got {a.hysteresis}")
+
+
+# RFC 9110 token characters: what an HTTP field name may contain.
+HEADER_NAME_CHARS = frozenset(
+    "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+)
+
+
+def check_header_names(key: str, names: tuple[str, ...]) -> None:
+    """Each must be an HTTP field name (RFC 9110 token), or no request could carry it."""
+    for i, name in enumerate(names):
+        if not name or not all(c in HEADER_NAME_CHARS for c in name):
+            raise ConfigError(f"{key}[{i}]", f"must be an HTTP header name, got {name!r}")
