@@ -364,3 +364,21 @@ def test_smg_launch_command_line_starts_and_warns_once_per_inapplicable_option(c
         stderr = process.communicate(timeout=10)[1].decode()
     assert stderr.count("--model-path") == 1
     assert stderr.count("--prometheus-port") == 1
+
+
+def peer_policy_names() -> set[str]:
+    """Every name the peers' policy flags accept."""
+    names: set[str] = set()
+    for _, options in PEERS.values():
+        for action in json.loads((DATA / options).read_text()):
+            if action["options"][0] in ("--policy", "--prefill-policy", "--decode-policy"):
+                names.update(action["choices"])
+    return names
+
+
+def test_every_policy_name_of_the_peers_is_accepted():
+    if getattr(policies, "alias_warning", None) is None:
+        pytest.skip("the peers' policy names arrive with pd_router.policies.alias_warning")
+    assert peer_policy_names() - set(policy_names()) == set()
+    for name in sorted(peer_policy_names()):
+        assert config_from_argv([*WORKERS, "--policy", name]).prefill_policy == name

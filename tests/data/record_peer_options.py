@@ -25,6 +25,7 @@ def record(package: str) -> list[dict[str, object]]:
             "action": type(action).__name__,
             "nargs": action.nargs,
             "type": getattr(action.type, "__name__", None),
+            "choices": list(action.choices) if action.choices else None,
         }
         for action in parser._actions
         if not isinstance(action, argparse._HelpAction)
