@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pd_router import policies
-from pd_router.compat import FLOAT, INT, PEER_OPTIONS, POLICY, STR, Arity, Option, option
+from pd_router.compat import FLOAT, INT, PEER_OPTIONS, STR, Arity, Option, option
 from pd_router.config import LOG_FORMATS, ConfigError, RouterConfig, load_config, merge
 
 SUBCOMMANDS = ("serve", "launch", "demo", "status", "convert", "autopilot")
@@ -107,9 +107,9 @@ def overrides_from_argv(argv: Sequence[str]) -> dict[str, Any]:
     return overrides_from_args(build_parser().parse_args(list(argv)))
 
 
-def startup_warnings(args: argparse.Namespace) -> list[str]:
+def startup_warnings(args: argparse.Namespace, config: RouterConfig) -> list[str]:
     """One line per inapplicable option given (naming it and why), then one per policy alias
-    given (what pd-router runs instead), each once."""
+    the config names, from a flag or the file (what pd-router runs instead and why)."""
     given = vars(args)
     lines = [
         f"{opt.label} is accepted for compatibility but does not apply: {opt.why}"
@@ -119,15 +119,12 @@ def startup_warnings(args: argparse.Namespace) -> list[str]:
     explain = getattr(policies, "alias_warning", None)
     if explain is None:
         return lines
-    seen: set[str] = set()
-    for opt in all_options():
-        name = given.get(opt.dest) if opt.arity is POLICY else None
-        if name is None or name in seen:
-            continue
-        seen.add(name)
+    roles = {"prefill_policy": config.prefill_policy, "decode_policy": config.decode_policy}
+    for name in dict.fromkeys(roles.values()):
         why = explain(name)
         if why:
-            lines.append(f"{opt.label} {name}: {why}")
+            keys = " and ".join(key for key, value in roles.items() if value == name)
+            lines.append(f"{keys} {name}: {why}")
     return lines
 
 
@@ -157,7 +154,7 @@ def serve(argv: Sequence[str]) -> int:
         print(f"pd-router: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
-    for line in startup_warnings(args):
+    for line in startup_warnings(args, config):
         log.warning("%s", line)
     run_server(config)
     return 0

@@ -20,7 +20,13 @@ import httpx
 import pytest
 
 from pd_router import policies
-from pd_router.cli import build_parser, config_from_argv, overrides_from_argv, startup_warnings
+from pd_router.cli import (
+    build_parser,
+    config_from_args,
+    config_from_argv,
+    overrides_from_argv,
+    startup_warnings,
+)
 from pd_router.compat import DOC_HEADING, PEER_OPTIONS, doc_section, policy_names
 from pd_router.config import ConfigError, load_config
 from tests.router_helpers import assert_paired, generate_body, running_router
@@ -293,7 +299,8 @@ def test_policy_names_are_checked_against_the_policy_registry(capsys):
 
 
 def warnings_for(argv: list[str]) -> list[str]:
-    return startup_warnings(build_parser().parse_args(argv))
+    args = build_parser().parse_args(argv)
+    return startup_warnings(args, config_from_args(args))
 
 
 def test_an_inapplicable_option_gives_exactly_one_warning_naming_it():
@@ -318,16 +325,30 @@ def test_options_that_ask_for_what_pd_router_does_give_no_warning():
     assert warnings_for(argv) == []
 
 
-def test_a_policy_alias_is_explained_once():
+def alias_with_warning() -> str:
+    """A policy alias whose warning is defined (skip when this branch has none)."""
     explain = getattr(policies, "alias_warning", None)
     if explain is None:
         pytest.skip("pd_router.policies.alias_warning is not in this branch")
     alias = next((name for name in policy_names() if explain(name)), None)
     if alias is None:
         pytest.skip("no policy alias with a warning in this branch")
+    return alias
+
+
+def test_a_policy_alias_is_explained_once():
+    alias = alias_with_warning()
     lines = warnings_for([*WORKERS, "--policy", alias, "--prefill-policy", alias])
     assert len(lines) == 1
-    assert lines[0].startswith(f"--policy {alias}: ")
+    assert lines[0].startswith(f"prefill_policy and decode_policy {alias}: ")
+
+
+def test_a_policy_alias_from_the_config_file_is_explained_too(tmp_path):
+    alias = alias_with_warning()
+    path = tmp_path / "router.toml"
+    path.write_text(f'decode_policy = "{alias}"\n')
+    lines = warnings_for([*WORKERS, "--config", str(path), "--prefill-policy", "random"])
+    assert lines == [f"decode_policy {alias}: {policies.alias_warning(alias)}"]
 
 
 def wait_ready(process: subprocess.Popen, url: str) -> None:
