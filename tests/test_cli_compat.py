@@ -33,7 +33,7 @@ from tests.router_helpers import assert_paired, generate_body, running_router
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
-VENVS = Path("/work/main/bench/venvs")
+VENVS = ROOT / "bench" / "venvs"  # where bench/ installs the peers (git-ignored)
 PEERS = {
     "sglang-router": ("sglang_router_0.3.2_help.txt", "sglang_router_0.3.2_options.json"),
     "smg": ("smg_1.13_launch_help.txt", "smg_1.13_options.json"),
