@@ -83,9 +83,9 @@ LOG_LEVEL = Arity(type=str, choices=log_levels)
 @dataclass(frozen=True)
 class Option:
     """One command-line option: its names, the peers that have it, how it parses, and what it
-    does: set ``keys`` (the value passed through ``convert``, which may answer None for "leave
-    unset"), or nothing, with ``why`` logged once at start-up when given (``note`` alone: the
-    option asks for what pd-router always does)."""
+    does: set ``keys`` (to the value passed through ``convert``), or nothing, with ``why`` logged
+    once at start-up when given (``note`` alone: the option asks for what pd-router always
+    does)."""
 
     names: tuple[str, ...]
     peers: tuple[str, ...]
@@ -121,8 +121,6 @@ class Option:
         """The nested config dict this option's parsed ``value`` sets."""
         value = self.convert(value) if self.convert else value
         out: dict[str, Any] = {}
-        if value is None:
-            return out
         for key in self.keys:
             *sections, name = key.split(".")
             table = out
