@@ -80,6 +80,7 @@ class RouterConfig:
     client_body_timeout_secs: float = 60.0
     client_keepalive_timeout_secs: float = 75.0
     max_client_connections: int = 0
+    request_id_headers: tuple[str, ...] = ()
     worker_removal_timeout_secs: float = 300.0
     admin_api_key: str | None = field(default=None, repr=False)
     worker_api_key: str | None = field(default=None, repr=False)
@@ -295,6 +296,7 @@ def validate(config: RouterConfig) -> None:
             value.isascii() and value.isprintable() and value.split() == [value]
         ):
             raise ConfigError(key, "must be non-empty printable ASCII without spaces")
+    check_header_names("request_id_headers", config.request_id_headers)
     urls = [w.url for w in (*config.prefill, *config.decode)]
     duplicates = sorted({u for u in urls if urls.count(u) > 1})
     if duplicates:
@@ -393,3 +395,16 @@ def validate_autopilot(a: AutopilotConfig) -> None:
         )
     if a.hysteresis >= 1:
         raise ConfigError("autopilot.hysteresis", f"must be below 1, got {a.hysteresis}")
+
+
+# RFC 9110 token characters: what an HTTP field name may contain.
+HEADER_NAME_CHARS = frozenset(
+    "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+)
+
+
+def check_header_names(key: str, names: tuple[str, ...]) -> None:
+    """Each must be an HTTP field name (RFC 9110 token), or no request could carry it."""
+    for i, name in enumerate(names):
+        if not name or not all(c in HEADER_NAME_CHARS for c in name):
+            raise ConfigError(f"{key}[{i}]", f"must be an HTTP header name, got {name!r}")

@@ -17,7 +17,7 @@ import gc
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -53,7 +53,8 @@ __all__ = ["ROUTER", "Router", "RunningServer", "build_app", "run_server", "star
 
 
 class RequestIds:
-    """Fresh request ids: 96 random bits from the operating system's CSPRNG, as 24 hex digits.
+    """Request ids: the client's, read from the first of ``client_headers`` it sent, or fresh
+    ones: 96 random bits from the operating system's CSPRNG, as 24 hex digits.
 
     A router-made id is also the ``rid`` workers know the request by, and a rid is all
     ``/abort_request`` needs, so an id must not be guessable from the ids a client has seen
@@ -64,7 +65,8 @@ class RequestIds:
     ID_BYTES = 12
     BLOCK_IDS = 170
 
-    def __init__(self) -> None:
+    def __init__(self, client_headers: Sequence[str] = ()) -> None:
+        self.client_headers = (*client_headers, "X-Request-Id")
         self._block = ""
         self._next = 0
 
@@ -82,9 +84,11 @@ BODY_ADMISSION = web.AppKey("body_admission", BodyAdmission)
 
 
 def request_ids(request: web.Request, ids: RequestIds) -> tuple[str, str]:
-    """(request id, upstream id): the client's X-Request-Id when it is sane, else a fresh one.
-    A client's id gets a fresh suffix upstream, so its rid is no easier to guess than ours."""
-    given = request.headers.get("X-Request-Id")
+    """(request id, upstream id): the client's id (the first of ``ids.client_headers`` it sent)
+    when it is sane, else a fresh one. A client's id gets a fresh suffix upstream, so its rid is
+    no easier to guess than ours."""
+    headers = request.headers
+    given = next((headers[name] for name in ids.client_headers if name in headers), None)
     if given and len(given) <= MAX_REQUEST_ID_LENGTH and given.isascii() and given.isprintable():
         return given, f"{given}-{ids.next()}"
     fresh = ids.next()
@@ -171,7 +175,7 @@ def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web
     """The router application for ``config`` (workers registered, not yet probed)."""
     app = web.Application(middlewares=[core_middleware], client_max_size=config.max_payload_size)
     app[ROUTER] = Router(config, metrics)
-    app[REQUEST_IDS] = RequestIds()
+    app[REQUEST_IDS] = RequestIds(config.request_id_headers)
     app[BODY_ADMISSION] = BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes)
     add_cors(app, config.cors_allowed_origins)
     add_routes(app)
