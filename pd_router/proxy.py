@@ -46,7 +46,7 @@ from pd_router.requests import (
     parse_body,
     router_rid,
 )
-from pd_router.state import REQUEST_ID, UPSTREAM_ID, Router, router_of
+from pd_router.state import DELIVERED, REQUEST_ID, UPSTREAM_ID, Router, router_of
 from pd_router.upstream import (
     UPSTREAM_ERRORS,
     LegFailed,
@@ -69,6 +69,8 @@ T = TypeVar("T")
 SSE_HEADERS: Mapping[str, str] = MappingProxyType(
     {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 )
+# The event that ends an SGLang or OpenAI stream: once relayed, the client has its answer.
+END_EVENT = b"data: [DONE]\n\n"
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
@@ -367,18 +369,24 @@ class Exchange:
         decode: Worker,
     ) -> tuple[bool, bool]:
         """Copy the decode's stream to the client; returns (decode finished, client gone).
-        Events are counted by their blank-line ends, for the time per output token."""
+        Events are counted by their blank-line ends, for the time per output token. The answer
+        counts as delivered (:data:`DELIVERED`) from its end event on, or once the whole stream
+        was relayed."""
         loop = asyncio.get_running_loop()
         first_at = loop.time()
         events = first.count(b"\n\n")
         try:
             await response.write(first)
+            if first.endswith(END_EVENT):
+                self.request[DELIVERED] = response.status
             async for piece in pieces:
                 events += piece.count(b"\n\n")
                 try:
                     await response.write(piece)
                 except ConnectionResetError:
                     return False, True
+                if piece.endswith(END_EVENT):
+                    self.request[DELIVERED] = response.status
         except ConnectionResetError:
             return False, True
         except UPSTREAM_ERRORS as exc:
@@ -397,6 +405,7 @@ class Exchange:
             except ConnectionResetError:
                 return False, True
             return False, False
+        self.request[DELIVERED] = response.status
         record_outcome(decode, None, self.router.count_upstream_error)
         self.router.latency.observe_stream(loop.time() - first_at, events)
         return True, False

@@ -28,7 +28,7 @@ from pd_router.autopilot.api import add_autopilot_routes
 from pd_router.config import RouterConfig
 from pd_router.conversion_api import add_conversion_routes
 from pd_router.dashboard import add_dashboard_routes
-from pd_router.errors import MAPPED_ERRORS, RouterError, error_response
+from pd_router.errors import MAPPED_ERRORS, ClientClosedRequest, RouterError, error_response
 from pd_router.listener import (
     ClientLimits,
     ClientSite,
@@ -38,7 +38,7 @@ from pd_router.listener import (
     release_body,
 )
 from pd_router.metrics import RouterMetrics
-from pd_router.state import REQUEST_ID, ROUTER, UPSTREAM_ID, Router
+from pd_router.state import DELIVERED, REQUEST_ID, ROUTER, UPSTREAM_ID, Router
 
 log = logging.getLogger("pd_router.server")
 
@@ -97,7 +97,8 @@ def endpoint_label(request: web.Request) -> str:
 async def core_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Request id in and out, admin auth, body admission (size limit and in-flight budget,
     before any of the body is read), one mapping from errors to JSON responses, and the
-    request metrics for every endpoint."""
+    request metrics for every endpoint. A handler cancelled because its client went away
+    counts as 499, unless the client already had its whole answer (:data:`DELIVERED`)."""
     app = request.app
     router = app[ROUTER]
     loop = asyncio.get_running_loop()
@@ -116,7 +117,8 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
             admitted = length
         response = await handler(request)
     except asyncio.CancelledError:
-        router.observe_request(endpoint_label(request), 499, loop.time() - started)
+        status = request.get(DELIVERED, ClientClosedRequest.status)
+        router.observe_request(endpoint_label(request), status, loop.time() - started)
         raise
     except MAPPED_ERRORS as exc:
         response = error_response(exc)

@@ -207,6 +207,10 @@ REQUEST_ID = web.RequestKey("request_id", str)
 # the client's id plus a unique suffix otherwise, so two requests that carry the same
 # X-Request-Id never collide on a worker (SGLang rejects a duplicate rid).
 UPSTREAM_ID = web.RequestKey("upstream_id", str)
+# The status of a streamed answer whose end reached the client (its ``data: [DONE]`` event or
+# its last byte): a client that closes the connection after it is not an abort, whatever the
+# handler was still doing (reading the worker's end of stream, releasing the legs).
+DELIVERED = web.RequestKey("delivered", int)
 
 
 def router_of(request: web.Request) -> Router:
