@@ -112,10 +112,24 @@ async def handle_health(request: web.Request) -> web.Response:
 
 
 async def handle_readiness(request: web.Request) -> web.Response:
+    """200 when the router can route a request (an ACTIVE, healthy, admitting worker in each
+    pool), 503 otherwise. Either way the body names the ACTIVE workers that fail their
+    probes, so a worker that never answered is visible while its pool still has others."""
     registry = router_of(request).registry
     counts = {role.value: registry.active_healthy_count(role) for role in Role}
+    unhealthy = [
+        {"url": w.url, "role": w.role.value, "error": w.last_error}
+        for w in registry
+        if w.state is WorkerState.ACTIVE and not w.healthy
+    ]
     ready = all(counts.values())
-    return json_response({"ready": ready, "healthy": counts}, 200 if ready else 503)
+    body = {
+        "ready": ready,
+        "status": "ready" if ready else "not_ready",
+        "healthy": counts,
+        "unhealthy": unhealthy,
+    }
+    return json_response(body, 200 if ready else 503)
 
 
 async def handle_metrics(request: web.Request) -> web.Response:

@@ -29,6 +29,7 @@ from pd_router.config import RouterConfig
 from pd_router.conversion_api import add_conversion_routes
 from pd_router.dashboard import add_dashboard_routes
 from pd_router.errors import MAPPED_ERRORS, ClientClosedRequest, RouterError, error_response
+from pd_router.health import WorkersUnreachable
 from pd_router.listener import (
     ClientLimits,
     ClientSite,
@@ -141,6 +142,7 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/completions", proxy.handle_completions)
     r.add_post("/v1/chat/completions", proxy.handle_chat)
     r.add_get("/health", info.handle_health)
+    r.add_get("/liveness", info.handle_health)
     r.add_get("/readiness", info.handle_readiness)
     r.add_get("/health_generate", info.handle_health_generate)
     r.add_get("/metrics", info.handle_metrics)
@@ -258,7 +260,8 @@ async def serve_until_signalled(app: web.Application, config: RouterConfig) -> N
 
 def run_server(config: RouterConfig) -> None:
     """Serve until interrupted (the CLI's ``serve``), on uvloop when available, with the open
-    file limit raised as far as allowed."""
+    file limit raised as far as allowed. Exits 1 when workers do not come up within
+    ``health.startup_wait_secs``."""
     try:
         import uvloop
     except ImportError:
@@ -273,4 +276,8 @@ def run_server(config: RouterConfig) -> None:
     app = build_app(config)
     tune_gc()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop if uvloop is not None else None) as r:
-        r.run(serve_until_signalled(app, config))
+        try:
+            r.run(serve_until_signalled(app, config))
+        except WorkersUnreachable as exc:
+            log.error("%s; not serving", exc, extra={"workers": exc.urls})
+            raise SystemExit(1) from None

@@ -25,7 +25,7 @@ from pd_protocol.wire import ROLE_HEADER
 from pd_router.autopilot.controller import Autopilot
 from pd_router.config import RouterConfig
 from pd_router.errors import NoWorkers
-from pd_router.health import HealthMonitor
+from pd_router.health import HealthMonitor, WorkersUnreachable
 from pd_router.http1 import Http1Pool
 from pd_router.http1_conn import WorkerUnavailable
 from pd_router.latency import LatencyRecorder
@@ -97,8 +97,10 @@ class Router:
         return self._session
 
     async def start(self) -> None:
-        """Open the session, probe every worker once, start the health monitor. The session
-        keeps no cookies: one client's worker cookies must not reach another client."""
+        """Open the session, probe every worker once (with ``health.startup_wait_secs``, until
+        every worker passed a probe: WorkersUnreachable if some do not in time), start the
+        health monitor. The session keeps no cookies: one client's worker cookies must not
+        reach another client."""
         connector = aiohttp.TCPConnector(
             limit=self.config.max_connections,
             limit_per_host=0,
@@ -117,6 +119,12 @@ class Router:
         )
         self.health.start(self._session)
         await self.health.probe_all()
+        if self.config.health.startup_wait_secs > 0:
+            try:
+                await self.health.wait_for_workers(self.config.health.startup_wait_secs)
+            except WorkersUnreachable:
+                await self.stop()
+                raise
         self.health.run_in_background()
         self.autopilot.run_in_background()
 
