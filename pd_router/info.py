@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from pd_router.auth import has_admin_key, require_admin
-from pd_router.errors import BadRequest, NoWorkers, UpstreamError
+from pd_router.errors import BadRequest, ModelNotFound, NoWorkers, UpstreamError
 from pd_router.requests import parse_body
 from pd_router.state import Router, router_of
 from pd_router.workers import Role, Worker, WorkerState
@@ -125,7 +125,7 @@ async def handle_readiness(request: web.Request) -> web.Response:
     ready = all(counts.values())
     body = {
         "ready": ready,
-        "status": "ready" if ready else "not_ready",
+        "status": "ready" if ready else "not ready",
         "healthy": counts,
         "unhealthy": unhealthy,
     }
@@ -169,6 +169,22 @@ async def first_answer(request: web.Request, path: str) -> web.Response:
 
 async def handle_models(request: web.Request) -> web.Response:
     return await first_answer(request, "/v1/models")
+
+
+async def handle_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}``: the model object of a worker's ``/v1/models`` with that id
+    (ids may hold slashes), 404 ``model_not_found`` otherwise."""
+    model_id = request.match_info["model_id"]
+    listing = await first_answer(request, "/v1/models")
+    try:
+        models = orjson.loads(listing.body)
+    except orjson.JSONDecodeError:
+        raise UpstreamError("GET /v1/models answered something that is not JSON") from None
+    data = models.get("data") if isinstance(models, dict) else None
+    for model in data if isinstance(data, list) else []:
+        if isinstance(model, dict) and model.get("id") == model_id:
+            return json_response(model)
+    raise ModelNotFound(model_id)
 
 
 async def handle_model_info(request: web.Request) -> web.Response:

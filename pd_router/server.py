@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from pd_router import info, proxy, workers_api
+from pd_router import info, loads, proxy, workers_api
 from pd_router.admission import BodyAdmission
 from pd_router.auth import is_admin_path, require_admin
 from pd_router.autopilot.api import add_autopilot_routes
@@ -147,6 +147,8 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/health_generate", info.handle_health_generate)
     r.add_get("/metrics", info.handle_metrics)
     r.add_get("/v1/models", info.handle_models)
+    r.add_get("/v1/models/{model_id:.+}", info.handle_model)
+    r.add_get("/get_loads", loads.handle_get_loads)
     for path in ("/model_info", "/get_model_info"):
         r.add_get(path, info.handle_model_info)
     for path in ("/server_info", "/get_server_info"):

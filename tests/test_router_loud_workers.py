@@ -73,7 +73,7 @@ async def test_readiness_is_503_when_the_only_decode_is_unreachable(cluster):
         response = await http.get("/readiness")
         assert response.status_code == 503
         body = response.json()
-        assert (body["ready"], body["status"]) == (False, "not_ready")
+        assert (body["ready"], body["status"]) == (False, "not ready")
         assert [w["url"] for w in body["unhealthy"]] == [mistyped]
 
 
