@@ -3,7 +3,7 @@
 Their shape is ``{"workers": [{"worker": url, "load": tokens}, ...]}``, the load being the sum of
 ``num_tokens`` over the DP ranks of the worker's ``/get_load``, and -1 for a worker that did not
 answer. pd-router adds each worker's ``worker_type`` (its role), and reads ``/v1/loads`` (the sum
-of ``num_used_tokens``) from a worker that has no ``/get_load``.
+of ``num_total_tokens``, as smg does) from a worker that has no ``/get_load``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from pd_router.info import Reply, call, json_response
+from pd_router.info import call, json_response
 from pd_router.state import Router, router_of
 from pd_router.workers import Worker
 
@@ -31,33 +31,34 @@ async def handle_get_loads(request: web.Request) -> web.Response:
 async def worker_load(router: Router, worker: Worker) -> dict:
     """One worker's entry: its url, role and load in tokens (-1 when it could not be read)."""
     reply = await call(router.session, worker, "GET", "/get_load", limit=LOAD_TIMEOUT)
-    load = get_load_tokens(reply)
+    load = get_load_tokens(reply.body) if reply.ok else NO_LOAD
     if reply.status == 404:
         reply = await call(router.session, worker, "GET", "/v1/loads", limit=LOAD_TIMEOUT)
-        load = v1_loads_tokens(reply)
+        load = v1_loads_tokens(reply.body) if reply.ok else NO_LOAD
     return {"worker": worker.url, "worker_type": worker.role.value, "load": load}
 
 
-def get_load_tokens(reply: Reply) -> int:
+def get_load_tokens(body: bytes) -> int:
     """The tokens a ``/get_load`` answer reports: ``num_tokens`` summed over its DP ranks."""
-    return _summed(reply, None, "num_tokens")
+    return summed(body, None, "num_tokens")
 
 
-def v1_loads_tokens(reply: Reply) -> int:
-    """The tokens a ``/v1/loads`` answer reports: ``num_used_tokens`` summed over ``loads``."""
-    return _summed(reply, "loads", "num_used_tokens")
+def v1_loads_tokens(body: bytes) -> int:
+    """The tokens a ``/v1/loads`` answer reports: ``num_total_tokens`` summed over ``loads``
+    (what smg reads)."""
+    return summed(body, "loads", "num_total_tokens")
 
 
-def _summed(reply: Reply, key: str | None, field: str) -> int:
-    if not reply.ok:
-        return NO_LOAD
+def summed(body: bytes, key: str | None, field: str) -> int:
+    """``field`` summed over the entries of ``body`` (a JSON list, or the list under ``key``);
+    -1 when the body holds no such number."""
     try:
-        body = orjson.loads(reply.body)
+        parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         return NO_LOAD
-    entries = body.get(key) if key is not None and isinstance(body, dict) else body
+    entries = parsed.get(key) if key is not None and isinstance(parsed, dict) else parsed
     if not isinstance(entries, list):
         return NO_LOAD
     values = [e.get(field) for e in entries if isinstance(e, dict)]
-    counted = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    counted = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
     return sum(counted) if counted else NO_LOAD
