@@ -159,6 +159,7 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/workers", workers_api.handle_list_workers)
     r.add_post("/workers", workers_api.handle_add_worker)
     r.add_delete("/workers", workers_api.handle_remove_worker)
+    r.add_get("/workers/{key:.+}", workers_api.handle_get_worker)
     r.add_delete("/workers/{key:.+}", workers_api.handle_remove_worker)
 
 

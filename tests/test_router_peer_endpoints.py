@@ -1,7 +1,7 @@
 """The endpoints sglang-router and smg serve that clients call on a PD router, against real
 reference workers: ``GET /v1/models/{id}`` (OpenAI's model object, 404 ``model_not_found`` in
-OpenAI's error shape), ``/liveness``, and ``/get_loads`` (every worker's load in tokens, as the
-peers aggregate the workers' ``/get_load``)."""
+OpenAI's error shape), ``/liveness``, ``/get_loads`` (every worker's load in tokens, as the
+peers aggregate the workers' ``/get_load``) and ``GET /workers/{id-or-url}``."""
 
 from __future__ import annotations
 
@@ -103,3 +103,17 @@ async def test_get_loads_needs_the_admin_key_when_one_is_set(cluster):
         allowed = await http.get("/get_loads", headers={"Authorization": f"Bearer {KEY}"})
     assert refused.status_code == 401
     assert allowed.status_code == 200
+
+
+async def test_get_workers_by_id_or_url_answers_that_worker_and_404_for_an_unknown_one(cluster):
+    decode = cluster.decode_urls[0]
+    async with running_router(cluster) as router, router.client() as http:
+        worker_id = router.state.registry.get(decode).id
+        by_id = await http.get(f"/workers/{worker_id}")
+        by_url = await http.get(f"/workers/{decode}")
+        unknown = await http.get("/workers/w999")
+    assert by_id.status_code == by_url.status_code == 200
+    assert by_id.json()["url"] == by_url.json()["url"] == decode
+    assert by_id.json()["role"] == "decode"
+    assert unknown.status_code == 404
+    assert unknown.json()["error"]["type"] == "not_found"
