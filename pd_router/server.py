@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from pd_router import info, loads, proxy, workers_api
+from pd_router import engine_metrics, info, loads, proxy, workers_api
 from pd_router.admission import BodyAdmission
 from pd_router.auth import is_admin_path, require_admin
 from pd_router.autopilot.api import add_autopilot_routes
@@ -146,6 +146,7 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/readiness", info.handle_readiness)
     r.add_get("/health_generate", info.handle_health_generate)
     r.add_get("/metrics", info.handle_metrics)
+    r.add_get("/engine_metrics", engine_metrics.handle_engine_metrics)
     r.add_get("/v1/models", info.handle_models)
     r.add_get("/v1/models/{model_id:.+}", info.handle_model)
     r.add_get("/get_loads", loads.handle_get_loads)

@@ -1,7 +1,8 @@
 """The endpoints sglang-router and smg serve that clients call on a PD router, against real
 reference workers: ``GET /v1/models/{id}`` (OpenAI's model object, 404 ``model_not_found`` in
 OpenAI's error shape), ``/liveness``, ``/get_loads`` (every worker's load in tokens, as the
-peers aggregate the workers' ``/get_load``) and ``GET /workers/{id-or-url}``."""
+peers aggregate the workers' ``/get_load``), ``/engine_metrics`` (the workers' own metrics,
+labelled with their url) and ``GET /workers/{id-or-url}``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import contextlib
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd_worker.cluster import free_port
 from tests.router_helpers import generate_body, running_router, wait_until
@@ -117,3 +119,36 @@ async def test_get_workers_by_id_or_url_answers_that_worker_and_404_for_an_unkno
     assert by_id.json()["role"] == "decode"
     assert unknown.status_code == 404
     assert unknown.json()["error"]["type"] == "not_found"
+
+
+def samples_by_worker(text: str, name: str) -> dict[str, float]:
+    """``name``'s samples of an exposition, by their ``worker_addr`` label."""
+    found = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                found[sample.labels["worker_addr"]] = sample.value
+    return found
+
+
+async def test_engine_metrics_merges_every_workers_metrics_labelled_with_its_url(cluster):
+    mistyped = f"http://127.0.0.1:{free_port()}"
+    decode = [*cluster.decode_urls, mistyped]
+    async with running_router(cluster, decode=decode) as router, router.client() as http:
+        response = await http.get("/engine_metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    running = samples_by_worker(response.text, "sglang:num_running_reqs")
+    assert set(running) == set(cluster.urls)
+    assert response.text.count("# TYPE sglang:num_running_reqs ") == 1
+
+
+async def test_engine_metrics_answers_502_when_no_worker_answers():
+    async with (
+        running_router(prefill=[f"http://127.0.0.1:{free_port()}"],
+                       decode=[f"http://127.0.0.1:{free_port()}"]) as router,
+        router.client() as http,
+    ):  # fmt: skip
+        response = await http.get("/engine_metrics")
+    assert response.status_code == 502
+    assert response.json()["error"]["type"] == "upstream_error"
