@@ -174,7 +174,10 @@ class Exchange:
                 # hold the failure: a cycle that kept the request body alive until a full
                 # collection (tune_gc makes those rare).
                 failure.__traceback__ = None
-                log.warning(
+                # A request the worker rejected as invalid is the client's mistake, not a
+                # worker failing: no warning per bad request.
+                log.log(
+                    logging.INFO if failure.client_error else logging.WARNING,
                     "upstream leg failed",
                     extra={
                         "request_id": self.request_id,

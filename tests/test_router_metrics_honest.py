@@ -6,6 +6,7 @@ status), not an upstream error."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import orjson
 import pytest
@@ -120,3 +121,12 @@ async def test_a_request_the_workers_reject_is_a_client_error_not_an_upstream_er
         assert requests(router, path, 400) == 1
         assert upstream_errors(router) == {}
         assert all(w.circuit.state.value == "closed" for w in router.state.registry)
+
+
+async def test_a_request_the_workers_reject_logs_no_warning(cluster, caplog):
+    caplog.set_level(logging.INFO, logger="pd_router")
+    async with running_router(cluster) as router, router.client() as http:
+        body = {"model": "m", "prompt": "bad", "max_tokens": -1}
+        assert (await http.post("/v1/completions", json=body)).status_code == 400
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert any(r.getMessage() == "upstream leg failed" for r in caplog.records)
