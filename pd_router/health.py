@@ -248,6 +248,12 @@ class HealthMonitor:
         passes its thresholds."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
+        missing = [w.url for w in self._registry if not w.healthy]
+        if missing:
+            log.info(
+                "waiting up to %gs for %s to pass a health probe before serving",
+                within, ", ".join(missing),
+            )  # fmt: skip
         while True:
             missing = [w.url for w in self._registry if not w.healthy]
             remaining = deadline - loop.time()
