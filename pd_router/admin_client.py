@@ -199,6 +199,10 @@ def render_autopilot(state: dict[str, Any]) -> str:
 
 
 def render_status(workers: list[dict[str, Any]], conversions: list[dict[str, Any]]) -> str:
+    """Pools, workers (unhealthy ones first, their state shown as UNHEALTHY whatever their
+    conversion state, with the last probe error below the table) and recent conversions."""
+    workers = sorted(workers, key=lambda worker: bool(worker.get("healthy")))
+    unhealthy = [w for w in workers if not w.get("healthy")]
     pools = []
     for role in ("prefill", "decode"):
         members = [w for w in workers if w.get("role") == role]
@@ -216,7 +220,7 @@ def render_status(workers: list[dict[str, Any]], conversions: list[dict[str, Any
                     str(w.get("id", "")),
                     str(w.get("url", "")),
                     str(w.get("role", "")),
-                    str(w.get("state", "")),
+                    _state(w),
                     str(w.get("epoch", "")),
                     "yes" if w.get("healthy") else "no",
                     str(w.get("inflight", "")),
@@ -224,6 +228,10 @@ def render_status(workers: list[dict[str, Any]], conversions: list[dict[str, Any
                 ]
                 for w in workers
             ],
+        ),
+        "".join(
+            f"  {w.get('url', '')} unhealthy: {w.get('last_error') or 'no answer yet'}\n"
+            for w in unhealthy
         ),
         "\nRecent conversions\n",
         _table(
@@ -245,6 +253,12 @@ def render_status(workers: list[dict[str, Any]], conversions: list[dict[str, Any
         else "(none)\n",
     ]
     return "".join(parts)
+
+
+def _state(worker: dict[str, Any]) -> str:
+    """The state column: UNHEALTHY first for a worker failing its probes, with its state."""
+    state = str(worker.get("state", ""))
+    return state if worker.get("healthy") else f"UNHEALTHY ({state})"
 
 
 def render_conversion(record: dict[str, Any]) -> str:

@@ -22,7 +22,7 @@ ADMIN_PREFIXES = (
     "/conversions",
     "/autopilot",
 )
-ADMIN_PATHS = frozenset({"/flush_cache"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/get_loads"})
 
 
 def is_admin_path(path: str) -> bool:

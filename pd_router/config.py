@@ -53,6 +53,9 @@ class HealthConfig:
     success_threshold: int = 2
     endpoint: str = "/health"
     enabled: bool = True
+    # >0: at start-up, wait up to this long for every configured worker to pass a probe before
+    # serving, and exit 1 naming the ones that do not (the peers' --worker-startup-timeout-secs).
+    startup_wait_secs: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -272,6 +275,7 @@ def validate(config: RouterConfig) -> None:
     check_positive("health.timeout_secs", h.timeout_secs)
     check_positive("health.failure_threshold", h.failure_threshold)
     check_positive("health.success_threshold", h.success_threshold)
+    check_positive("health.startup_wait_secs", h.startup_wait_secs, allow_zero=True)
     if not h.endpoint.startswith("/"):
         raise ConfigError("health.endpoint", "must be a path starting with '/'")
     check_positive("circuit.failure_threshold", config.circuit.failure_threshold)

@@ -2,7 +2,8 @@
 ``GET /status`` (the JSON it polls).
 
 For operators without Grafana: the page shows the pools, each worker's state, role, in-flight
-count and health, the recent conversions, the autopilot's mode and last decisions (with their
+count and health (an unhealthy worker listed first in its pool and marked unhealthy before its
+state), the recent conversions, the autopilot's mode and last decisions (with their
 reasons), and converts a worker through the router's own ``POST /convert_pd_role``. Everything
 comes from the registry, the conversion manager and the autopilot, so the page and ``pd-router
 status`` show exactly what the router routes on.
@@ -73,7 +74,7 @@ def status_snapshot(router: Router) -> dict[str, Any]:
     conversions = recent_conversions(router.conversions)
     return {
         "pools": {role.value: pool_summary(registry, role) for role in Role},
-        "workers": [worker.as_dict() for worker in registry],
+        "workers": unhealthy_first([worker.as_dict() for worker in registry]),
         "conversions": conversions if conversions is not None else [],
         "conversions_available": conversions is not None,
         "autopilot": autopilot_summary(router),
@@ -81,6 +82,13 @@ def status_snapshot(router: Router) -> dict[str, Any]:
         "redacted": False,
         "time": time.time(),
     }
+
+
+def unhealthy_first(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The workers failing their probes first, whatever their state: a worker that does not
+    answer is what an operator must see, not a green ACTIVE further down (stable: the
+    registry's order otherwise)."""
+    return sorted(workers, key=lambda worker: bool(worker.get("healthy")))
 
 
 def public_snapshot(snapshot: dict[str, Any]) -> dict[str, Any]:

@@ -51,6 +51,20 @@ class NotFound(RouterError):
     error_type = "not_found"
 
 
+class ModelNotFound(RouterError):
+    """``GET /v1/models/{id}`` for a model no worker serves, in OpenAI's shape (SGLang's
+    answer too): ``param`` and a string ``code`` a client's SDK maps to NotFoundError."""
+
+    status = 404
+    error_type = "invalid_request_error"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"The model '{model}' does not exist",
+            details={"param": "model", "code": "model_not_found"},
+        )
+
+
 class Conflict(RouterError):
     status = 409
     error_type = "conflict"

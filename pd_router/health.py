@@ -67,6 +67,20 @@ from pd_router.workers import (
 
 log = logging.getLogger("pd_router.health")
 
+# Longest pause between the probes of the start-up wait.
+STARTUP_POLL_SECS = 1.0
+
+
+class WorkersUnreachable(Exception):
+    """Configured workers did not pass a health probe within the start-up wait."""
+
+    def __init__(self, urls: list[str], waited_secs: float) -> None:
+        self.urls = urls
+        super().__init__(
+            f"{len(urls)} worker(s) did not pass a health probe within {waited_secs:g}s "
+            f"(health.startup_wait_secs): {', '.join(urls)}"
+        )
+
 
 @dataclass
 class ProbeRecord:
@@ -210,8 +224,8 @@ class HealthMonitor:
         record = self._records.setdefault(worker.id, ProbeRecord())
         first = record.count(ok)
         if not ok:
-            if worker.healthy and (first or record.failures >= self._config.failure_threshold):
-                log.warning("worker unhealthy", extra={"worker": worker.url, "error": error})
+            if first or (worker.healthy and record.failures >= self._config.failure_threshold):
+                self._log_unhealthy(worker, first, error)
                 self._registry.set_health(worker, False, error)
             elif error is not None:
                 self._registry.note_error(worker, error)
@@ -219,9 +233,51 @@ class HealthMonitor:
         if reading is not None and self._current(worker, epoch):
             self._reconcile(worker, record, reading, detected)
         if not worker.healthy and (first or record.successes >= self._config.success_threshold):
-            log.info("worker healthy", extra={"worker": worker.url})
+            if first:
+                log.info("worker %s healthy", worker.url, extra=self._fields(worker))
+            else:
+                log.warning("worker %s healthy again", worker.url, extra=self._fields(worker))
             self._registry.mark_recovered(worker)
         return worker.healthy
+
+    def _log_unhealthy(self, worker: Worker, first: bool, error: str | None) -> None:
+        """A warning naming the worker when its first probe fails (a worker that never
+        answered, such as a mistyped URL, must not go unnoticed) or when it turns unhealthy."""
+        fields = {**self._fields(worker), "error": error}
+        if first:
+            log.warning(
+                "worker %s (%s) does not answer its health probe; out of its pool until it does",
+                worker.url, worker.role.value, extra=fields,
+            )  # fmt: skip
+        else:
+            log.warning("worker %s unhealthy", worker.url, extra=fields)
+
+    @staticmethod
+    def _fields(worker: Worker) -> dict[str, str]:
+        return {"worker": worker.url, "role": worker.role.value}
+
+    async def wait_for_workers(self, within: float) -> None:
+        """Probe until every worker is healthy (the start-up wait); WorkersUnreachable naming
+        the others after ``within`` seconds. Probes come every second at most (the health
+        interval when shorter), so a worker that comes up late is served as soon as it
+        passes its thresholds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        missing = [w.url for w in self._registry if not w.healthy]
+        if missing:
+            log.info(
+                "waiting up to %gs for %s to pass a health probe before serving",
+                within, ", ".join(missing),
+            )  # fmt: skip
+        while True:
+            missing = [w.url for w in self._registry if not w.healthy]
+            remaining = deadline - loop.time()
+            if not missing:
+                return
+            if remaining <= 0:
+                raise WorkersUnreachable(missing, within)
+            await asyncio.sleep(min(STARTUP_POLL_SECS, self._config.interval_secs, remaining))
+            await self.probe_all()
 
     def _current(self, worker: Worker, epoch: int) -> bool:
         """Whether a reading taken when the worker was ACTIVE at ``epoch`` still applies: no
@@ -238,7 +294,7 @@ class HealthMonitor:
         """Bring the registry in line with a current reading of an ACTIVE worker; ``detected``
         says whether the reading found out afresh which protocol the worker speaks."""
         if record.restarted(reading):
-            log.warning("worker restarted", extra={"worker": worker.url})
+            log.warning("worker %s restarted", worker.url, extra={"worker": worker.url})
             # Unless this reading just detected it, the next one finds out which protocol the
             # new process speaks; its start signature may come from the other source, so it
             # starts a new baseline.
@@ -247,7 +303,11 @@ class HealthMonitor:
                 record.instance = None
         if reading.role is not None and reading.role is not worker.role:
             log.warning(
-                "worker serves another role than its pool; moving it",
+                "worker %s serves as %s, not %s; moving it to the %s pool",
+                worker.url,
+                reading.role.value,
+                worker.role.value,
+                reading.role.value,
                 extra={"worker": worker.url, "from": worker.role.value, "to": reading.role.value},
             )
             port = reading.bootstrap_port if reading.role is Role.PREFILL else None
@@ -259,14 +319,19 @@ class HealthMonitor:
             and worker.bootstrap_port == record.reported_port
         ):
             log.warning(
-                "prefill reports another bootstrap port; using it",
+                "prefill %s reports bootstrap port %d; using it",
+                worker.url,
+                reading.bootstrap_port,
                 extra={"worker": worker.url, "port": reading.bootstrap_port},
             )
             self._registry.set_bootstrap_port(worker, reading.bootstrap_port)
         record.reported_port = reading.bootstrap_port
         if reading.draining is worker.admitting:
             log.warning(
-                "worker draining; out of selection" if reading.draining else "worker admits again",
+                "worker %s draining; out of selection"
+                if reading.draining
+                else "worker %s admits again",
+                worker.url,
                 extra={"worker": worker.url},
             )
             self._registry.set_admitting(worker, not reading.draining)

@@ -22,7 +22,7 @@ import orjson
 from aiohttp import web
 
 from pd_router.auth import has_admin_key, require_admin
-from pd_router.errors import BadRequest, NoWorkers, UpstreamError
+from pd_router.errors import BadRequest, ModelNotFound, NoWorkers, UpstreamError
 from pd_router.requests import parse_body
 from pd_router.state import Router, router_of
 from pd_router.workers import Role, Worker, WorkerState
@@ -112,10 +112,24 @@ async def handle_health(request: web.Request) -> web.Response:
 
 
 async def handle_readiness(request: web.Request) -> web.Response:
+    """200 when the router can route a request (an ACTIVE, healthy, admitting worker in each
+    pool), 503 otherwise. Either way the body names the ACTIVE workers that fail their
+    probes, so a worker that never answered is visible while its pool still has others."""
     registry = router_of(request).registry
     counts = {role.value: registry.active_healthy_count(role) for role in Role}
+    unhealthy = [
+        {"url": w.url, "role": w.role.value, "error": w.last_error}
+        for w in registry
+        if w.state is WorkerState.ACTIVE and not w.healthy
+    ]
     ready = all(counts.values())
-    return json_response({"ready": ready, "healthy": counts}, 200 if ready else 503)
+    body = {
+        "ready": ready,
+        "status": "ready" if ready else "not ready",
+        "healthy": counts,
+        "unhealthy": unhealthy,
+    }
+    return json_response(body, 200 if ready else 503)
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
@@ -155,6 +169,22 @@ async def first_answer(request: web.Request, path: str) -> web.Response:
 
 async def handle_models(request: web.Request) -> web.Response:
     return await first_answer(request, "/v1/models")
+
+
+async def handle_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}``: the model object of a worker's ``/v1/models`` with that id
+    (ids may hold slashes), 404 ``model_not_found`` otherwise."""
+    model_id = request.match_info["model_id"]
+    listing = await first_answer(request, "/v1/models")
+    try:
+        models = orjson.loads(listing.body)
+    except orjson.JSONDecodeError:
+        raise UpstreamError("GET /v1/models answered something that is not JSON") from None
+    data = models.get("data") if isinstance(models, dict) else None
+    for model in data if isinstance(data, list) else []:
+        if isinstance(model, dict) and model.get("id") == model_id:
+            return json_response(model)
+    raise ModelNotFound(model_id)
 
 
 async def handle_model_info(request: web.Request) -> web.Response:

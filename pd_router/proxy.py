@@ -47,7 +47,7 @@ from pd_router.requests import (
     router_rid,
 )
 from pd_router.retry import attempts, backoff_secs
-from pd_router.state import REQUEST_ID, UPSTREAM_ID, Router, router_of
+from pd_router.state import DELIVERED, REQUEST_ID, UPSTREAM_ID, Router, router_of
 from pd_router.upstream import (
     UPSTREAM_ERRORS,
     LegFailed,
@@ -70,6 +70,8 @@ T = TypeVar("T")
 SSE_HEADERS: Mapping[str, str] = MappingProxyType(
     {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 )
+# The event that ends an SGLang or OpenAI stream: once relayed, the client has its answer.
+END_EVENT = b"data: [DONE]\n\n"
 
 
 async def handle_generate(request: web.Request) -> web.StreamResponse:
@@ -174,7 +176,10 @@ class Exchange:
                 # hold the failure: a cycle that kept the request body alive until a full
                 # collection (tune_gc makes those rare).
                 failure.__traceback__ = None
-                log.warning(
+                # A request the worker rejected as invalid is the client's mistake, not a
+                # worker failing: no warning per bad request.
+                log.log(
+                    logging.INFO if failure.client_error else logging.WARNING,
                     "upstream leg failed",
                     extra={
                         "request_id": self.request_id,
@@ -367,18 +372,24 @@ class Exchange:
         decode: Worker,
     ) -> tuple[bool, bool]:
         """Copy the decode's stream to the client; returns (decode finished, client gone).
-        Events are counted by their blank-line ends, for the time per output token."""
+        Events are counted by their blank-line ends, for the time per output token. The answer
+        counts as delivered (:data:`DELIVERED`) from its end event on, or once the whole stream
+        was relayed."""
         loop = asyncio.get_running_loop()
         first_at = loop.time()
         events = first.count(b"\n\n")
         try:
             await response.write(first)
+            if first.endswith(END_EVENT):
+                self.request[DELIVERED] = response.status
             async for piece in pieces:
                 events += piece.count(b"\n\n")
                 try:
                     await response.write(piece)
                 except ConnectionResetError:
                     return False, True
+                if piece.endswith(END_EVENT):
+                    self.request[DELIVERED] = response.status
         except ConnectionResetError:
             return False, True
         except UPSTREAM_ERRORS as exc:
@@ -397,6 +408,7 @@ class Exchange:
             except ConnectionResetError:
                 return False, True
             return False, False
+        self.request[DELIVERED] = response.status
         record_outcome(decode, None, self.router.count_upstream_error)
         self.router.latency.observe_stream(loop.time() - first_at, events)
         return True, False

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from pd_router import info, proxy, workers_api
+from pd_router import engine_metrics, info, loads, proxy, workers_api
 from pd_router.admission import BodyAdmission
 from pd_router.auth import is_admin_path, require_admin
 from pd_router.autopilot.api import add_autopilot_routes
@@ -30,7 +30,8 @@ from pd_router.config import RouterConfig
 from pd_router.conversion_api import add_conversion_routes
 from pd_router.cors import add_cors
 from pd_router.dashboard import add_dashboard_routes
-from pd_router.errors import MAPPED_ERRORS, RouterError, error_response
+from pd_router.errors import MAPPED_ERRORS, ClientClosedRequest, RouterError, error_response
+from pd_router.health import WorkersUnreachable
 from pd_router.listener import (
     ClientLimits,
     ClientSite,
@@ -40,7 +41,7 @@ from pd_router.listener import (
     release_body,
 )
 from pd_router.metrics import RouterMetrics
-from pd_router.state import REQUEST_ID, ROUTER, UPSTREAM_ID, Router
+from pd_router.state import DELIVERED, REQUEST_ID, ROUTER, UPSTREAM_ID, Router
 from pd_router.tls import server_context
 
 log = logging.getLogger("pd_router.server")
@@ -104,7 +105,8 @@ def endpoint_label(request: web.Request) -> str:
 async def core_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Request id in and out, admin auth, body admission (size limit and in-flight budget,
     before any of the body is read), one mapping from errors to JSON responses, and the
-    request metrics for every endpoint."""
+    request metrics for every endpoint. A handler cancelled because its client went away
+    counts as 499, unless the client already had its whole answer (:data:`DELIVERED`)."""
     app = request.app
     router = app[ROUTER]
     loop = asyncio.get_running_loop()
@@ -123,7 +125,8 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
             admitted = length
         response = await handler(request)
     except asyncio.CancelledError:
-        router.observe_request(endpoint_label(request), 499, loop.time() - started)
+        status = request.get(DELIVERED, ClientClosedRequest.status)
+        router.observe_request(endpoint_label(request), status, loop.time() - started)
         raise
     except MAPPED_ERRORS as exc:
         response = error_response(exc)
@@ -146,10 +149,14 @@ def add_routes(app: web.Application) -> None:
     r.add_post("/v1/completions", proxy.handle_completions)
     r.add_post("/v1/chat/completions", proxy.handle_chat)
     r.add_get("/health", info.handle_health)
+    r.add_get("/liveness", info.handle_health)
     r.add_get("/readiness", info.handle_readiness)
     r.add_get("/health_generate", info.handle_health_generate)
     r.add_get("/metrics", info.handle_metrics)
+    r.add_get("/engine_metrics", engine_metrics.handle_engine_metrics)
     r.add_get("/v1/models", info.handle_models)
+    r.add_get("/v1/models/{model_id:.+}", info.handle_model)
+    r.add_get("/get_loads", loads.handle_get_loads)
     for path in ("/model_info", "/get_model_info"):
         r.add_get(path, info.handle_model_info)
     for path in ("/server_info", "/get_server_info"):
@@ -160,6 +167,7 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/workers", workers_api.handle_list_workers)
     r.add_post("/workers", workers_api.handle_add_worker)
     r.add_delete("/workers", workers_api.handle_remove_worker)
+    r.add_get("/workers/{key:.+}", workers_api.handle_get_worker)
     r.add_delete("/workers/{key:.+}", workers_api.handle_remove_worker)
 
 
@@ -267,7 +275,8 @@ async def serve_until_signalled(app: web.Application, config: RouterConfig) -> N
 
 def run_server(config: RouterConfig) -> None:
     """Serve until interrupted (the CLI's ``serve``), on uvloop when available, with the open
-    file limit raised as far as allowed."""
+    file limit raised as far as allowed. Exits 1 when workers do not come up within
+    ``health.startup_wait_secs``."""
     try:
         import uvloop
     except ImportError:
@@ -282,4 +291,8 @@ def run_server(config: RouterConfig) -> None:
     app = build_app(config)
     tune_gc()
     with asyncio.Runner(loop_factory=uvloop.new_event_loop if uvloop is not None else None) as r:
-        r.run(serve_until_signalled(app, config))
+        try:
+            r.run(serve_until_signalled(app, config))
+        except WorkersUnreachable as exc:
+            log.error("%s; not serving", exc, extra={"workers": exc.urls})
+            raise SystemExit(1) from None

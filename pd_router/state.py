@@ -28,7 +28,7 @@ from pd_router.autopilot.controller import Autopilot
 from pd_router.concurrency import RequestAdmission
 from pd_router.config import RouterConfig
 from pd_router.errors import NoWorkers
-from pd_router.health import HealthMonitor
+from pd_router.health import HealthMonitor, WorkersUnreachable
 from pd_router.http1 import Http1Pool
 from pd_router.http1_conn import WorkerUnavailable
 from pd_router.latency import LatencyRecorder
@@ -108,8 +108,10 @@ class Router:
         return self._session
 
     async def start(self) -> None:
-        """Open the session, probe every worker once, start the health monitor. The session
-        keeps no cookies: one client's worker cookies must not reach another client."""
+        """Open the session, probe every worker once (with ``health.startup_wait_secs``, until
+        every worker passed a probe: WorkersUnreachable if some do not in time), start the
+        health monitor. The session keeps no cookies: one client's worker cookies must not
+        reach another client."""
         connector = aiohttp.TCPConnector(
             limit=self.config.max_connections,
             limit_per_host=0,
@@ -129,6 +131,12 @@ class Router:
         )
         self.health.start(self._session)
         await self.health.probe_all()
+        if self.config.health.startup_wait_secs > 0:
+            try:
+                await self.health.wait_for_workers(self.config.health.startup_wait_secs)
+            except WorkersUnreachable:
+                await self.stop()
+                raise
         self.health.run_in_background()
         self.autopilot.run_in_background()
 
@@ -219,6 +227,10 @@ REQUEST_ID = web.RequestKey("request_id", str)
 # the client's id plus a unique suffix otherwise, so two requests that carry the same
 # X-Request-Id never collide on a worker (SGLang rejects a duplicate rid).
 UPSTREAM_ID = web.RequestKey("upstream_id", str)
+# The status of a streamed answer whose end reached the client (its ``data: [DONE]`` event or
+# its last byte): a client that closes the connection after it is not an abort, whatever the
+# handler was still doing (reading the worker's end of stream, releasing the legs).
+DELIVERED = web.RequestKey("delivered", int)
 
 
 def router_of(request: web.Request) -> Router:

@@ -53,6 +53,14 @@ class Verdict(StrEnum):
 # A leg sent to a worker that serves the other role now (an extension worker's 421).
 WRONG_ROLE = "wrong_role"
 
+# A worker's 4xx that says the request itself is wrong (bad parameters, unknown model, too
+# long): the client's error. It reaches the client with its status (counted under that status
+# in requests_total) and is neither the worker's upstream error nor a failure of its circuit.
+# Other 4xx (401/403: the router's worker key, 405, 408, 429) say the worker refused the router
+# and stay upstream errors of kind http_4xx.
+CLIENT_ERROR = "client_error"
+CLIENT_ERROR_STATUSES = frozenset({400, 404, 413, 422})
+
 # Kinds of failure that are the router's own (no worker answered wrong): not counted as the
 # worker's upstream errors, and the client gets 503 with Retry-After.
 LOCAL_KINDS = frozenset({"local", "pool_timeout"})
@@ -111,6 +119,11 @@ class LegFailed(Exception):
         return self.kind in LOCAL_KINDS
 
     @property
+    def client_error(self) -> bool:
+        """The request's own fault, as the worker said with a 4xx (not an upstream error)."""
+        return self.kind == CLIENT_ERROR
+
+    @property
     def timed_out(self) -> bool:
         return self.kind == "timeout"
 
@@ -158,7 +171,7 @@ def status_failure(role: Role, worker: Worker, result: LegResult) -> LegFailed:
             f"{role.value} worker {worker.url} no longer serves as a {role.value}",
             retryable=True, result=result, verdict=Verdict.NONE,
         )  # fmt: skip
-    kind = "http_5xx" if result.status >= 500 else "http_4xx"
+    kind = status_kind(result.status)
     excerpt = result.body[:ERROR_EXCERPT_BYTES].decode("utf-8", "replace")
     return LegFailed(
         role,
@@ -172,6 +185,13 @@ def status_failure(role: Role, worker: Worker, result: LegResult) -> LegFailed:
     )
 
 
+def status_kind(status: int) -> str:
+    """The failure kind of a non-2xx answer other than 421."""
+    if status >= 500:
+        return "http_5xx"
+    return CLIENT_ERROR if status in CLIENT_ERROR_STATUSES else "http_4xx"
+
+
 def abort_failure(role: Role, worker: Worker, abort: Abort) -> LegFailed:
     """A 2xx answer that reports the request aborted. With a 4xx status it is the request's
     error (passed to the client as that status); with a 5xx the worker failed it (retried on a
@@ -183,7 +203,7 @@ def abort_failure(role: Role, worker: Worker, abort: Abort) -> LegFailed:
         error = {"message": abort.message, "type": "invalid_request_error", "code": status}
         result = LegResult(status, orjson.dumps({"error": error}), "application/json")
         return LegFailed(
-            role, worker, "http_4xx", message, retryable=False, result=result,
+            role, worker, status_kind(status), message, retryable=False, result=result,
             verdict=Verdict.SUCCESS,
         )  # fmt: skip
     if status is not None:
@@ -193,11 +213,12 @@ def abort_failure(role: Role, worker: Worker, abort: Abort) -> LegFailed:
 
 def record_outcome(worker: Worker, failure: LegFailed | None, count_error: ErrorCounter) -> None:
     """Feed the circuit breaker and the error metric: a worker that rejects a bad request is
-    still a working one, and the router's own failures are not the worker's."""
+    still a working one and had no upstream error, and the router's own failures are not the
+    worker's."""
     if failure is None:
         worker.circuit.record_success()
         return
-    if not failure.local:
+    if not failure.local and not failure.client_error:
         count_error(failure.role, failure.kind)
     if failure.verdict is Verdict.SUCCESS:
         worker.circuit.record_success()

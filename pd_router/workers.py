@@ -537,9 +537,14 @@ class WorkerRegistry:
     # --- metrics ----------------------------------------------------------------------------
 
     def _on_circuit(self, url: str, state: CircuitState) -> None:
-        # A leg still running on a forgotten worker may move its circuit: no series comes back.
-        if url in self._by_url:
-            self._metrics.circuit_state.labels(url).set(CIRCUIT_STATE_VALUES[state])
+        """Export a circuit's new state and say so in the log (a warning when it opens or
+        closes: the worker leaves or rejoins selection). A leg still running on a forgotten
+        worker may move its circuit: no series comes back."""
+        if url not in self._by_url:
+            return
+        self._metrics.circuit_state.labels(url).set(CIRCUIT_STATE_VALUES[state])
+        level = logging.INFO if state is CircuitState.HALF_OPEN else logging.WARNING
+        logger.log(level, "worker %s circuit %s", url, state.value, extra={"worker": url})
 
     def _export_state(self, worker: Worker) -> None:
         for state in WorkerState:

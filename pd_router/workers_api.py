@@ -1,4 +1,4 @@
-"""Admin API for the pools: list, add and remove workers.
+"""Admin API for the pools: list, read, add and remove workers.
 
 Removal stops routing to the worker at once (REMOVING), waits for the router's in-flight
 requests on it to end (an event, bounded by ``worker_removal_timeout_secs``), then forgets it. The
@@ -28,6 +28,13 @@ async def handle_list_workers(request: web.Request) -> web.Response:
             "selectable": {role.value: len(router.registry.selectable(role)) for role in Role},
         }
     )
+
+
+async def handle_get_worker(request: web.Request) -> web.Response:
+    """One worker's record by id or url (sglang-router's and smg's ``GET /workers/{id}``);
+    404 for an unknown worker."""
+    worker = router_of(request).registry.get(request.match_info["key"])
+    return json_response(worker.as_dict())
 
 
 def parse_new_worker(body: dict) -> tuple[str, Role, int | None]:

@@ -187,6 +187,23 @@ async def test_page_in_chromium_shows_every_live_worker_in_its_pool(router, clus
 
 
 @needs_chromium
+async def test_page_in_chromium_shows_an_unreachable_worker_first_in_its_pool_as_unhealthy(
+    cluster, free_port
+):
+    mistyped = f"http://127.0.0.1:{free_port()}"
+    decode = [*cluster.decode_urls, mistyped]
+    async with running_router(cluster, decode=decode) as router:
+        page = await render(router.url + "/dashboard")
+    decode_cards = [card for card in page.cards.values() if card.pool == "decode"]
+    assert decode_cards[0].url == mistyped
+    words = decode_cards[0].text.split()
+    assert words[2] == "unhealthy", words
+    assert "active" not in words
+    for card in decode_cards[1:]:
+        assert card.text.split()[2] == "active"
+
+
+@needs_chromium
 async def test_page_in_chromium_shows_requests_in_flight_on_each_worker(router, cluster):
     long = generate_body("held", tokens=LONG_REQUEST_TOKENS)
     async with router.client() as http:

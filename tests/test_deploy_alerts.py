@@ -254,3 +254,35 @@ def test_conversions_failing_fires_on_the_first_failure_after_the_series_was_exp
     ]  # fmt: skip
     labels = '{instance="router:8000", from_role="decode", to_role="prefill"}'
     fires_for("PDRouterConversionsFailing", inputs, [labels], tmp_path)
+
+
+@needs_promtool
+def test_upstream_errors_fires_per_role_and_kind_when_a_decode_keeps_failing(tmp_path):
+    inputs = [
+        series("pd_router_upstream_errors_total", "0+120x10", role="decode", kind="http_5xx"),
+        series("pd_router_upstream_errors_total", "0+1x10", role="prefill", kind="connect"),
+    ]
+    labels = '{instance="router:8000", role="decode", kind="http_5xx"}'
+    fires_for("PDRouterUpstreamErrors", inputs, [labels], tmp_path)
+
+
+@needs_promtool
+def test_upstream_errors_fires_when_workers_refuse_the_router_with_a_4xx(tmp_path):
+    inputs = [
+        series("pd_router_upstream_errors_total", "0+120x10", role="prefill", kind="http_4xx"),
+    ]
+    labels = '{instance="router:8000", role="prefill", kind="http_4xx"}'
+    fires_for("PDRouterUpstreamErrors", inputs, [labels], tmp_path)
+
+
+@needs_promtool
+def test_upstream_errors_is_quiet_when_one_client_sends_only_invalid_requests(tmp_path):
+    """What the router exports for a client sending 2 invalid requests a second: 400s in
+    requests_total, no upstream error."""
+    inputs = [
+        series("pd_router_requests_total", "0+60x10", endpoint="/generate", status="200"),
+        series("pd_router_requests_total", "0+120x10", endpoint="/generate", status="400"),
+        series("pd_router_upstream_errors_total", "0x10", role="decode", kind="http_5xx"),
+    ]
+    fires_for("PDRouterUpstreamErrors", inputs, [], tmp_path)
+    fires_for("PDRouterHighErrorRatio", inputs, [], tmp_path)
