@@ -13,6 +13,8 @@ from pd_worker.tokens import tokenize
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_TOKEN_ID = 2**31 - 1
 MAX_ROOM = 2**64 - 1
+# Odd 64-bit constant (2**64 / golden ratio) that spreads the samples' transfer keys apart.
+SAMPLE_ROOM_STRIDE = 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True)
@@ -81,27 +83,58 @@ def item_rids(rid: Any, prompts: int, n: int, batch: bool) -> list[str]:
 def build_items(
     body: dict[str, Any], prompts: list[Prompt], n: int, rids: list[str]
 ) -> list[GenItem]:
-    """Expand prompts by ``n`` and attach per-item bootstrap fields (scalar or one per item)."""
-    total = len(prompts) * n
-    hosts = _per_item(body.get("bootstrap_host"), total, "bootstrap_host")
-    ports = _per_item(body.get("bootstrap_port"), total, "bootstrap_port")
-    rooms = _rooms(body.get("bootstrap_room"), total)
-    logprob = _per_item(body.get("return_logprob", False), total, "return_logprob")
+    """Expand prompts by ``n`` (prompt-major) and attach each item's bootstrap fields.
+
+    Bootstrap fields are read per prompt, as SGLang 0.5.23 reads them: ``GenerateReqInput``
+    repeats a list ``n`` times and the tokenizer manager takes entry ``i`` for prompt ``i``, so
+    only the first entry of each prompt counts. Every sample of a prompt shares its room;
+    :func:`sample_room` gives each sample its own transfer key, derived alike on both sides.
+    """
+    count = len(prompts)
+    hosts = _per_prompt(body.get("bootstrap_host"), count, "bootstrap_host")
+    ports = _per_prompt(body.get("bootstrap_port"), count, "bootstrap_port")
+    rooms = _rooms(body.get("bootstrap_room"), count)
+    logprob = _logprob_flags(body.get("return_logprob", False), count, n)
     items = []
-    for index in range(total):
-        prompt = prompts[index // n]
-        items.append(
-            _item(prompt, rids[index], hosts[index], ports[index], rooms[index], logprob[index])
-        )
+    for index in range(count * n):
+        p, sample = divmod(index, n)
+        room = sample_room(rooms[p], sample)
+        items.append(_item(prompts[p], rids[index], hosts[p], ports[p], room, logprob[p]))
     return items
 
 
-def _rooms(room: Any, total: int) -> list[Any]:
-    """One room per item; a scalar room on a batch counts up from it (``room + i``), as in
+def sample_room(room: Any, sample: int) -> Any:
+    """The transfer key of sample ``sample`` of a prompt whose bootstrap room is ``room``: the
+    room itself for the first sample, a fixed odd multiple away (mod 2**64) for the others, so
+    the samples of one prompt never share a transfer and both legs derive the same keys."""
+    if sample == 0 or not (isinstance(room, int) and not isinstance(room, bool)):
+        return room
+    return (room + sample * SAMPLE_ROOM_STRIDE) % (MAX_ROOM + 1)
+
+
+def _rooms(room: Any, count: int) -> list[Any]:
+    """One room per prompt; a scalar room on a batch counts up from it (``room + i``), as in
     SGLang's ``_normalize_bootstrap_params``."""
-    if isinstance(room, int) and not isinstance(room, bool) and total > 1:
-        return [room + i for i in range(total)]
-    return _per_item(room, total, "bootstrap_room")
+    if isinstance(room, int) and not isinstance(room, bool) and count > 1:
+        return [room + i for i in range(count)]
+    return _per_prompt(room, count, "bootstrap_room")
+
+
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """A scalar broadcast to every prompt, or a list read as SGLang indexes it: its first
+    ``count`` entries (a shorter list cannot name every prompt)."""
+    if isinstance(value, list):
+        if len(value) < count:
+            raise BadRequest(f"{name} has {len(value)} entries for {count} prompts")
+        return value[:count]
+    return [value] * count
+
+
+def _logprob_flags(value: Any, count: int, n: int) -> list[Any]:
+    """``return_logprob`` per prompt; SGLang refuses a list of them with parallel sampling."""
+    if isinstance(value, list) and n > 1:
+        raise BadRequest("Cannot use list return_logprob with parallel_sample_num > 1")
+    return _per_item(value, count, "return_logprob")
 
 
 def _item(prompt: Prompt, rid: str, host: Any, port: Any, room: Any, logprob: Any) -> GenItem:

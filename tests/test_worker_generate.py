@@ -134,6 +134,16 @@ async def test_sampling_n_expands_one_prompt_into_a_batch(pd_cluster, client):
     assert [o["text"] for o in d.json()] == [expected_text("twice", 2)] * 2
 
 
+async def test_parallel_sampling_reads_one_room_per_prompt_as_sglang_does(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    texts = ["first prompt", "second prompt"]
+    body = {"text": texts, "sampling_params": {"max_new_tokens": 2, "n": 3}}
+    rooms = [new_room(), new_room()]
+    p, d = await pd_generate(client, prefill, decode, bootstrap_port, body, room=rooms)
+    assert p.status_code == 200 and d.status_code == 200
+    assert [o["text"] for o in d.json()] == [expected_text(t, 2) for t in texts for _ in "abc"]
+
+
 async def test_single_request_keeps_its_rid_as_meta_info_id(pd_cluster, client):
     _, decode, _ = ports(pd_cluster)
     body = {"text": "named", "rid": "solo-rid", "sampling_params": {"max_new_tokens": 1}}
@@ -308,7 +318,7 @@ async def test_chat_stream_announces_role_then_content_deltas(pd_cluster, client
 REQUEST_ERRORS = [
     ({}, "Either text or input_ids"),
     ({"text": "x", "input_ids": [1]}, "Either text or input_ids"),
-    ({"text": ["a", "b"], "bootstrap_room": [1]}, "bootstrap_room has 1 entries for 2 items"),
+    ({"text": ["a", "b"], "bootstrap_room": [1]}, "bootstrap_room has 1 entries for 2 prompts"),
     ({"text": ["a", "b"], "rid": ["r"]}, "rids length mismatch with the batch_size"),
     ({"text": ["a", "b"], "rid": ["r", "r"]}, "Duplicate request IDs"),
     ({"text": "a", "rid": ["r"]}, "The rid should be a string for a single request"),
