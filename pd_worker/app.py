@@ -18,10 +18,17 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from pd_protocol.wire import CONVERT_PATH, DRAIN_PATH, ROLE_HEADER, ROLE_PATH, SWITCH_PATH
+from pd_protocol.wire import (
+    CONVERT_PATH,
+    DRAIN_PATH,
+    ROLE_HEADER,
+    ROLE_PATH,
+    SWITCH_FIELDS,
+    SWITCH_PATH,
+)
 from pd_worker import metrics, openai_api
 from pd_worker.config import WorkerConfig
-from pd_worker.control import EngineBackend, check_switch_body, tokenizer_switch
+from pd_worker.control import EngineBackend, tokenizer_switch
 from pd_worker.engine import Engine
 from pd_worker.errors import (
     BadRequest,
@@ -39,6 +46,7 @@ from pd_worker.faults import Faults
 from pd_worker.protocol import abort_progress, parse_generate, response_dict, wants_stream
 from pd_worker.requests import GenItem, Progress
 from pd_worker.streams import final_results, merged
+from pd_worker.validation import generate_body, pd_role_switch_body
 from server_patch.extension import ExtensionError, PDExtension
 
 log = logging.getLogger(__name__)
@@ -348,6 +356,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[WORKER]
     await _admit(state, request)
     body = await _body(request)
+    generate_body(body)
     try:
         items, batch, stream = parse_generate(body)
         _validate(state.engine, items)
@@ -482,22 +491,34 @@ async def _stream_openai(
 async def pd_role_switch(request: web.Request) -> web.Response:
     """Native switch, routed through the extension so its epoch counts the change.
 
-    The body is validated as FastAPI validates SGLang's request type. Bodies the extension
-    refuses for their role (no ``new_role``), calls during a running switch and
-    ``prepare_only`` checks (which never change the role) get the native reply, so the messages
-    stay SGLang's.
+    The body is validated as FastAPI validates SGLang's request type, which keeps only the
+    declared fields (unknown ones are ignored). Bodies the extension refuses for their role (no
+    ``new_role``), calls during a running switch and ``prepare_only`` checks (which never change
+    the role) get the native reply, so the messages stay SGLang's; any other refusal of the
+    extension is answered in the native shape too (``old_role``, ``new_role``,
+    ``safe_to_restore``: nothing changed).
     """
     _require_admin(request)
     state = request.app[WORKER]
-    body = check_switch_body(await _body(request))
+    body = pd_role_switch_body(await _body(request))
     if state.engine.switch_in_progress or body.get("prepare_only"):
         return _native_switch_reply(await tokenizer_switch(state.engine, body))
     try:
-        status, reply = await state.extension.switch(body)
+        status, reply = await state.extension.switch(
+            {name: value for name, value in body.items() if name in SWITCH_FIELDS}
+        )
     except ExtensionError as exc:
-        if exc.body.get("field") != "new_role":
-            raise
-        return _native_switch_reply(await tokenizer_switch(state.engine, body))
+        if exc.body.get("field") == "new_role":
+            return _native_switch_reply(await tokenizer_switch(state.engine, body))
+        return _native_switch_reply(
+            {
+                "success": False,
+                "message": exc.body["message"],
+                "old_role": state.engine.role_name,
+                "new_role": body.get("new_role", ""),
+                "safe_to_restore": True,
+            }
+        )
     return _json(reply, status)
 
 
