@@ -27,6 +27,7 @@ from pd_protocol.wire import (
     SWITCH_PATH,
 )
 from pd_worker import metrics, openai_api
+from pd_worker import server_info as info
 from pd_worker.config import WorkerConfig
 from pd_worker.control import EngineBackend, tokenizer_switch
 from pd_worker.engine import Engine
@@ -51,7 +52,6 @@ from server_patch.extension import ExtensionError, PDExtension
 
 log = logging.getLogger(__name__)
 
-SGLANG_VERSION = "0.5.23"
 EXIT_DELAY_SECS = 0.05
 
 
@@ -191,54 +191,12 @@ async def health(request: web.Request) -> web.Response:
 
 async def server_info(request: web.Request) -> web.Response:
     state = request.app[WORKER]
-    config, timing = state.config, state.config.timing
-    return _json(
-        {
-            "model_path": config.model_path,
-            "tokenizer_path": config.model_path,
-            "served_model_name": config.model_name,
-            "host": config.host,
-            "port": config.port,
-            "disaggregation_mode": config.role,
-            "disaggregation_bootstrap_port": config.bootstrap_port,
-            "disaggregation_transfer_backend": "mooncake",
-            "enable_pd_role_switch": config.enable_pd_role_switch,
-            "tp_size": 1,
-            "dp_size": 1,
-            "pp_size": 1,
-            "max_running_requests": timing.max_running_requests,
-            "max_total_tokens": timing.max_total_num_tokens,
-            "max_total_num_tokens": timing.max_total_num_tokens,
-            "chunked_prefill_size": timing.max_prefill_tokens,
-            "max_prefill_tokens": timing.max_prefill_tokens,
-            "startup_time": dict(
-                state.engine.startup_time,
-                tokenizer_e2e=state.engine.startup_time.get("scheduler_e2e", 0.0),
-            ),
-            "internal_states": [state.engine.internal_state()],
-            "version": SGLANG_VERSION,
-            "frontend": "pd_worker",
-        }
-    )
+    return _json(info.server_info(state.config, state.engine))
 
 
 async def model_info(request: web.Request) -> web.Response:
     state = request.app[WORKER]
-    return _json(
-        {
-            "model_path": state.config.model_path,
-            "served_model_name": state.config.model_name,
-            "tokenizer_path": state.config.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": "default",
-            "disaggregation_mode": state.engine.role_name,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": "toy",
-            "architectures": ["ToyForCausalLM"],
-        }
-    )
+    return _json(info.model_info(state.config, state.engine))
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -269,7 +227,7 @@ async def v1_loads(request: web.Request) -> web.Response:
     return _json(
         {
             "timestamp": datetime.now(UTC).isoformat(),
-            "version": SGLANG_VERSION,
+            "version": info.SGLANG_VERSION,
             "dp_rank_count": 1,
             "loads": [load],
             "aggregate": aggregate,

@@ -14,6 +14,7 @@ import pytest
 
 from pd_worker import chat_prompt, expected_output_ids, expected_text, tokenize
 from pd_worker.cluster import WorkerCluster
+from pd_worker.sglang_args import SERVER_ARGS_DEFAULTS
 from pd_worker.testing import new_room, pd_generate, poll_until, with_bootstrap
 
 TIMEOUT = 10.0
@@ -60,6 +61,75 @@ async def test_server_info_reports_launch_args_and_live_internal_state(pd_cluste
     alias = (await client.get(decode + "/get_server_info")).json()
     assert alias["internal_states"][0]["disaggregation_mode"] == "decode"
     assert alias["internal_states"][0]["decode_cuda_graph_bs"]
+
+
+def same_json_type(value, like) -> bool:
+    """Whether ``value`` has the JSON type of ``like`` (an int where SGLang gives a float is a
+    different type to a typed client)."""
+    return like is None or type(value) is type(like)
+
+
+async def test_server_info_has_every_key_sglang_reports_with_its_type(pd_cluster, client):
+    prefill, _, _ = ports(pd_cluster)
+    info = (await client.get(prefill + "/server_info")).json()
+    state = info["internal_states"][0]
+    for key, default in SERVER_ARGS_DEFAULTS.items():
+        assert same_json_type(info[key], default), key
+        assert same_json_type(state[key], default), key
+    assert info["status"] == "ready" and info["frontend"] == "python"
+    assert {"launch_command", "kv_events", "hicache_object_layout"} <= set(info)
+    assert info["max_req_input_len"] < info["max_total_num_tokens"]
+    assert isinstance(info["startup_time"]["tokenizer_e2e"], float)
+    assert isinstance(state["world_size"], int)
+    assert set(state["startup_time"]) == {
+        "load_weight",
+        "kv_cache_allocation",
+        "scheduler_e2e",
+        "cuda_graph",
+    }
+    graph_phases = {
+        "prefill",
+        "decode",
+        "target_verify",
+        "draft_prefill",
+        "draft_decode",
+        "draft_extend",
+    }
+    assert set(state["startup_time"]["cuda_graph"]) == graph_phases
+    memory = state["memory_usage"]
+    assert set(memory) == {
+        "weight",
+        "kvcache",
+        "startup_available",
+        "token_capacity",
+        "token_capacity_swa",
+        "graph",
+    }
+    assert set(memory["graph"]) == graph_phases
+    assert all(isinstance(v, float) for v in memory["graph"].values())
+    assert memory["token_capacity"] == info["max_total_num_tokens"]
+
+
+async def test_model_info_has_every_key_sglang_reports(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    info = (await client.get(decode + "/model_info")).json()
+    assert set(info) == {
+        "model_path",
+        "served_model_name",
+        "tokenizer_path",
+        "is_generation",
+        "preferred_sampling_params",
+        "weight_version",
+        "load_format",
+        "reasoning_parser",
+        "tool_call_parser",
+        "disaggregation_mode",
+        "has_image_understanding",
+        "has_audio_understanding",
+        "model_type",
+        "architectures",
+    }
+    assert info["disaggregation_mode"] == "decode"
 
 
 async def test_model_info_and_v1_models_name_the_served_model(pd_cluster, client):
