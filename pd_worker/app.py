@@ -424,11 +424,17 @@ async def _stream_openai(
     try:
         async for index, progress in merged(state.engine.generate, parsed.items):
             if index not in sent and parsed.kind == "chat":
-                await _send(response, openai_api.chunk(parsed, index, "", None, first=True))
+                role = openai_api.chunk(parsed, index, "", None, first=True, sent_tokens=0)
+                await _send(response, role)
             delta = progress.text[sent.get(index, 0) :]
             sent[index] = len(progress.text)
+            previous = latest.get(index)
+            sent_tokens = len(previous.output_ids) if previous is not None else 0
             latest[index] = progress
-            await _send(response, openai_api.chunk(parsed, index, delta, progress, first=False))
+            event = openai_api.chunk(
+                parsed, index, delta, progress, first=False, sent_tokens=sent_tokens
+            )
+            await _send(response, event)
         if parsed.include_usage:
             results = [latest.get(i, Progress()) for i in range(len(parsed.items))]
             await _send(response, openai_api.usage_chunk(parsed, results, index))

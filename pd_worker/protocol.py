@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from pd_worker import logprobs
 from pd_worker.errors import BadRequest, ContractError
 from pd_worker.requests import GenItem, Progress
 from pd_worker.tokens import tokenize
@@ -94,12 +95,15 @@ def build_items(
     hosts = _per_prompt(body.get("bootstrap_host"), count, "bootstrap_host")
     ports = _per_prompt(body.get("bootstrap_port"), count, "bootstrap_port")
     rooms = _rooms(body.get("bootstrap_room"), count)
-    logprob = _logprob_flags(body.get("return_logprob", False), count, n)
+    flags = _logprob_param(body.get("return_logprob", False), count, n, "return_logprob")
+    tops = _logprob_param(body.get("top_logprobs_num", 0), count, n, "top_logprobs_num")
+    text = body.get("return_text_in_logprobs", False)
     items = []
     for index in range(count * n):
         p, sample = divmod(index, n)
         room = sample_room(rooms[p], sample)
-        items.append(_item(prompts[p], rids[index], hosts[p], ports[p], room, logprob[p]))
+        item = _item(prompts[p], rids[index], hosts[p], ports[p], room)
+        items.append(_with_logprobs(item, flags[p], tops[p], text))
     return items
 
 
@@ -130,14 +134,25 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
     return [value] * count
 
 
-def _logprob_flags(value: Any, count: int, n: int) -> list[Any]:
-    """``return_logprob`` per prompt; SGLang refuses a list of them with parallel sampling."""
+def _logprob_param(value: Any, count: int, n: int, name: str) -> list[Any]:
+    """A logprob parameter per prompt; SGLang refuses a list of them with parallel sampling."""
     if isinstance(value, list) and n > 1:
-        raise BadRequest("Cannot use list return_logprob with parallel_sample_num > 1")
-    return _per_item(value, count, "return_logprob")
+        raise BadRequest(f"Cannot use list {name} with parallel_sample_num > 1")
+    return _per_item(value, count, name)
 
 
-def _item(prompt: Prompt, rid: str, host: Any, port: Any, room: Any, logprob: Any) -> GenItem:
+def _with_logprobs(item: GenItem, flag: Any, top: Any, text: Any) -> GenItem:
+    if top is not None and not (isinstance(top, int) and not isinstance(top, bool)):
+        raise ContractError("top_logprobs_num must be an integer")
+    return replace(
+        item,
+        return_logprob=bool(flag),
+        top_logprobs_num=top or 0,
+        return_text_in_logprobs=bool(text),
+    )
+
+
+def _item(prompt: Prompt, rid: str, host: Any, port: Any, room: Any) -> GenItem:
     if host is not None and not isinstance(host, str):
         raise ContractError("bootstrap_host must be a string")
     for name, value, high in (("bootstrap_port", port, 65535), ("bootstrap_room", room, MAX_ROOM)):
@@ -159,7 +174,6 @@ def _item(prompt: Prompt, rid: str, host: Any, port: Any, room: Any, logprob: An
         max_new_tokens=_max_new_tokens(sampling),
         stop=tuple(stop),
         stop_token_ids=frozenset(stop_ids),
-        return_logprob=bool(logprob),
         bootstrap_host=host.strip("[]") if isinstance(host, str) else None,
         bootstrap_port=port,
         bootstrap_room=room,
@@ -240,8 +254,7 @@ def response_dict(item: GenItem, progress: Progress, e2e_latency: float) -> dict
     if progress.kv_source is not None:
         meta["kv_source"] = progress.kv_source
     if item.return_logprob:
-        meta["input_token_logprobs"] = progress.input_token_logprobs or []
-        meta["output_token_logprobs"] = progress.output_token_logprobs or []
+        meta.update(logprobs.meta_fields(item, progress))
     return {"text": progress.text, "output_ids": list(progress.output_ids), "meta_info": meta}
 
 

@@ -16,6 +16,7 @@ from pd_worker import chat_prompt, expected_output_ids, expected_text, tokenize
 from pd_worker.cluster import WorkerCluster
 from pd_worker.sglang_args import SERVER_ARGS_DEFAULTS
 from pd_worker.testing import new_room, pd_generate, poll_until, with_bootstrap
+from pd_worker.tokens import detokenize
 
 TIMEOUT = 10.0
 
@@ -381,6 +382,70 @@ async def test_chat_stream_announces_role_then_content_deltas(pd_cluster, client
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:])
     assert content == expected_text(chat_prompt(messages), 3)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_meta_info_logprobs_carry_top_logprobs_lengths_and_token_text(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    body = {
+        "text": "top",
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "return_text_in_logprobs": True,
+        "sampling_params": {"max_new_tokens": 3},
+    }
+    p, d = await pd_generate(client, prefill, decode, bootstrap_port, body)
+    prefill_meta, meta = p.json()["meta_info"], d.json()["meta_info"]
+    assert meta["output_token_logprobs_length"] == 3
+    ids = d.json()["output_ids"]
+    assert [(e[1], e[2]) for e in meta["output_token_logprobs"]] == [
+        (i, detokenize([i])) for i in ids
+    ]
+    assert [len(row) for row in meta["output_top_logprobs"]] == [2, 2, 2]
+    assert [row[0][1] for row in meta["output_top_logprobs"]] == ids
+    assert meta["input_top_logprobs"] == []
+    assert [e[2] for e in prefill_meta["input_token_logprobs"]] == list("top")
+    assert prefill_meta["input_top_logprobs"][0] is None
+    assert [len(row) for row in prefill_meta["input_top_logprobs"][1:]] == [2, 2]
+
+
+async def test_completion_logprobs_are_filled_when_asked(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    body = {"model": "m", "prompt": "lp", "max_tokens": 3, "logprobs": 2}
+    _, d = await pd_generate(client, prefill, decode, bootstrap_port, body, path="/v1/completions")
+    choice = d.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert logprobs["text_offset"] == [-1, -1, -1]
+    assert all(isinstance(v, float) for v in logprobs["token_logprobs"])
+    assert [len(top) for top in logprobs["top_logprobs"]] == [2, 2, 2]
+
+
+async def test_chat_logprobs_are_filled_in_responses_and_stream_chunks(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    messages = [{"role": "user", "content": "chat logprobs"}]
+    body = {"messages": messages, "max_tokens": 3, "logprobs": True, "top_logprobs": 1}
+    _, d = await pd_generate(
+        client, prefill, decode, bootstrap_port, body, path="/v1/chat/completions"
+    )
+    choice = d.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert "".join(t["token"] for t in content) == choice["message"]["content"]
+    assert all(t["bytes"] == list(t["token"].encode()) for t in content)
+    assert all(len(t["top_logprobs"]) == 1 for t in content)
+
+    paired = with_bootstrap(dict(body, stream=True), bootstrap_port, new_room())
+    _, (_, events) = await asyncio.gather(
+        client.post(prefill + "/v1/chat/completions", json=paired),
+        stream_post(client, decode + "/v1/chat/completions", paired),
+    )
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    streamed = [
+        t["token"]
+        for c in chunks
+        if c["choices"][0]["logprobs"] is not None
+        for t in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert "".join(streamed) == choice["message"]["content"]
 
 
 # Errors SGLang finds while generating (ValueError in GenerateReqInput's normalization or the
