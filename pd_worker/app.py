@@ -47,7 +47,12 @@ from pd_worker.faults import Faults
 from pd_worker.protocol import abort_progress, parse_generate, response_dict, wants_stream
 from pd_worker.requests import GenItem, Progress
 from pd_worker.streams import final_results, merged
-from pd_worker.validation import generate_body, pd_role_switch_body
+from pd_worker.validation import (
+    chat_body,
+    completion_body,
+    generate_body,
+    pd_role_switch_body,
+)
 from server_patch.extension import ExtensionError, PDExtension
 
 log = logging.getLogger(__name__)
@@ -404,8 +409,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await _body(request)
     model = state.config.model_name
     if request.path.endswith("/chat/completions"):
+        chat_body(body)
         parsed = openai_api.parse_chat(body, model)
     else:
+        completion_body(body)
         parsed = openai_api.parse_completion(body, model)
     _validate(state.engine, parsed.items)
     if parsed.stream:

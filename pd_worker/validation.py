@@ -119,6 +119,11 @@ def dictionary(value: Any, loc: Loc) -> Result:
     return value, [Issue("dict_type", loc, "Input should be a valid dictionary", value)]
 
 
+def any_value(value: Any, loc: Loc) -> Result:
+    """A value whose own checks come later (chat messages: the chat layer reads them)."""
+    return value, []
+
+
 def list_of(item: Validator) -> Validator:
     def check(value: Any, loc: Loc) -> Result:
         if not isinstance(value, list):
@@ -255,6 +260,89 @@ GENERATE_FIELDS: Fields = (
     ("bootstrap_port", nullable(union(_NULLABLE_INTS, ("int", integer)))),
     ("bootstrap_room", nullable(union(_NULLABLE_INTS, ("int", integer)))),
 )
+
+
+def positive(item: Validator, name: str) -> Validator:
+    """``item`` then a ``field_validator`` refusing values <= 0 (SGLang's ``max_tokens``)."""
+
+    def check(value: Any, loc: Loc) -> Result:
+        coerced, issues = item(value, loc)
+        if issues or coerced is None or coerced > 0:
+            return coerced, issues
+        error = ValueError(f"{name} must be positive")
+        return value, [Issue("value_error", loc, f"Value error, {error}", value, {"error": error})]
+
+    return check
+
+
+def model_body(body: Any, fields: Fields, required: tuple[str, ...]) -> dict[str, Any]:
+    """A body declared as a pydantic model (SGLang's OpenAI request types)."""
+    if not isinstance(body, dict):
+        text = "Input should be a valid dictionary or object to extract fields from"
+        raise_if([Issue("model_attributes_type", ("body",), text, body)])
+    issues: list[Issue] = []
+    out: dict[str, Any] = {}
+    for name, validator in fields:
+        if name in body:
+            out[name], found = validator(body[name], ("body", name))
+            issues.extend(found)
+        elif name in required:
+            issues.append(Issue("missing", ("body", name), "Field required", body))
+    raise_if(issues)
+    return out
+
+
+_ROOMS = nullable(union(("list[int]", _INT_LIST), ("int", integer)))
+PD_ROUTING_FIELDS: Fields = (
+    ("bootstrap_host", nullable(union(("list[str]", list_of(string)), ("str", string)))),
+    ("bootstrap_port", nullable(union(_NULLABLE_INTS, ("int", integer)))),
+    ("bootstrap_room", _ROOMS),
+)
+_OPTIONAL_INT = nullable(integer)
+_RID = nullable(union(("list[str]", list_of(string)), ("str", string)))
+
+COMPLETION_FIELDS: Fields = (
+    *PD_ROUTING_FIELDS,
+    ("model", string),
+    (
+        "prompt",
+        union(
+            ("list[int]", _INT_LIST),
+            ("list[list[int]]", list_of(_INT_LIST)),
+            ("str", string),
+            ("list[str]", list_of(string)),
+        ),
+    ),
+    ("logprobs", _OPTIONAL_INT),
+    ("max_tokens", positive(integer, "max_tokens")),
+    ("n", integer),
+    ("stream", boolean),
+    ("rid", _RID),
+)
+
+CHAT_FIELDS: Fields = (
+    *PD_ROUTING_FIELDS,
+    ("messages", list_of(any_value)),
+    ("model", string),
+    ("logprobs", boolean),
+    ("top_logprobs", _OPTIONAL_INT),
+    ("max_tokens", _OPTIONAL_INT),
+    ("max_completion_tokens", _OPTIONAL_INT),
+    ("n", integer),
+    ("stream", boolean),
+    ("rid", _RID),
+)
+
+
+def completion_body(body: Any) -> None:
+    """FastAPI's validation of a ``/v1/completions`` body as ``CompletionRequest``."""
+    model_body(body, COMPLETION_FIELDS, ("prompt",))
+
+
+def chat_body(body: Any) -> None:
+    """FastAPI's validation of a ``/v1/chat/completions`` body as ``ChatCompletionRequest``
+    (the message entries themselves are checked later, by the chat layer)."""
+    model_body(body, CHAT_FIELDS, ("messages",))
 
 
 def generate_body(body: Any) -> None:

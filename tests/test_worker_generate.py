@@ -544,6 +544,44 @@ async def test_body_outside_the_request_type_is_a_fastapi_validation_error(
     assert reply["message"].startswith(text + " [{")
 
 
+OPENAI_VALIDATION_ERRORS = [
+    (
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": -1},
+        "1 validation error:\n"
+        "  {'type': 'value_error', 'loc': ('body', 'max_tokens'), "
+        "'msg': 'Value error, max_tokens must be positive', 'input': -1, "
+        "'ctx': {'error': ValueError('max_tokens must be positive')}}",
+    ),
+    (
+        "/v1/completions",
+        {"model": "m"},
+        "1 validation error:\n"
+        "  {'type': 'missing', 'loc': ('body', 'prompt'), 'msg': 'Field required', "
+        "'input': {'model': 'm'}}",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": "hi"},
+        "1 validation error:\n"
+        "  {'type': 'list_type', 'loc': ('body', 'messages'), "
+        "'msg': 'Input should be a valid list', 'input': 'hi'}",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "text"), OPENAI_VALIDATION_ERRORS)
+async def test_openai_body_outside_the_request_model_is_a_fastapi_validation_error(
+    pd_cluster, client, path, body, text
+):
+    _, decode, _ = ports(pd_cluster)
+    response = await client.post(decode + path, json=body)
+    assert response.status_code == 400
+    reply = response.json()
+    assert (reply["object"], reply["type"], reply["code"]) == ("error", "Bad Request", 400)
+    assert reply["message"].startswith(text + " [{")
+
+
 @pytest.mark.parametrize("stream", [1, "true"])
 async def test_stream_flag_must_be_a_json_boolean(pd_cluster, client, stream):
     _, decode, _ = ports(pd_cluster)
