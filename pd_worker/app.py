@@ -51,6 +51,7 @@ from pd_worker.validation import (
     chat_body,
     completion_body,
     generate_body,
+    parse_json,
     pd_role_switch_body,
 )
 from server_patch.extension import ExtensionError, PDExtension
@@ -168,6 +169,11 @@ async def _body(request: web.Request) -> Any:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"invalid JSON body: {exc}") from None
+
+
+async def _typed_body(request: web.Request) -> Any:
+    """The body of a route SGLang declares with a request type (FastAPI parses it)."""
+    return parse_json(await request.read())
 
 
 def _require_admin(request: web.Request) -> None:
@@ -318,7 +324,7 @@ def _validate(engine: Engine, items: list[GenItem]) -> None:
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[WORKER]
     await _admit(state, request)
-    body = await _body(request)
+    body = await _typed_body(request)
     generate_body(body)
     try:
         items, batch, stream = parse_generate(body)
@@ -406,7 +412,7 @@ def _event(
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[WORKER]
     await _admit(state, request)
-    body = await _body(request)
+    body = await _typed_body(request)
     model = state.config.model_name
     if request.path.endswith("/chat/completions"):
         chat_body(body)
@@ -471,7 +477,7 @@ async def pd_role_switch(request: web.Request) -> web.Response:
     """
     _require_admin(request)
     state = request.app[WORKER]
-    body = pd_role_switch_body(await _body(request))
+    body = pd_role_switch_body(await _typed_body(request))
     if state.engine.switch_in_progress or body.get("prepare_only"):
         return _native_switch_reply(await tokenizer_switch(state.engine, body))
     try:

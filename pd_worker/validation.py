@@ -11,9 +11,12 @@ Lax coercions are returned, so a value pydantic accepts (``"1.5"`` for a float) 
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from pd_worker.errors import InvalidBody
 
@@ -54,6 +57,26 @@ def message(issues: list[Issue]) -> str:
     plural = "s" if len(errors) != 1 else ""
     text = f"{len(errors)} validation error{plural}:\n" + "".join(f"  {e}\n" for e in errors)
     return f"{text.rstrip()} {errors}"
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body parsed as FastAPI parses one: an empty body is a missing body, and
+    invalid JSON is reported with the stdlib decoder's message and position."""
+    if not raw:
+        raise InvalidBody(message([Issue("missing", ("body",), "Field required", None)]))
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        position = exc.pos if isinstance(exc, json.JSONDecodeError) else exc.start
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else exc.reason
+        issue = Issue(
+            "json_invalid", ("body", position), "JSON decode error", {}, {"error": reason}
+        )
+        raise InvalidBody(message([issue])) from None
 
 
 def raise_if(issues: list[Issue]) -> None:

@@ -590,11 +590,15 @@ async def test_stream_flag_must_be_a_json_boolean(pd_cluster, client, stream):
     assert "stream" in response.json()["error"]
 
 
-async def test_malformed_json_is_400(pd_cluster, client):
+async def test_malformed_json_is_a_fastapi_json_invalid_error(pd_cluster, client):
     _, decode, _ = ports(pd_cluster)
     response = await client.post(decode + "/generate", content=b"{not json")
     assert response.status_code == 400
-    assert "invalid JSON" in response.json()["error"]["message"]
+    assert response.json()["message"].startswith(
+        "1 validation error:\n  {'type': 'json_invalid', 'loc': ('body', 1), "
+        "'msg': 'JSON decode error', 'input': {}, "
+        "'ctx': {'error': 'Expecting property name enclosed in double quotes'}}"
+    )
 
 
 async def test_invalid_openai_body_is_400_in_openai_error_shape(pd_cluster, client):
