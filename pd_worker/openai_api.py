@@ -32,8 +32,7 @@ class OpenAIRequest:
     created: int
 
 
-def parse_completion(body: Any, model: str) -> OpenAIRequest:
-    body = _require_object(body)
+def parse_completion(body: dict[str, Any], model: str) -> OpenAIRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         ids_list, batch = [tokenize(prompt)], False
@@ -54,8 +53,7 @@ def parse_completion(body: Any, model: str) -> OpenAIRequest:
     )
 
 
-def parse_chat(body: Any, model: str) -> OpenAIRequest:
-    body = _require_object(body)
+def parse_chat(body: dict[str, Any], model: str) -> OpenAIRequest:
     messages = body.get("messages")
     if (
         not isinstance(messages, list)
@@ -110,12 +108,6 @@ def _build(
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         created=int(time.time()),
     )
-
-
-def _require_object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
 
 
 def _is_int(value: Any) -> bool:

@@ -30,10 +30,9 @@ def new_rid() -> str:
     return uuid.uuid4().hex
 
 
-def parse_generate(body: Any) -> tuple[list[GenItem], bool, bool]:
-    """Items of a ``/generate`` body, whether it is a batch, and whether it streams."""
-    if not isinstance(body, dict):
-        raise ContractError("request body must be a JSON object")
+def parse_generate(body: dict[str, Any]) -> tuple[list[GenItem], bool, bool]:
+    """Items of a ``/generate`` body (an object, as its validation ensured), whether it is a
+    batch, and whether it streams."""
     prompts, batch = _prompts(body)
     n = _sampling_n(prompts)
     batch = batch or n > 1
