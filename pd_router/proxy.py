@@ -202,7 +202,7 @@ class Exchange:
 
     def prepare(self, attempt: int, prefill: Worker) -> tuple[bytes, list[str]]:
         """The body for this attempt (new rooms, the rid workers know it by) and its rids."""
-        inject_bootstrap(self.body, prefill, self.items)
+        inject_bootstrap(self.body, prefill, self.items, self.samples)
         if self.client_rid is not None:
             rids = item_rids(self.client_rid, self.items)
         else:

@@ -5,7 +5,7 @@ The router only checks what it must understand to route (the inputs that decide 
 ``n``, ``stream``, ``return_logprob``, ``rid``); everything else is the worker's business and is
 passed through untouched. Counting follows SGLang's ``GenerateReqInput`` normalisation: a list of
 texts, a 2-D ``input_ids`` or a 3-D ``input_embeds`` is a batch, ``n > 1`` multiplies it, and a
-batch gets one bootstrap room per item.
+batch gets one bootstrap room per prompt.
 """
 
 from __future__ import annotations
@@ -269,18 +269,25 @@ COMPLETIONS = Endpoint("completions", "/v1/completions", completion_items, nativ
 CHAT = Endpoint("chat_completions", "/v1/chat/completions", chat_items, native=False)
 
 
-def inject_bootstrap(body: dict[str, Any], prefill: Worker, items: int | None) -> None:
-    """Point the decode at ``prefill`` with fresh random 63-bit rooms (one per item)."""
+def inject_bootstrap(body: dict[str, Any], prefill: Worker, items: int | None, n: int) -> None:
+    """Point the decode at ``prefill`` with fresh random 63-bit rooms.
+
+    One room per item of a batch without parallel sampling; with ``n > 1``, one room per prompt
+    (a list of ``items // n``): SGLang's ``GenerateReqInput`` repeats a room list ``n`` times and
+    its tokenizer manager reads only the first entry of each prompt, so per-sample rooms would
+    be read as the rooms of other prompts.
+    """
     host = prefill.bootstrap_host
     port = prefill.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
     if items is None:
         body["bootstrap_host"] = host
         body["bootstrap_port"] = port
         body["bootstrap_room"] = random.getrandbits(63)
-    else:
-        body["bootstrap_host"] = [host] * items
-        body["bootstrap_port"] = [port] * items
-        body["bootstrap_room"] = [random.getrandbits(63) for _ in range(items)]
+        return
+    count = items // n
+    body["bootstrap_host"] = [host] * count
+    body["bootstrap_port"] = [port] * count
+    body["bootstrap_room"] = [random.getrandbits(63) for _ in range(count)]
 
 
 def item_rids(rid: str | list[str], items: int | None) -> list[str]:

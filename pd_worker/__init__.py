@@ -14,6 +14,13 @@ What tests can rely on:
   a prefill just runs its forward, a decode generates from its own copy of the prompt.
 - ``/server_info`` ``internal_states[0]["pd_worker"]`` holds ``id()`` of the engine, KV pool,
   bootstrap server and role object: the first three survive role switches, the last does not.
+- Bootstrap fields are read per prompt, as SGLang reads them (``n > 1`` included); each sample
+  of a prompt transfers under its own key derived from the prompt's room
+  (:func:`pd_worker.protocol.sample_room`).
+- ``/server_info`` and ``/model_info`` carry every key SGLang 0.5.23 returns
+  (:mod:`pd_worker.server_info`); bodies that do not fit SGLang's request types get FastAPI's
+  validation errors (:mod:`pd_worker.validation`); logprob fields follow
+  :mod:`pd_worker.logprobs`.
 - :mod:`pd_worker.faults` documents ``POST /fault``; :mod:`pd_worker.timing` the timing knobs.
 """
 

@@ -18,10 +18,18 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
-from pd_protocol.wire import CONVERT_PATH, DRAIN_PATH, ROLE_HEADER, ROLE_PATH, SWITCH_PATH
+from pd_protocol.wire import (
+    CONVERT_PATH,
+    DRAIN_PATH,
+    ROLE_HEADER,
+    ROLE_PATH,
+    SWITCH_FIELDS,
+    SWITCH_PATH,
+)
 from pd_worker import metrics, openai_api
+from pd_worker import server_info as info
 from pd_worker.config import WorkerConfig
-from pd_worker.control import EngineBackend, check_switch_body, tokenizer_switch
+from pd_worker.control import EngineBackend, tokenizer_switch
 from pd_worker.engine import Engine
 from pd_worker.errors import (
     BadRequest,
@@ -39,11 +47,17 @@ from pd_worker.faults import Faults
 from pd_worker.protocol import abort_progress, parse_generate, response_dict, wants_stream
 from pd_worker.requests import GenItem, Progress
 from pd_worker.streams import final_results, merged
+from pd_worker.validation import (
+    chat_body,
+    completion_body,
+    generate_body,
+    parse_json,
+    pd_role_switch_body,
+)
 from server_patch.extension import ExtensionError, PDExtension
 
 log = logging.getLogger(__name__)
 
-SGLANG_VERSION = "0.5.23"
 EXIT_DELAY_SECS = 0.05
 
 
@@ -157,6 +171,11 @@ async def _body(request: web.Request) -> Any:
         raise BadRequest(f"invalid JSON body: {exc}") from None
 
 
+async def _typed_body(request: web.Request) -> Any:
+    """The body of a route SGLang declares with a request type (FastAPI parses it)."""
+    return parse_json(await request.read())
+
+
 def _require_admin(request: web.Request) -> None:
     """SGLang's ADMIN_OPTIONAL: when an admin key is configured, admin routes need it."""
     key = request.app[WORKER].config.admin_api_key
@@ -183,54 +202,12 @@ async def health(request: web.Request) -> web.Response:
 
 async def server_info(request: web.Request) -> web.Response:
     state = request.app[WORKER]
-    config, timing = state.config, state.config.timing
-    return _json(
-        {
-            "model_path": config.model_path,
-            "tokenizer_path": config.model_path,
-            "served_model_name": config.model_name,
-            "host": config.host,
-            "port": config.port,
-            "disaggregation_mode": config.role,
-            "disaggregation_bootstrap_port": config.bootstrap_port,
-            "disaggregation_transfer_backend": "mooncake",
-            "enable_pd_role_switch": config.enable_pd_role_switch,
-            "tp_size": 1,
-            "dp_size": 1,
-            "pp_size": 1,
-            "max_running_requests": timing.max_running_requests,
-            "max_total_tokens": timing.max_total_num_tokens,
-            "max_total_num_tokens": timing.max_total_num_tokens,
-            "chunked_prefill_size": timing.max_prefill_tokens,
-            "max_prefill_tokens": timing.max_prefill_tokens,
-            "startup_time": dict(
-                state.engine.startup_time,
-                tokenizer_e2e=state.engine.startup_time.get("scheduler_e2e", 0.0),
-            ),
-            "internal_states": [state.engine.internal_state()],
-            "version": SGLANG_VERSION,
-            "frontend": "pd_worker",
-        }
-    )
+    return _json(info.server_info(state.config, state.engine))
 
 
 async def model_info(request: web.Request) -> web.Response:
     state = request.app[WORKER]
-    return _json(
-        {
-            "model_path": state.config.model_path,
-            "served_model_name": state.config.model_name,
-            "tokenizer_path": state.config.model_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": "default",
-            "disaggregation_mode": state.engine.role_name,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": "toy",
-            "architectures": ["ToyForCausalLM"],
-        }
-    )
+    return _json(info.model_info(state.config, state.engine))
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -261,7 +238,7 @@ async def v1_loads(request: web.Request) -> web.Response:
     return _json(
         {
             "timestamp": datetime.now(UTC).isoformat(),
-            "version": SGLANG_VERSION,
+            "version": info.SGLANG_VERSION,
             "dp_rank_count": 1,
             "loads": [load],
             "aggregate": aggregate,
@@ -347,7 +324,8 @@ def _validate(engine: Engine, items: list[GenItem]) -> None:
 async def generate(request: web.Request) -> web.StreamResponse:
     state = request.app[WORKER]
     await _admit(state, request)
-    body = await _body(request)
+    body = await _typed_body(request)
+    generate_body(body)
     try:
         items, batch, stream = parse_generate(body)
         _validate(state.engine, items)
@@ -434,11 +412,13 @@ def _event(
 async def completions(request: web.Request) -> web.StreamResponse:
     state = request.app[WORKER]
     await _admit(state, request)
-    body = await _body(request)
+    body = await _typed_body(request)
     model = state.config.model_name
     if request.path.endswith("/chat/completions"):
+        chat_body(body)
         parsed = openai_api.parse_chat(body, model)
     else:
+        completion_body(body)
         parsed = openai_api.parse_completion(body, model)
     _validate(state.engine, parsed.items)
     if parsed.stream:
@@ -457,11 +437,17 @@ async def _stream_openai(
     try:
         async for index, progress in merged(state.engine.generate, parsed.items):
             if index not in sent and parsed.kind == "chat":
-                await _send(response, openai_api.chunk(parsed, index, "", None, first=True))
+                role = openai_api.chunk(parsed, index, "", None, first=True, sent_tokens=0)
+                await _send(response, role)
             delta = progress.text[sent.get(index, 0) :]
             sent[index] = len(progress.text)
+            previous = latest.get(index)
+            sent_tokens = len(previous.output_ids) if previous is not None else 0
             latest[index] = progress
-            await _send(response, openai_api.chunk(parsed, index, delta, progress, first=False))
+            event = openai_api.chunk(
+                parsed, index, delta, progress, first=False, sent_tokens=sent_tokens
+            )
+            await _send(response, event)
         if parsed.include_usage:
             results = [latest.get(i, Progress()) for i in range(len(parsed.items))]
             await _send(response, openai_api.usage_chunk(parsed, results, index))
@@ -482,22 +468,34 @@ async def _stream_openai(
 async def pd_role_switch(request: web.Request) -> web.Response:
     """Native switch, routed through the extension so its epoch counts the change.
 
-    The body is validated as FastAPI validates SGLang's request type. Bodies the extension
-    refuses for their role (no ``new_role``), calls during a running switch and
-    ``prepare_only`` checks (which never change the role) get the native reply, so the messages
-    stay SGLang's.
+    The body is validated as FastAPI validates SGLang's request type, which keeps only the
+    declared fields (unknown ones are ignored). Bodies the extension refuses for their role (no
+    ``new_role``), calls during a running switch and ``prepare_only`` checks (which never change
+    the role) get the native reply, so the messages stay SGLang's; any other refusal of the
+    extension is answered in the native shape too (``old_role``, ``new_role``,
+    ``safe_to_restore``: nothing changed).
     """
     _require_admin(request)
     state = request.app[WORKER]
-    body = check_switch_body(await _body(request))
+    body = pd_role_switch_body(await _typed_body(request))
     if state.engine.switch_in_progress or body.get("prepare_only"):
         return _native_switch_reply(await tokenizer_switch(state.engine, body))
     try:
-        status, reply = await state.extension.switch(body)
+        status, reply = await state.extension.switch(
+            {name: value for name, value in body.items() if name in SWITCH_FIELDS}
+        )
     except ExtensionError as exc:
-        if exc.body.get("field") != "new_role":
-            raise
-        return _native_switch_reply(await tokenizer_switch(state.engine, body))
+        if exc.body.get("field") == "new_role":
+            return _native_switch_reply(await tokenizer_switch(state.engine, body))
+        return _native_switch_reply(
+            {
+                "success": False,
+                "message": exc.body["message"],
+                "old_role": state.engine.role_name,
+                "new_role": body.get("new_role", ""),
+                "safe_to_restore": True,
+            }
+        )
     return _json(reply, status)
 
 

@@ -2,50 +2,17 @@
 extension's ``RoleBackend`` protocol (server_patch.extension).
 
 On SGLang, ``POST /pd_role_switch`` goes through FastAPI's validation of
-``PdRoleSwitchReqInput`` and then ``TokenizerManager.pd_role_switch`` before it reaches the
-scheduler's handler (which :meth:`~pd_worker.engine.Engine.switch_role` models). Both layers
-change what a caller sees, so they are modeled here.
+``PdRoleSwitchReqInput`` (:func:`pd_worker.validation.pd_role_switch_body`) and then
+``TokenizerManager.pd_role_switch`` before it reaches the scheduler's handler (which
+:meth:`~pd_worker.engine.Engine.switch_role` models); the tokenizer layer is modeled here.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pd_protocol.wire import ROLES
 from pd_worker.engine import Engine
-from pd_worker.errors import InvalidBody
 from server_patch.extension import Load
-
-SWITCH_ROLES = (*ROLES, "")
-
-
-def check_switch_body(body: Any) -> dict[str, Any]:
-    """FastAPI's validation of ``PdRoleSwitchReqInput``: the field types, ``new_role`` one of
-    ``"prefill"``, ``"decode"`` or ``""`` exactly (unknown fields are ignored there)."""
-    if not isinstance(body, dict):
-        raise InvalidBody("1 validation error: body: Input should be a valid dictionary")
-    new_role = body.get("new_role", "")
-    if not isinstance(new_role, str) or new_role not in SWITCH_ROLES:
-        raise InvalidBody("1 validation error: new_role: Input should be 'prefill', 'decode' or ''")
-    graph_bs = body.get("decode_cuda_graph_bs")
-    if graph_bs is not None and not (
-        isinstance(graph_bs, list) and all(_is_int(bs) for bs in graph_bs)
-    ):
-        raise InvalidBody(
-            "1 validation error: decode_cuda_graph_bs: Input should be a valid list of integers"
-        )
-    memory_gb = body.get("decode_cuda_graph_memory_gb")
-    if memory_gb is not None and not (_is_int(memory_gb) or isinstance(memory_gb, float)):
-        raise InvalidBody(
-            "1 validation error: decode_cuda_graph_memory_gb: Input should be a valid number"
-        )
-    if not isinstance(body.get("prepare_only", False), bool):
-        raise InvalidBody("1 validation error: prepare_only: Input should be a valid boolean")
-    return body
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 async def tokenizer_switch(engine: Engine, request: dict[str, Any]) -> dict[str, Any]:

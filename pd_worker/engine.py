@@ -54,6 +54,15 @@ class DecodeGraphs:
 
 
 _DONE = object()
+# The phases SGLang reports graph memory and capture time for.
+GRAPH_PHASES = (
+    "prefill",
+    "decode",
+    "target_verify",
+    "draft_prefill",
+    "draft_decode",
+    "draft_extend",
+)
 
 
 class Engine:
@@ -105,7 +114,7 @@ class Engine:
             "load_weight": time.process_time(),
             "kv_cache_allocation": 0.0,
             "scheduler_e2e": time.perf_counter() - began,
-            "cuda_graph": {},
+            "cuda_graph": dict.fromkeys(GRAPH_PHASES, 0.0),
         }
         self.serving = True
 
@@ -273,13 +282,14 @@ class Engine:
     def internal_state(self) -> dict[str, Any]:
         """``internal_states[0]`` of /server_info: live role, decode graphs, object identities."""
         return {
+            "world_size": 1,
             "disaggregation_mode": self.role_name,
             "startup_time": self.startup_time,
             "decode_cuda_graph_bs": list(self.graphs.batch_sizes) if self.graphs else None,
             "decode_cuda_graph_memory_gb": round(self.graphs.memory_gb, 3) if self.graphs else 0.0,
             "effective_max_running_requests_per_dp": self.timing.max_running_requests,
             "last_gen_throughput": round(self.stats.gen_throughput(), 2),
-            "memory_usage": {"token_capacity": self.kv_pool.capacity},
+            "memory_usage": self.memory_usage(),
             "pd_role_switch_in_progress": self.switch_in_progress,
             "pd_role_switch_unhealthy": self.unhealthy_after_switch,
             "pd_worker": {
@@ -288,6 +298,22 @@ class Engine:
                 "role_object_id": id(self.role),
                 "bootstrap_server_id": id(self.bootstrap),
             },
+        }
+
+    def memory_usage(self) -> dict[str, Any]:
+        """SGLang's ``memory_usage`` (GB, per graph phase too): no weights or KV tensors are
+        allocated here, so only the token capacity, the free memory the worker was launched with
+        and the decode graphs' modeled footprint are non-zero."""
+        graph = dict.fromkeys(GRAPH_PHASES, 0.0)
+        if self.graphs is not None:
+            graph["decode"] = round(self.graphs.memory_gb, 3)
+        return {
+            "weight": 0.0,
+            "kvcache": 0.0,
+            "startup_available": round(self.config.gpu_free_memory_gb, 3),
+            "token_capacity": self.kv_pool.capacity,
+            "token_capacity_swa": None,
+            "graph": graph,
         }
 
     # ------------------------------------------------------------- role switch

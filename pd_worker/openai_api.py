@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pd_worker import logprobs
 from pd_worker.errors import BadRequest
 from pd_worker.protocol import Prompt, build_items, is_token_id, item_rids
 from pd_worker.requests import GenItem, Progress
@@ -31,8 +32,7 @@ class OpenAIRequest:
     created: int
 
 
-def parse_completion(body: Any, model: str) -> OpenAIRequest:
-    body = _require_object(body)
+def parse_completion(body: dict[str, Any], model: str) -> OpenAIRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         ids_list, batch = [tokenize(prompt)], False
@@ -44,11 +44,16 @@ def parse_completion(body: Any, model: str) -> OpenAIRequest:
         ids_list, batch = [list(p) for p in prompt], True
     else:
         raise BadRequest("prompt must be a string, a list of strings or token ids")
-    return _build("completion", body, ids_list, batch, model, COMPLETION_DEFAULT_MAX_TOKENS)
+    logprobs_num = body.get("logprobs")
+    if logprobs_num is not None and not _is_int(logprobs_num):
+        raise BadRequest("logprobs must be a non-negative integer")
+    logprob = {"return_logprob": logprobs_num is not None, "top_logprobs_num": logprobs_num or 0}
+    return _build(
+        "completion", body, ids_list, batch, model, COMPLETION_DEFAULT_MAX_TOKENS, logprob
+    )
 
 
-def parse_chat(body: Any, model: str) -> OpenAIRequest:
-    body = _require_object(body)
+def parse_chat(body: dict[str, Any], model: str) -> OpenAIRequest:
     messages = body.get("messages")
     if (
         not isinstance(messages, list)
@@ -57,7 +62,11 @@ def parse_chat(body: Any, model: str) -> OpenAIRequest:
     ):
         raise BadRequest("messages must be a non-empty list of message objects")
     ids_list = [tokenize(chat_prompt(messages))]
-    return _build("chat", body, ids_list, False, model, CHAT_DEFAULT_MAX_TOKENS)
+    top = body.get("top_logprobs")
+    if top is not None and not _is_int(top):
+        raise BadRequest("top_logprobs must be a non-negative integer")
+    logprob = {"return_logprob": body.get("logprobs") is True, "top_logprobs_num": top or 0}
+    return _build("chat", body, ids_list, False, model, CHAT_DEFAULT_MAX_TOKENS, logprob)
 
 
 def _build(
@@ -67,9 +76,11 @@ def _build(
     batch: bool,
     model: str,
     default_max: int,
+    logprob: dict[str, Any],
 ) -> OpenAIRequest:
     """The items SGLang's OpenAI layer would hand to ``GenerateReqInput`` (``rid`` passes
-    through unchanged, so it is normalized as on ``/generate``)."""
+    through unchanged, so it is normalized as on ``/generate``; logprobs always come with their
+    token text)."""
     n = body.get("n", 1)
     if not _is_int(n) or n < 1:
         raise BadRequest("n must be a positive integer")
@@ -85,7 +96,8 @@ def _build(
     }
     rids = item_rids(body.get("rid"), len(ids_list), n, batch or n > 1)
     prompts = [Prompt(ids, sampling) for ids in ids_list]
-    items = build_items(dict(body, return_logprob=False), prompts, n, rids)
+    generate = {**body, **logprob, "return_text_in_logprobs": True}
+    items = build_items(generate, prompts, n, rids)
     options = body.get("stream_options") or {}
     return OpenAIRequest(
         kind=kind,
@@ -96,12 +108,6 @@ def _build(
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         created=int(time.time()),
     )
-
-
-def _require_object(body: Any) -> dict[str, Any]:
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
 
 
 def _is_int(value: Any) -> bool:
@@ -149,7 +155,13 @@ def response(request: OpenAIRequest, results: list[Progress]) -> dict[str, Any]:
             }
         else:
             choice["text"] = progress.text
-        choice.update({"logprobs": None, "finish_reason": finish_reason, "matched_stop": matched})
+        choice.update(
+            {
+                "logprobs": _logprobs(request, request.items[index], progress, 0),
+                "finish_reason": finish_reason,
+                "matched_stop": matched,
+            }
+        )
         choices.append(choice)
     return {
         "id": request.items[0].rid,
@@ -161,17 +173,40 @@ def response(request: OpenAIRequest, results: list[Progress]) -> dict[str, Any]:
     }
 
 
+def _logprobs(
+    request: OpenAIRequest, item: GenItem, progress: Progress | None, start: int
+) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` for the output tokens from ``start`` on (None unless asked)."""
+    if progress is None or not item.return_logprob:
+        return None
+    if request.kind == "chat":
+        return logprobs.chat_logprobs(item, progress, start)
+    return logprobs.completion_logprobs(item, progress, start)
+
+
 def chunk(
-    request: OpenAIRequest, index: int, delta: str, progress: Progress | None, *, first: bool
+    request: OpenAIRequest,
+    index: int,
+    delta: str,
+    progress: Progress | None,
+    *,
+    first: bool,
+    sent_tokens: int,
 ) -> dict[str, Any]:
-    """One streaming chunk: a text delta (or the chat role announcement) for choice ``index``."""
+    """One streaming chunk: a text delta (or the chat role announcement) for choice ``index``,
+    with the logprobs of the tokens after the first ``sent_tokens``."""
     finish_reason, matched = _finish(progress) if progress is not None else (None, None)
+    choice_logprobs = (
+        None if first else _logprobs(request, request.items[index], progress, sent_tokens)
+    )
     choice: dict[str, Any] = {"index": index}
     if request.kind == "chat":
         choice["delta"] = {"role": "assistant", "content": ""} if first else {"content": delta}
     else:
         choice["text"] = delta
-    choice.update({"logprobs": None, "finish_reason": finish_reason, "matched_stop": matched})
+    choice.update(
+        {"logprobs": choice_logprobs, "finish_reason": finish_reason, "matched_stop": matched}
+    )
     return {
         "id": request.items[index].rid,
         "object": "chat.completion.chunk" if request.kind == "chat" else "text_completion",

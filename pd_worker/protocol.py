@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from pd_worker import logprobs
 from pd_worker.errors import BadRequest, ContractError
 from pd_worker.requests import GenItem, Progress
 from pd_worker.tokens import tokenize
@@ -13,6 +14,8 @@ from pd_worker.tokens import tokenize
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_TOKEN_ID = 2**31 - 1
 MAX_ROOM = 2**64 - 1
+# Odd 64-bit constant (2**64 / golden ratio) that spreads the samples' transfer keys apart.
+SAMPLE_ROOM_STRIDE = 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True)
@@ -27,10 +30,9 @@ def new_rid() -> str:
     return uuid.uuid4().hex
 
 
-def parse_generate(body: Any) -> tuple[list[GenItem], bool, bool]:
-    """Items of a ``/generate`` body, whether it is a batch, and whether it streams."""
-    if not isinstance(body, dict):
-        raise ContractError("request body must be a JSON object")
+def parse_generate(body: dict[str, Any]) -> tuple[list[GenItem], bool, bool]:
+    """Items of a ``/generate`` body (an object, as its validation ensured), whether it is a
+    batch, and whether it streams."""
     prompts, batch = _prompts(body)
     n = _sampling_n(prompts)
     batch = batch or n > 1
@@ -81,30 +83,75 @@ def item_rids(rid: Any, prompts: int, n: int, batch: bool) -> list[str]:
 def build_items(
     body: dict[str, Any], prompts: list[Prompt], n: int, rids: list[str]
 ) -> list[GenItem]:
-    """Expand prompts by ``n`` and attach per-item bootstrap fields (scalar or one per item)."""
-    total = len(prompts) * n
-    hosts = _per_item(body.get("bootstrap_host"), total, "bootstrap_host")
-    ports = _per_item(body.get("bootstrap_port"), total, "bootstrap_port")
-    rooms = _rooms(body.get("bootstrap_room"), total)
-    logprob = _per_item(body.get("return_logprob", False), total, "return_logprob")
+    """Expand prompts by ``n`` (prompt-major) and attach each item's bootstrap fields.
+
+    Bootstrap fields are read per prompt, as SGLang 0.5.23 reads them: ``GenerateReqInput``
+    repeats a list ``n`` times and the tokenizer manager takes entry ``i`` for prompt ``i``, so
+    only the first entry of each prompt counts. Every sample of a prompt shares its room;
+    :func:`sample_room` gives each sample its own transfer key, derived alike on both sides.
+    """
+    count = len(prompts)
+    hosts = _per_prompt(body.get("bootstrap_host"), count, "bootstrap_host")
+    ports = _per_prompt(body.get("bootstrap_port"), count, "bootstrap_port")
+    rooms = _rooms(body.get("bootstrap_room"), count)
+    flags = _logprob_param(body.get("return_logprob", False), count, n, "return_logprob")
+    tops = _logprob_param(body.get("top_logprobs_num", 0), count, n, "top_logprobs_num")
+    text = body.get("return_text_in_logprobs", False)
     items = []
-    for index in range(total):
-        prompt = prompts[index // n]
-        items.append(
-            _item(prompt, rids[index], hosts[index], ports[index], rooms[index], logprob[index])
-        )
+    for index in range(count * n):
+        p, sample = divmod(index, n)
+        room = sample_room(rooms[p], sample)
+        item = _item(prompts[p], rids[index], hosts[p], ports[p], room)
+        items.append(_with_logprobs(item, flags[p], tops[p], text))
     return items
 
 
-def _rooms(room: Any, total: int) -> list[Any]:
-    """One room per item; a scalar room on a batch counts up from it (``room + i``), as in
+def sample_room(room: Any, sample: int) -> Any:
+    """The transfer key of sample ``sample`` of a prompt whose bootstrap room is ``room``: the
+    room itself for the first sample, a fixed odd multiple away (mod 2**64) for the others, so
+    the samples of one prompt never share a transfer and both legs derive the same keys."""
+    if sample == 0 or not (isinstance(room, int) and not isinstance(room, bool)):
+        return room
+    return (room + sample * SAMPLE_ROOM_STRIDE) % (MAX_ROOM + 1)
+
+
+def _rooms(room: Any, count: int) -> list[Any]:
+    """One room per prompt; a scalar room on a batch counts up from it (``room + i``), as in
     SGLang's ``_normalize_bootstrap_params``."""
-    if isinstance(room, int) and not isinstance(room, bool) and total > 1:
-        return [room + i for i in range(total)]
-    return _per_item(room, total, "bootstrap_room")
+    if isinstance(room, int) and not isinstance(room, bool) and count > 1:
+        return [room + i for i in range(count)]
+    return _per_prompt(room, count, "bootstrap_room")
 
 
-def _item(prompt: Prompt, rid: str, host: Any, port: Any, room: Any, logprob: Any) -> GenItem:
+def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
+    """A scalar broadcast to every prompt, or a list read as SGLang indexes it: its first
+    ``count`` entries (a shorter list cannot name every prompt)."""
+    if isinstance(value, list):
+        if len(value) < count:
+            raise BadRequest(f"{name} has {len(value)} entries for {count} prompts")
+        return value[:count]
+    return [value] * count
+
+
+def _logprob_param(value: Any, count: int, n: int, name: str) -> list[Any]:
+    """A logprob parameter per prompt; SGLang refuses a list of them with parallel sampling."""
+    if isinstance(value, list) and n > 1:
+        raise BadRequest(f"Cannot use list {name} with parallel_sample_num > 1")
+    return _per_item(value, count, name)
+
+
+def _with_logprobs(item: GenItem, flag: Any, top: Any, text: Any) -> GenItem:
+    if top is not None and not (isinstance(top, int) and not isinstance(top, bool)):
+        raise ContractError("top_logprobs_num must be an integer")
+    return replace(
+        item,
+        return_logprob=bool(flag),
+        top_logprobs_num=top or 0,
+        return_text_in_logprobs=bool(text),
+    )
+
+
+def _item(prompt: Prompt, rid: str, host: Any, port: Any, room: Any) -> GenItem:
     if host is not None and not isinstance(host, str):
         raise ContractError("bootstrap_host must be a string")
     for name, value, high in (("bootstrap_port", port, 65535), ("bootstrap_room", room, MAX_ROOM)):
@@ -126,7 +173,6 @@ def _item(prompt: Prompt, rid: str, host: Any, port: Any, room: Any, logprob: An
         max_new_tokens=_max_new_tokens(sampling),
         stop=tuple(stop),
         stop_token_ids=frozenset(stop_ids),
-        return_logprob=bool(logprob),
         bootstrap_host=host.strip("[]") if isinstance(host, str) else None,
         bootstrap_port=port,
         bootstrap_room=room,
@@ -207,8 +253,7 @@ def response_dict(item: GenItem, progress: Progress, e2e_latency: float) -> dict
     if progress.kv_source is not None:
         meta["kv_source"] = progress.kv_source
     if item.return_logprob:
-        meta["input_token_logprobs"] = progress.input_token_logprobs or []
-        meta["output_token_logprobs"] = progress.output_token_logprobs or []
+        meta.update(logprobs.meta_fields(item, progress))
     return {"text": progress.text, "output_ids": list(progress.output_ids), "meta_info": meta}
 
 

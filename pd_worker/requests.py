@@ -18,6 +18,8 @@ class GenItem:
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
     return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     bootstrap_room: int | None = None

@@ -90,7 +90,7 @@ async def test_single_input_ids_is_not_a_batch(http):
     assert_paired(response.json(), [1, 2, 3], TOKENS)
 
 
-async def test_parallel_sampling_gets_one_room_per_sample(http):
+async def test_parallel_sampling_gets_one_room_per_prompt(http):
     body = {"text": "sample me", "sampling_params": {"max_new_tokens": TOKENS, "n": 3}}
     response = await http.post("/generate", json=body)
     assert response.status_code == 200
@@ -98,6 +98,34 @@ async def test_parallel_sampling_gets_one_room_per_sample(http):
     assert len(items) == 3
     for item in items:
         assert_paired(item, "sample me", TOKENS)
+
+
+async def test_batch_with_parallel_sampling_pairs_every_sample(http):
+    prompts = ["first of two", "second of two"]
+    body = {"text": prompts, "sampling_params": {"max_new_tokens": TOKENS, "n": 2}}
+    response = await http.post("/generate", json=body)
+    assert response.status_code == 200
+    items = response.json()
+    assert len(items) == 4
+    for index, item in enumerate(items):
+        assert_paired(item, prompts[index // 2], TOKENS)
+
+
+async def test_streamed_batch_with_parallel_sampling_pairs_every_sample(http):
+    prompts = ["streamed one", "streamed two"]
+    body = {
+        "text": prompts,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": TOKENS, "n": 2},
+    }
+    response = await http.post("/generate", json=body)
+    assert response.status_code == 200
+    events = sse_events(response.text)
+    assert events[-1] == "[DONE]"
+    finals = {e["index"]: e for e in events[:-1] if e["meta_info"]["finish_reason"]}
+    assert sorted(finals) == [0, 1, 2, 3]
+    for index, event in finals.items():
+        assert event["text"] == expected_text(prompts[index // 2], TOKENS)
 
 
 async def test_generate_stream_relays_events_until_done(http):

@@ -14,7 +14,9 @@ import pytest
 
 from pd_worker import chat_prompt, expected_output_ids, expected_text, tokenize
 from pd_worker.cluster import WorkerCluster
+from pd_worker.sglang_args import SERVER_ARGS_DEFAULTS
 from pd_worker.testing import new_room, pd_generate, poll_until, with_bootstrap
+from pd_worker.tokens import detokenize
 
 TIMEOUT = 10.0
 
@@ -60,6 +62,75 @@ async def test_server_info_reports_launch_args_and_live_internal_state(pd_cluste
     alias = (await client.get(decode + "/get_server_info")).json()
     assert alias["internal_states"][0]["disaggregation_mode"] == "decode"
     assert alias["internal_states"][0]["decode_cuda_graph_bs"]
+
+
+def same_json_type(value, like) -> bool:
+    """Whether ``value`` has the JSON type of ``like`` (an int where SGLang gives a float is a
+    different type to a typed client)."""
+    return like is None or type(value) is type(like)
+
+
+async def test_server_info_has_every_key_sglang_reports_with_its_type(pd_cluster, client):
+    prefill, _, _ = ports(pd_cluster)
+    info = (await client.get(prefill + "/server_info")).json()
+    state = info["internal_states"][0]
+    for key, default in SERVER_ARGS_DEFAULTS.items():
+        assert same_json_type(info[key], default), key
+        assert same_json_type(state[key], default), key
+    assert info["status"] == "ready" and info["frontend"] == "python"
+    assert {"launch_command", "kv_events", "hicache_object_layout"} <= set(info)
+    assert info["max_req_input_len"] < info["max_total_num_tokens"]
+    assert isinstance(info["startup_time"]["tokenizer_e2e"], float)
+    assert isinstance(state["world_size"], int)
+    assert set(state["startup_time"]) == {
+        "load_weight",
+        "kv_cache_allocation",
+        "scheduler_e2e",
+        "cuda_graph",
+    }
+    graph_phases = {
+        "prefill",
+        "decode",
+        "target_verify",
+        "draft_prefill",
+        "draft_decode",
+        "draft_extend",
+    }
+    assert set(state["startup_time"]["cuda_graph"]) == graph_phases
+    memory = state["memory_usage"]
+    assert set(memory) == {
+        "weight",
+        "kvcache",
+        "startup_available",
+        "token_capacity",
+        "token_capacity_swa",
+        "graph",
+    }
+    assert set(memory["graph"]) == graph_phases
+    assert all(isinstance(v, float) for v in memory["graph"].values())
+    assert memory["token_capacity"] == info["max_total_num_tokens"]
+
+
+async def test_model_info_has_every_key_sglang_reports(pd_cluster, client):
+    _, decode, _ = ports(pd_cluster)
+    info = (await client.get(decode + "/model_info")).json()
+    assert set(info) == {
+        "model_path",
+        "served_model_name",
+        "tokenizer_path",
+        "is_generation",
+        "preferred_sampling_params",
+        "weight_version",
+        "load_format",
+        "reasoning_parser",
+        "tool_call_parser",
+        "disaggregation_mode",
+        "has_image_understanding",
+        "has_audio_understanding",
+        "model_type",
+        "architectures",
+    }
+    assert info["disaggregation_mode"] == "decode"
 
 
 async def test_model_info_and_v1_models_name_the_served_model(pd_cluster, client):
@@ -132,6 +203,16 @@ async def test_sampling_n_expands_one_prompt_into_a_batch(pd_cluster, client):
     rooms = [new_room(), new_room()]
     _, d = await pd_generate(client, prefill, decode, bootstrap_port, body, room=rooms)
     assert [o["text"] for o in d.json()] == [expected_text("twice", 2)] * 2
+
+
+async def test_parallel_sampling_reads_one_room_per_prompt_as_sglang_does(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    texts = ["first prompt", "second prompt"]
+    body = {"text": texts, "sampling_params": {"max_new_tokens": 2, "n": 3}}
+    rooms = [new_room(), new_room()]
+    p, d = await pd_generate(client, prefill, decode, bootstrap_port, body, room=rooms)
+    assert p.status_code == 200 and d.status_code == 200
+    assert [o["text"] for o in d.json()] == [expected_text(t, 2) for t in texts for _ in "abc"]
 
 
 async def test_single_request_keeps_its_rid_as_meta_info_id(pd_cluster, client):
@@ -303,12 +384,76 @@ async def test_chat_stream_announces_role_then_content_deltas(pd_cluster, client
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+async def test_meta_info_logprobs_carry_top_logprobs_lengths_and_token_text(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    body = {
+        "text": "top",
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "return_text_in_logprobs": True,
+        "sampling_params": {"max_new_tokens": 3},
+    }
+    p, d = await pd_generate(client, prefill, decode, bootstrap_port, body)
+    prefill_meta, meta = p.json()["meta_info"], d.json()["meta_info"]
+    assert meta["output_token_logprobs_length"] == 3
+    ids = d.json()["output_ids"]
+    assert [(e[1], e[2]) for e in meta["output_token_logprobs"]] == [
+        (i, detokenize([i])) for i in ids
+    ]
+    assert [len(row) for row in meta["output_top_logprobs"]] == [2, 2, 2]
+    assert [row[0][1] for row in meta["output_top_logprobs"]] == ids
+    assert meta["input_top_logprobs"] == []
+    assert [e[2] for e in prefill_meta["input_token_logprobs"]] == list("top")
+    assert prefill_meta["input_top_logprobs"][0] is None
+    assert [len(row) for row in prefill_meta["input_top_logprobs"][1:]] == [2, 2]
+
+
+async def test_completion_logprobs_are_filled_when_asked(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    body = {"model": "m", "prompt": "lp", "max_tokens": 3, "logprobs": 2}
+    _, d = await pd_generate(client, prefill, decode, bootstrap_port, body, path="/v1/completions")
+    choice = d.json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert logprobs["text_offset"] == [-1, -1, -1]
+    assert all(isinstance(v, float) for v in logprobs["token_logprobs"])
+    assert [len(top) for top in logprobs["top_logprobs"]] == [2, 2, 2]
+
+
+async def test_chat_logprobs_are_filled_in_responses_and_stream_chunks(pd_cluster, client):
+    prefill, decode, bootstrap_port = ports(pd_cluster)
+    messages = [{"role": "user", "content": "chat logprobs"}]
+    body = {"messages": messages, "max_tokens": 3, "logprobs": True, "top_logprobs": 1}
+    _, d = await pd_generate(
+        client, prefill, decode, bootstrap_port, body, path="/v1/chat/completions"
+    )
+    choice = d.json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert "".join(t["token"] for t in content) == choice["message"]["content"]
+    assert all(t["bytes"] == list(t["token"].encode()) for t in content)
+    assert all(len(t["top_logprobs"]) == 1 for t in content)
+
+    paired = with_bootstrap(dict(body, stream=True), bootstrap_port, new_room())
+    _, (_, events) = await asyncio.gather(
+        client.post(prefill + "/v1/chat/completions", json=paired),
+        stream_post(client, decode + "/v1/chat/completions", paired),
+    )
+    chunks = [orjson.loads(e) for e in events[:-1]]
+    streamed = [
+        t["token"]
+        for c in chunks
+        if c["choices"][0]["logprobs"] is not None
+        for t in c["choices"][0]["logprobs"]["content"]
+    ]
+    assert "".join(streamed) == choice["message"]["content"]
+
+
 # Errors SGLang finds while generating (ValueError in GenerateReqInput's normalization or the
 # tokenizer manager's checks): 400 {"error": {"message"}}, or an error event in a 200 stream.
 REQUEST_ERRORS = [
     ({}, "Either text or input_ids"),
     ({"text": "x", "input_ids": [1]}, "Either text or input_ids"),
-    ({"text": ["a", "b"], "bootstrap_room": [1]}, "bootstrap_room has 1 entries for 2 items"),
+    ({"text": ["a", "b"], "bootstrap_room": [1]}, "bootstrap_room has 1 entries for 2 prompts"),
     ({"text": ["a", "b"], "rid": ["r"]}, "rids length mismatch with the batch_size"),
     ({"text": ["a", "b"], "rid": ["r", "r"]}, "Duplicate request IDs"),
     ({"text": "a", "rid": ["r"]}, "The rid should be a string for a single request"),
@@ -317,9 +462,7 @@ REQUEST_ERRORS = [
 # Fields of the wrong type, refused by SGLang's contract gate before any stream opens:
 # 400 {"error": "<violation>"}.
 CONTRACT_ERRORS = [
-    ({"text": 5}, "text must be"),
     ({"text": "x", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
-    ({"text": ["a", "b"], "rid": 7}, "The rid should be a string or a list of strings"),
     ({"text": "a", "bootstrap_port": 70000, "bootstrap_room": 1}, "bootstrap_port must be"),
     ({"input_ids": [2**40]}, "input_ids must be"),
 ]
@@ -357,6 +500,88 @@ async def test_wrong_field_type_is_400_before_any_stream(
     assert fragment in response.json()["error"]
 
 
+# Bodies that do not fit GenerateReqInput's field types: FastAPI's validation answers them
+# before SGLang's handler runs, 400 in the ErrorResponse shape with pydantic's errors.
+VALIDATION_ERRORS = [
+    (
+        {"text": 5},
+        "2 validation errors:\n"
+        "  {'type': 'string_type', 'loc': ('body', 'text', 'str'), "
+        "'msg': 'Input should be a valid string', 'input': 5}\n"
+        "  {'type': 'list_type', 'loc': ('body', 'text', 'list[str]'), "
+        "'msg': 'Input should be a valid list', 'input': 5}",
+    ),
+    (
+        {"text": "x", "stream": "maybe"},
+        "1 validation error:\n"
+        "  {'type': 'bool_parsing', 'loc': ('body', 'stream'), "
+        "'msg': 'Input should be a valid boolean, unable to interpret input', 'input': 'maybe'}",
+    ),
+    (
+        [1],
+        "1 validation error:\n"
+        "  {'type': 'dataclass_type', 'loc': ('body',), 'msg': 'Input should be a dictionary "
+        "or an instance of GenerateReqInput', 'input': [1], "
+        "'ctx': {'class_name': 'GenerateReqInput'}}",
+    ),
+]
+
+
+@pytest.mark.parametrize(("body", "text"), VALIDATION_ERRORS)
+async def test_body_outside_the_request_type_is_a_fastapi_validation_error(
+    pd_cluster, client, body, text
+):
+    _, decode, _ = ports(pd_cluster)
+    response = await client.post(decode + "/generate", json=body)
+    assert response.status_code == 400
+    reply = response.json()
+    assert (reply["object"], reply["type"], reply["param"], reply["code"]) == (
+        "error",
+        "Bad Request",
+        None,
+        400,
+    )
+    assert reply["message"].startswith(text + " [{")
+
+
+OPENAI_VALIDATION_ERRORS = [
+    (
+        "/v1/completions",
+        {"prompt": "x", "max_tokens": -1},
+        "1 validation error:\n"
+        "  {'type': 'value_error', 'loc': ('body', 'max_tokens'), "
+        "'msg': 'Value error, max_tokens must be positive', 'input': -1, "
+        "'ctx': {'error': ValueError('max_tokens must be positive')}}",
+    ),
+    (
+        "/v1/completions",
+        {"model": "m"},
+        "1 validation error:\n"
+        "  {'type': 'missing', 'loc': ('body', 'prompt'), 'msg': 'Field required', "
+        "'input': {'model': 'm'}}",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": "hi"},
+        "1 validation error:\n"
+        "  {'type': 'list_type', 'loc': ('body', 'messages'), "
+        "'msg': 'Input should be a valid list', 'input': 'hi'}",
+    ),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "text"), OPENAI_VALIDATION_ERRORS)
+async def test_openai_body_outside_the_request_model_is_a_fastapi_validation_error(
+    pd_cluster, client, path, body, text
+):
+    _, decode, _ = ports(pd_cluster)
+    response = await client.post(decode + path, json=body)
+    assert response.status_code == 400
+    reply = response.json()
+    assert (reply["object"], reply["type"], reply["code"]) == ("error", "Bad Request", 400)
+    assert reply["message"].startswith(text + " [{")
+
+
 @pytest.mark.parametrize("stream", [1, "true"])
 async def test_stream_flag_must_be_a_json_boolean(pd_cluster, client, stream):
     _, decode, _ = ports(pd_cluster)
@@ -365,11 +590,15 @@ async def test_stream_flag_must_be_a_json_boolean(pd_cluster, client, stream):
     assert "stream" in response.json()["error"]
 
 
-async def test_malformed_json_is_400(pd_cluster, client):
+async def test_malformed_json_is_a_fastapi_json_invalid_error(pd_cluster, client):
     _, decode, _ = ports(pd_cluster)
     response = await client.post(decode + "/generate", content=b"{not json")
     assert response.status_code == 400
-    assert "invalid JSON" in response.json()["error"]["message"]
+    assert response.json()["message"].startswith(
+        "1 validation error:\n  {'type': 'json_invalid', 'loc': ('body', 1), "
+        "'msg': 'JSON decode error', 'input': {}, "
+        "'ctx': {'error': 'Expecting property name enclosed in double quotes'}}"
+    )
 
 
 async def test_invalid_openai_body_is_400_in_openai_error_shape(pd_cluster, client):

@@ -88,6 +88,56 @@ async def test_role_outside_the_request_type_fails_validation_with_400(cluster, 
     )
 
 
+async def test_validation_error_carries_pydantics_errors_for_the_struct(cluster, client):
+    status, reply = await switch(client, cluster.prefill_urls[0], new_role="sideways")
+    assert status == 400
+    assert reply["message"].startswith(
+        "2 validation errors:\n  {'type': 'is_instance_of', 'loc': ('body', "
+        "'is-instance[PdRoleSwitchReqInput]'), 'msg': 'Input should be an instance of "
+        "PdRoleSwitchReqInput'"
+    )
+    assert (
+        "{'type': 'literal_error', 'loc': ('body', 'function-after[build_struct(), "
+        "PdRoleSwitchReqInput]', 'new_role'), 'msg': \"Input should be 'prefill', 'decode' or "
+        "''\", 'input': 'sideways'"
+    ) in reply["message"]
+
+
+async def test_unknown_fields_are_ignored_as_msgspec_decoding_ignores_them(cluster, client):
+    status, reply = await switch(
+        client, cluster.decode_urls[0], new_role="decode", drain=True, future_knob=[1]
+    )
+    assert status == 200
+    assert (reply["success"], reply["message"]) == (True, "ok")
+
+
+async def test_lax_values_are_coerced_as_pydantic_does(cluster, client):
+    status, reply = await switch(
+        client, cluster.prefill_urls[0], new_role="decode", decode_cuda_graph_memory_gb="100"
+    )
+    assert status == 400
+    assert "required=100.000 GB" in reply["message"]
+
+
+REFUSALS = [
+    {},
+    {"new_role": "decode"},
+    {"new_role": "decode", "decode_cuda_graph_memory_gb": -1},
+    {"new_role": "decode", "decode_cuda_graph_memory_gb": 100.0},
+    {"new_role": "decode", "decode_cuda_graph_bs": [0], **GRAPH_GB},
+]
+
+
+@pytest.mark.parametrize("body", REFUSALS)
+async def test_every_refusal_names_both_roles_and_whether_routing_may_resume(cluster, client, body):
+    status, reply = await switch(client, cluster.prefill_urls[0], **body)
+    assert status == 400
+    assert set(reply) == {"success", "message", "old_role", "new_role", "safe_to_restore"}
+    assert reply["success"] is False and reply["old_role"] == "prefill"
+    assert reply["new_role"] == body.get("new_role", "")
+    assert reply["safe_to_restore"] is True
+
+
 async def test_same_role_is_success_without_epoch_change(cluster, client):
     url = cluster.decode_urls[0]
     epoch = (await client.get(url + "/pd_role")).json()["epoch"]
