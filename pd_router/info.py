@@ -221,12 +221,18 @@ def parse_info(reply: Reply) -> dict:
 
 
 def redact_secrets(info: dict) -> dict:
-    """``info`` with the values of credential arguments replaced (top level, where SGLang puts
-    its server arguments)."""
-    return {
+    """``info`` with the values of credential arguments replaced, at the top level and in each
+    ``internal_states`` entry: SGLang puts its server arguments in both."""
+    redacted = {
         key: REDACTED if value is not None and is_secret_arg(key) else value
         for key, value in info.items()
     }
+    states = redacted.get("internal_states")
+    if isinstance(states, list):
+        redacted["internal_states"] = [
+            redact_secrets(state) if isinstance(state, dict) else state for state in states
+        ]
+    return redacted
 
 
 def is_secret_arg(name: str) -> bool:

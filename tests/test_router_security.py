@@ -131,8 +131,9 @@ async def test_status_without_the_key_shows_only_what_metrics_shows(cluster):
 
 
 def leaky_worker(role: str) -> web.Application:
-    """A worker whose /server_info, like SGLang's, includes its credentials."""
-    info = {
+    """A worker whose /server_info, like SGLang's, includes its credentials, at the top level
+    and again in ``internal_states[0]``."""
+    args = {
         "disaggregation_mode": role,
         "disaggregation_bootstrap_port": 8998,
         "api_key": "worker-api-key",
@@ -140,6 +141,7 @@ def leaky_worker(role: str) -> web.Application:
         "ssl_keyfile_password": "tls-password",
         "tokenizer_path": "some/model",
     }
+    info = {**args, "internal_states": [dict(args)]}
 
     async def server_info(request: web.Request) -> web.Response:
         return web.json_response(info)
@@ -173,3 +175,5 @@ async def test_server_info_does_not_hand_on_worker_credentials():
     (entry,) = answer.json()["prefill"]
     assert entry["api_key"] == "<redacted>"
     assert entry["tokenizer_path"] == "some/model"
+    assert entry["internal_states"][0]["api_key"] == "<redacted>"
+    assert answer.json()["internal_states"][0]["admin_api_key"] == "<redacted>"
