@@ -1,9 +1,10 @@
 """Merging the prefill's input logprobs into the decode's answer (``return_logprob`` on
 /generate).
 
-In PD mode the prefill computes ``meta_info.input_token_logprobs`` and the decode only knows its
-own; the client expects the whole list, as a non-disaggregated server would return it. Items of a
-batch are matched by their ``index`` (streaming) or their position (non-streaming).
+In PD mode the prefill computes ``meta_info.input_token_logprobs`` (and, with
+``top_logprobs_num``, ``input_top_logprobs``) and the decode only knows its own; the client
+expects the whole lists, as a non-disaggregated server would return them. Items of a batch are
+matched by their ``index`` (streaming) or their position (non-streaming).
 """
 
 from __future__ import annotations
@@ -13,19 +14,21 @@ from typing import Any
 
 import orjson
 
-PrefillLogprobs = dict[int, list]
+# Per item index, each input field the prefill answered with.
+PrefillLogprobs = dict[int, dict[str, list]]
+INPUT_FIELDS = ("input_token_logprobs", "input_top_logprobs")
 
 
 def _record(obj: Any, out: PrefillLogprobs, default_index: int) -> None:
     if not isinstance(obj, dict):
         return
     meta = obj.get("meta_info")
-    if not isinstance(meta, dict):
-        return
-    logprobs = meta.get("input_token_logprobs")
     index = obj.get("index", default_index)
-    if isinstance(logprobs, list) and isinstance(index, int):
-        out.setdefault(index, logprobs)
+    if not isinstance(meta, dict) or not isinstance(index, int) or index in out:
+        return
+    fields = {f: meta[f] for f in INPUT_FIELDS if isinstance(meta.get(f), list)}
+    if fields:
+        out[index] = fields
 
 
 def _sse_payloads(body: bytes) -> list[Any]:
@@ -65,11 +68,12 @@ def _merge_into(obj: Any, prefill: PrefillLogprobs, default_index: int) -> None:
     if not isinstance(obj, dict):
         return
     meta = obj.get("meta_info")
-    logprobs = prefill.get(obj.get("index", default_index))
-    if not isinstance(meta, dict) or logprobs is None:
+    fields = prefill.get(obj.get("index", default_index))
+    if not isinstance(meta, dict) or fields is None:
         return
-    own = meta.get("input_token_logprobs")
-    meta["input_token_logprobs"] = logprobs + (own if isinstance(own, list) else [])
+    for name, logprobs in fields.items():
+        own = meta.get(name)
+        meta[name] = logprobs + (own if isinstance(own, list) else [])
 
 
 def merge_body(decode_body: bytes, prefill: PrefillLogprobs) -> bytes:

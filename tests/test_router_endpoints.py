@@ -165,6 +165,14 @@ async def test_logprobs_of_prefill_are_prepended_to_decode(http):
     assert len(meta["output_token_logprobs"]) == TOKENS
 
 
+async def test_top_logprobs_of_the_prompt_come_from_the_prefill(http):
+    prompt = "top logprob prompt"
+    body = generate_body(prompt, TOKENS, return_logprob=True, top_logprobs_num=2)
+    meta = (await http.post("/generate", json=body)).json()["meta_info"]
+    assert len(meta["input_top_logprobs"]) == len(tokenize(prompt))
+    assert len(meta["output_top_logprobs"]) == TOKENS
+
+
 async def test_logprobs_are_merged_into_every_stream_event(http):
     prompt = "streamed logprobs"
     body = generate_body(prompt, TOKENS, return_logprob=True, stream=True)
