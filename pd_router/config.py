@@ -19,7 +19,7 @@ from typing import Any
 from pd_router.autopilot.policy import MODES, AutopilotConfig
 from pd_router.circuit import CircuitConfig
 from pd_router.http1 import LegLimits
-from pd_router.policies import POLICIES, POLICY_ALIASES, canonical_policy_name
+from pd_router.policies import POLICIES, POLICY_ALIASES, CacheAwareConfig, canonical_policy_name
 from pd_router.workers import normalize_url
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
@@ -92,6 +92,7 @@ class RouterConfig:
     conversion: ConversionConfig = field(default_factory=ConversionConfig)
     legs: LegLimits = field(default_factory=LegLimits)
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
+    cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
 
 
 SECTIONS: Mapping[str, type] = types.MappingProxyType(
@@ -102,6 +103,7 @@ SECTIONS: Mapping[str, type] = types.MappingProxyType(
         "conversion": ConversionConfig,
         "legs": LegLimits,
         "autopilot": AutopilotConfig,
+        "cache_aware": CacheAwareConfig,
     }
 )
 
@@ -267,6 +269,7 @@ def validate(config: RouterConfig) -> None:
     for f in dataclasses.fields(LegLimits):
         check_positive(f"legs.{f.name}", getattr(config.legs, f.name))
     validate_autopilot(config.autopilot)
+    validate_cache_aware(config.cache_aware)
     for key in ("admin_api_key", "worker_api_key"):
         value = getattr(config, key)
         if value is not None and not (
@@ -277,6 +280,20 @@ def validate(config: RouterConfig) -> None:
     duplicates = sorted({u for u in urls if urls.count(u) > 1})
     if duplicates:
         raise ConfigError("prefill/decode", f"worker listed twice: {', '.join(duplicates)}")
+
+
+def validate_cache_aware(c: CacheAwareConfig) -> None:
+    if not 0.0 <= c.cache_threshold <= 1.0:
+        raise ConfigError(
+            "cache_aware.cache_threshold", f"must be in 0..1, got {c.cache_threshold}"
+        )
+    check_positive("cache_aware.balance_abs_threshold", c.balance_abs_threshold, allow_zero=True)
+    if c.balance_rel_threshold < 1.0:
+        raise ConfigError(
+            "cache_aware.balance_rel_threshold", f"must be >= 1.0, got {c.balance_rel_threshold}"
+        )
+    check_positive("cache_aware.eviction_interval_secs", c.eviction_interval_secs, allow_zero=True)
+    check_positive("cache_aware.max_tree_size", c.max_tree_size)
 
 
 def build_autopilot(data: dict[str, Any]) -> AutopilotConfig:

@@ -35,6 +35,7 @@ from pd_router.errors import (
 )
 from pd_router.http1 import Response
 from pd_router.logprobs import merge_body, merged_events, prefill_logprobs
+from pd_router.policies import prompt_key
 from pd_router.requests import (
     CHAT,
     COMPLETIONS,
@@ -142,6 +143,7 @@ class Exchange:
         # When the current attempt's prefill answered (loop time), to split TTFT between pools.
         self.prefilled_at: float | None = None
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
+        self._prompt_key: str | None = None
 
     async def run(self) -> web.StreamResponse:
         retry = self.router.config.retry
@@ -150,8 +152,8 @@ class Exchange:
         last: LegFailed | None = None
         while True:
             try:
-                prefill = self.router.pick(Role.PREFILL, avoid)
-                decode = self.router.pick(Role.DECODE, avoid)
+                prefill = self.router.pick(Role.PREFILL, avoid, self.prompt_key)
+                decode = self.router.pick(Role.DECODE, avoid, self.prompt_key)
             except NoWorkers:
                 if last is None:
                     raise
@@ -194,6 +196,13 @@ class Exchange:
             await asyncio.sleep(
                 min(retry.backoff_max_secs, retry.backoff_base_secs * 2 ** (attempt - 1))
             )
+
+    def prompt_key(self) -> str:
+        """The prompt a cache-aware policy keys on, computed on first use and kept for both
+        pools and every attempt."""
+        if self._prompt_key is None:
+            self._prompt_key = prompt_key(self.body)
+        return self._prompt_key
 
     def prepare(self, attempt: int, prefill: Worker) -> tuple[bytes, list[str]]:
         """The body for this attempt (new rooms, the rid workers know it by) and its rids."""
