@@ -65,6 +65,7 @@ class Config:
     kv_tokens: int
     speed: float
     seed: int
+    rounds: int
     only: tuple[str, ...]
 
 
@@ -77,12 +78,26 @@ class Run:
     errors: int = 0
     first_error: str = ""
     cached_tokens: float = 0.0
-    prompt_tokens: float = 0.0
+    # prompt tokens each prefill worker was given (how the router split the traffic)
+    prompt_tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
     seconds: float = 0.0
 
     @property
     def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        total = sum(self.prompt_tokens)
+        return self.cached_tokens / total if total else 0.0
+
+    def add(self, other: Run) -> None:
+        """Pool another round of the same configuration into this one."""
+        self.ttft += other.ttft
+        self.latency += other.latency
+        self.errors += other.errors
+        self.first_error = self.first_error or other.first_error
+        self.cached_tokens += other.cached_tokens
+        self.prompt_tokens = [
+            a + b for a, b in zip(self.prompt_tokens, other.prompt_tokens, strict=True)
+        ]
+        self.seconds += other.seconds
 
 
 def with_policy(name: str, base: Peer, policy: str) -> Peer:
@@ -181,14 +196,15 @@ def counter(metrics: str, name: str) -> float:
     raise ValueError(f"sglang:{name}_total missing from the worker's /metrics")
 
 
-def prefill_counters(cluster: WorkerCluster) -> tuple[float, float]:
-    """Cached and prompt tokens counted by the prefill workers so far."""
-    cached = prompt = 0.0
+def prefill_counters(cluster: WorkerCluster) -> tuple[float, list[float]]:
+    """Cached tokens counted by the prefill workers so far, and each one's prompt tokens."""
+    cached = 0.0
+    prompt = []
     with httpx.Client(timeout=10.0) as client:
         for url in cluster.prefill_urls:
             text = client.get(url + "/metrics").text
             cached += counter(text, "cached_tokens")
-            prompt += counter(text, "prompt_tokens")
+            prompt.append(counter(text, "prompt_tokens"))
     return cached, prompt
 
 
@@ -216,7 +232,9 @@ def measure(peer: Peer, cluster: WorkerCluster, prompts: list[str], cfg: Config,
         run = asyncio.run(drive(router.url, prompts, cfg))
         cached_after, prompt_after = prefill_counters(cluster)
     run.cached_tokens = cached_after - cached_before
-    run.prompt_tokens = prompt_after - prompt_before
+    run.prompt_tokens = [
+        after - before for after, before in zip(prompt_after, prompt_before, strict=True)
+    ]
     return run
 
 
@@ -225,8 +243,10 @@ def row(name: str, run: Run) -> str:
         return f"{percentile(values, q) * 1000:.0f}" if values else "-"
 
     done = len(run.latency)
+    first = run.prompt_tokens[0] / sum(run.prompt_tokens) if sum(run.prompt_tokens) else 0.0
     return (
-        f"| {name} | {done} | {run.errors} | {run.hit_rate:.1%} | {ms(run.ttft, 50)} | "
+        f"| {name} | {done} | {run.errors} | {run.hit_rate:.1%} | {first:.0%} | "
+        f"{ms(run.ttft, 50)} | "
         f"{ms(run.ttft, 90)} | {ms(run.latency, 50)} | {ms(run.latency, 90)} | "
         f"{done / run.seconds if run.seconds else 0:.1f} |"
     )
@@ -253,15 +273,17 @@ def report(cfg: Config, runs: dict[str, Run], skipped: dict[str, str], command: 
         "",
         f"`{command}`",
         "",
-        f"{requests} requests: {cfg.groups} groups x {cfg.prompts_per_group}, system prompt "
+        f"{cfg.rounds} round(s) of {requests} requests: {cfg.groups} groups x "
+        f"{cfg.prompts_per_group}, system prompt "
         f"{cfg.system_len} tokens + question {cfg.question_len}, {cfg.output_len} output "
         f"tokens, concurrency {cfg.concurrency}, seed {cfg.seed}. 2P2D pd_worker, profile "
         f"h100-8b, speed {cfg.speed:g}, KV capacity {cfg.kv_tokens} tokens per worker. "
-        "Times are wall clock at that speed.",
+        "Times are wall clock at that speed; rounds are pooled, the order of the "
+        "configurations rotates each round.",
         "",
-        "| configuration | ok | errors | prefix-cache hit rate | TTFT p50 ms | TTFT p90 ms "
-        "| latency p50 ms | latency p90 ms | req/s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| configuration | ok | errors | prefix-cache hit rate | prompt tokens to prefill 1 "
+        "| TTFT p50 ms | TTFT p90 ms | latency p50 ms | latency p90 ms | req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *(row(name, run) for name, run in runs.items()),
         "",
         goal(runs),
@@ -285,6 +307,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
     p.add_argument("--kv-tokens", type=int, default=48000, help="KV capacity of each worker")
     p.add_argument("--speed", type=float, default=1.0, help="timing model speed (1: real time)")
     p.add_argument("--seed", type=int, default=11)
+    p.add_argument("--rounds", type=int, default=2, help="each configuration this many times")
     p.add_argument(
         "--only", default="", help=f"comma-separated subset of: {', '.join(CONFIGURATIONS)}"
     )
@@ -303,6 +326,7 @@ def parse_args(argv: Sequence[str] | None) -> Config:
         kv_tokens=args.kv_tokens,
         speed=args.speed,
         seed=args.seed,
+        rounds=args.rounds,
         only=only or tuple(CONFIGURATIONS),
     )
 
@@ -325,19 +349,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_total_num_tokens=cfg.kv_tokens,
     )
     with cluster:
-        for name in cfg.only:
-            peer = CONFIGURATIONS[name]
-            try:
-                ensure_peer(peer)
-                check_peer(peer)
-                print(f"# {name} ...", file=sys.stderr)
-                runs[name] = measure(peer, cluster, prompts, cfg, logs)
-            except (PeerSetupError, RouterStartError) as exc:
-                skipped[name] = str(exc).splitlines()[0]
+        for turn in range(cfg.rounds):
+            shift = turn % len(cfg.only)
+            for name in cfg.only[shift:] + cfg.only[:shift]:
+                if name in skipped:
+                    continue
+                peer = CONFIGURATIONS[name]
+                try:
+                    ensure_peer(peer)
+                    check_peer(peer)
+                    print(f"# round {turn + 1}: {name} ...", file=sys.stderr)
+                    run = measure(peer, cluster, prompts, cfg, logs)
+                except (PeerSetupError, RouterStartError) as exc:
+                    skipped[name] = str(exc).splitlines()[0]
+                    continue
+                runs.setdefault(name, Run()).add(run)
     text = report(cfg, runs, skipped, command)
     print(text)
     (RESULTS / f"cache-aware-{stamp}.md").write_text(text)
-    failed = any(n.startswith("pd-router") and (n in skipped or runs[n].errors) for n in cfg.only)
+    failed = any(
+        n.startswith("pd-router") and (n in skipped or n not in runs or runs[n].errors)
+        for n in cfg.only
+    )
     return 1 if failed else 0
 
 
