@@ -45,6 +45,7 @@ from pathlib import Path
 
 import aiohttp
 import httpx
+import orjson
 from overhead import RESULTS, RouterStartError, percentile, repo_revision, running_router
 from peers import PEERS, Peer, PeerSetupError, Topology, check_peer, ensure_peer
 
@@ -81,6 +82,10 @@ class Run:
     # prompt tokens each prefill worker was given (how the router split the traffic)
     prompt_tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
     seconds: float = 0.0
+    # system prompt -> the prefills (the decode's meta_info.kv_source) its requests went to
+    served: dict[str, set[str]] = field(default_factory=dict)
+    # groups whose requests went to more than one prefill, summed over rounds
+    split_groups: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -98,6 +103,7 @@ class Run:
             a + b for a, b in zip(self.prompt_tokens, other.prompt_tokens, strict=True)
         ]
         self.seconds += other.seconds
+        self.split_groups += other.split_groups
 
 
 def with_policy(name: str, base: Peer, policy: str) -> Peer:
@@ -147,6 +153,7 @@ async def one_request(
     }
     started = time.perf_counter()
     first: float | None = None
+    last = b""
     done = False
     try:
         async with session.post(url + "/generate", json=body) as resp:
@@ -159,14 +166,18 @@ async def one_request(
                     first = time.perf_counter() - started
                 if line.strip() == b"data: [DONE]":
                     done = True
+                else:
+                    last = line
         if not done or first is None:
             raise ValueError("stream ended without [DONE]")
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        source = orjson.loads(last[len(b"data:") :])["meta_info"]["kv_source"]
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
         run.errors += 1
         run.first_error = run.first_error or f"{type(exc).__name__}: {exc}"
         return
     run.ttft.append(first)
     run.latency.append(time.perf_counter() - started)
+    run.served.setdefault(prompt[: cfg.system_len], set()).add(source)
 
 
 async def drive(url: str, prompts: Sequence[str], cfg: Config) -> Run:
@@ -231,6 +242,7 @@ def measure(peer: Peer, cluster: WorkerCluster, prompts: list[str], cfg: Config,
         cached_before, prompt_before = prefill_counters(cluster)
         run = asyncio.run(drive(router.url, prompts, cfg))
         cached_after, prompt_after = prefill_counters(cluster)
+    run.split_groups = sum(len(sources) > 1 for sources in run.served.values())
     run.cached_tokens = cached_after - cached_before
     run.prompt_tokens = [
         after - before for after, before in zip(prompt_after, prompt_before, strict=True)
@@ -246,6 +258,7 @@ def row(name: str, run: Run) -> str:
     first = run.prompt_tokens[0] / sum(run.prompt_tokens) if sum(run.prompt_tokens) else 0.0
     return (
         f"| {name} | {done} | {run.errors} | {run.hit_rate:.1%} | {first:.0%} | "
+        f"{run.split_groups} | "
         f"{ms(run.ttft, 50)} | "
         f"{ms(run.ttft, 90)} | {ms(run.latency, 50)} | {ms(run.latency, 90)} | "
         f"{done / run.seconds if run.seconds else 0:.1f} |"
@@ -282,8 +295,9 @@ def report(cfg: Config, runs: dict[str, Run], skipped: dict[str, str], command: 
         "configurations rotates each round.",
         "",
         "| configuration | ok | errors | prefix-cache hit rate | prompt tokens to prefill 1 "
-        "| TTFT p50 ms | TTFT p90 ms | latency p50 ms | latency p90 ms | req/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| groups on both prefills (of {cfg.groups * cfg.rounds}) | TTFT p50 ms | TTFT p90 ms "
+        "| latency p50 ms | latency p90 ms | req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *(row(name, run) for name, run in runs.items()),
         "",
         goal(runs),
