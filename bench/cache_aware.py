@@ -16,8 +16,11 @@ one configuration after the other, through:
 with every worker's cache flushed before each configuration. Closed loop: ``--concurrency``
 clients send streaming ``/generate`` and read each answer to the end. Reported per
 configuration: the prefix-cache hit rate (the prefill workers' ``sglang:cached_tokens_total``
-over ``sglang:prompt_tokens_total``, counted during the run), TTFT (first SSE event) and
-end-to-end latency percentiles, errors.
+over ``sglang:prompt_tokens_total``, counted during the run), each prefill's share of the
+prompt tokens, the groups whose requests went to both prefills and the requests that missed
+their system prompt though not first of their group (from each answer's ``meta_info``:
+``kv_source``, ``cached_tokens``), TTFT (first SSE event) and end-to-end latency percentiles,
+errors.
 
     .venv/bin/python bench/cache_aware.py
     .venv/bin/python bench/cache_aware.py --only "pd-router cache_aware" --groups 8
@@ -86,6 +89,10 @@ class Run:
     served: dict[str, set[str]] = field(default_factory=dict)
     # groups whose requests went to more than one prefill, summed over rounds
     split_groups: int = 0
+    # system prompt -> (sending order, whether the answer reported it cached) of its requests
+    prefix_hits: dict[str, list[tuple[int, bool]]] = field(default_factory=dict)
+    # requests that missed their system prompt though not the first of their group
+    late_misses: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -104,6 +111,7 @@ class Run:
         ]
         self.seconds += other.seconds
         self.split_groups += other.split_groups
+        self.late_misses += other.late_misses
 
 
 def with_policy(name: str, base: Peer, policy: str) -> Peer:
@@ -143,7 +151,7 @@ def workload(cfg: Config) -> list[str]:
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, prompt: str, cfg: Config, run: Run
+    session: aiohttp.ClientSession, url: str, sent: int, prompt: str, cfg: Config, run: Run
 ) -> None:
     """Send one streaming /generate; record its TTFT and latency, or an error."""
     body = {
@@ -170,27 +178,30 @@ async def one_request(
                     last = line
         if not done or first is None:
             raise ValueError("stream ended without [DONE]")
-        source = orjson.loads(last[len(b"data:") :])["meta_info"]["kv_source"]
+        meta = orjson.loads(last[len(b"data:") :])["meta_info"]
+        source, cached = meta["kv_source"], meta["cached_tokens"]
     except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
         run.errors += 1
         run.first_error = run.first_error or f"{type(exc).__name__}: {exc}"
         return
     run.ttft.append(first)
     run.latency.append(time.perf_counter() - started)
-    run.served.setdefault(prompt[: cfg.system_len], set()).add(source)
+    group = prompt[: cfg.system_len]
+    run.served.setdefault(group, set()).add(source)
+    run.prefix_hits.setdefault(group, []).append((sent, cached >= cfg.system_len // 2))
 
 
 async def drive(url: str, prompts: Sequence[str], cfg: Config) -> Run:
     """Closed loop: ``cfg.concurrency`` clients take the prompts in order."""
     run = Run()
-    queue = iter(prompts)
+    queue = enumerate(prompts)
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     connector = aiohttp.TCPConnector(limit=cfg.concurrency)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
 
         async def client() -> None:
-            for prompt in queue:
-                await one_request(session, url, prompt, cfg, run)
+            for sent, prompt in queue:
+                await one_request(session, url, sent, prompt, cfg, run)
 
         started = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(cfg.concurrency)))
@@ -243,6 +254,9 @@ def measure(peer: Peer, cluster: WorkerCluster, prompts: list[str], cfg: Config,
         run = asyncio.run(drive(router.url, prompts, cfg))
         cached_after, prompt_after = prefill_counters(cluster)
     run.split_groups = sum(len(sources) > 1 for sources in run.served.values())
+    run.late_misses = sum(
+        not hit for hits in run.prefix_hits.values() for _, hit in sorted(hits)[1:]
+    )
     run.cached_tokens = cached_after - cached_before
     run.prompt_tokens = [
         after - before for after, before in zip(prompt_after, prompt_before, strict=True)
@@ -258,7 +272,7 @@ def row(name: str, run: Run) -> str:
     first = run.prompt_tokens[0] / sum(run.prompt_tokens) if sum(run.prompt_tokens) else 0.0
     return (
         f"| {name} | {done} | {run.errors} | {run.hit_rate:.1%} | {first:.0%} | "
-        f"{run.split_groups} | "
+        f"{run.split_groups} | {run.late_misses} | "
         f"{ms(run.ttft, 50)} | "
         f"{ms(run.ttft, 90)} | {ms(run.latency, 50)} | {ms(run.latency, 90)} | "
         f"{done / run.seconds if run.seconds else 0:.1f} |"
@@ -295,9 +309,9 @@ def report(cfg: Config, runs: dict[str, Run], skipped: dict[str, str], command: 
         "configurations rotates each round.",
         "",
         "| configuration | ok | errors | prefix-cache hit rate | prompt tokens to prefill 1 "
-        f"| groups on both prefills (of {cfg.groups * cfg.rounds}) | TTFT p50 ms | TTFT p90 ms "
-        "| latency p50 ms | latency p90 ms | req/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| groups on both prefills (of {cfg.groups * cfg.rounds}) | misses after a group's "
+        "first | TTFT p50 ms | TTFT p90 ms | latency p50 ms | latency p90 ms | req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(row(name, run) for name, run in runs.items()),
         "",
         goal(runs),
