@@ -287,9 +287,9 @@ def goal(runs: dict[str, Run]) -> str:
     ttft = percentile(ours.ttft, 50) <= percentile(smg.ttft, 50)
     return (
         f"Goal: hit rate at least smg's: {'met' if hit else 'NOT met'} "
-        f"({ours.hit_rate:.1%} vs {smg.hit_rate:.1%}); TTFT p50 no worse: "
-        f"{'met' if ttft else 'NOT met'} ({percentile(ours.ttft, 50) * 1000:.0f} ms vs "
-        f"{percentile(smg.ttft, 50) * 1000:.0f} ms)."
+        f"({ours.hit_rate:.2%} vs {smg.hit_rate:.2%}); TTFT p50 no worse: "
+        f"{'met' if ttft else 'NOT met'} ({percentile(ours.ttft, 50) * 1000:.1f} ms vs "
+        f"{percentile(smg.ttft, 50) * 1000:.1f} ms)."
     )
 
 
