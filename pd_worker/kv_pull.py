@@ -94,7 +94,8 @@ class KVPuller:
             payload = await reader.readexactly(int(header["nbytes"]))
             reusable = True
             source = str(header.get("source", f"{peer[0]}:{peer[1]}"))
-            return PulledKV(payload, source, int(str(header.get("cached_tokens", 0))))
+            cached = header.get("cached_tokens", 0)
+            return PulledKV(payload, source, cached if isinstance(cached, int) else 0)
         finally:
             if reusable:
                 self._put_idle(peer, connection)
