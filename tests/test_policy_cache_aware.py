@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from pd_router.config import ConfigError, load_config
 from pd_router.metrics import RouterMetrics
 from pd_router.policies import (
     POLICIES,
@@ -265,3 +266,21 @@ async def test_requests_sharing_a_prefix_hit_one_prefills_cache(cluster):
     assert [len(urls) for urls in served.values()] == [1, 1]
     assert served["alpha"] != served["beta"]
     assert min(cached) >= len(SYSTEM) - 16
+
+
+# --- configuration --------------------------------------------------------------------------
+
+
+def test_the_cache_aware_section_is_read_with_smg_defaults_for_the_rest():
+    config = load_config(None, {"policy": "cache_aware", "cache_aware": {"cache_threshold": 0.5}})
+    assert config.cache_aware.cache_threshold == 0.5
+    assert config.cache_aware.balance_abs_threshold == 64
+
+
+@pytest.mark.parametrize(
+    "section",
+    [{"cache_threshold": 1.5}, {"balance_rel_threshold": 0.5}, {"max_tree_size": 0}],
+)
+def test_a_cache_aware_value_out_of_range_is_refused(section):
+    with pytest.raises(ConfigError):
+        load_config(None, {"cache_aware": section})
