@@ -152,8 +152,8 @@ class Exchange:
         last: LegFailed | None = None
         while True:
             try:
-                prefill = self.router.pick(Role.PREFILL, avoid, self.prompt_key)
-                decode = self.router.pick(Role.DECODE, avoid, self.prompt_key)
+                prefill = self.router.pick(Role.PREFILL, avoid, self.routing_prompt)
+                decode = self.router.pick(Role.DECODE, avoid, self.routing_prompt)
             except NoWorkers:
                 if last is None:
                     raise
@@ -197,7 +197,7 @@ class Exchange:
                 min(retry.backoff_max_secs, retry.backoff_base_secs * 2 ** (attempt - 1))
             )
 
-    def prompt_key(self) -> str:
+    def routing_prompt(self) -> str:
         """The prompt a cache-aware policy keys on, computed on first use and kept for both
         pools and every attempt."""
         if self._prompt_key is None:
