@@ -22,7 +22,7 @@ from pd_router.autopilot.policy import MODES, AutopilotConfig
 from pd_router.circuit import CircuitConfig
 from pd_router.concurrency import AdmissionConfig
 from pd_router.http1 import LegLimits
-from pd_router.policies import POLICIES, POLICY_ALIASES, canonical_policy_name
+from pd_router.policies import POLICIES, POLICY_ALIASES, CacheAwareConfig, canonical_policy_name
 from pd_router.retry import RetryConfig
 from pd_router.tls import TLSConfig, server_context, worker_context
 from pd_router.workers import normalize_url
@@ -98,6 +98,7 @@ class RouterConfig:
     legs: LegLimits = field(default_factory=LegLimits)
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
     tls: TLSConfig = field(default_factory=TLSConfig)
+    cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
 
 
 SECTIONS: Mapping[str, type] = types.MappingProxyType(
@@ -110,6 +111,7 @@ SECTIONS: Mapping[str, type] = types.MappingProxyType(
         "legs": LegLimits,
         "autopilot": AutopilotConfig,
         "tls": TLSConfig,
+        "cache_aware": CacheAwareConfig,
     }
 )
 
@@ -294,6 +296,7 @@ def validate(config: RouterConfig) -> None:
     validate_autopilot(config.autopilot)
     validate_cors(config.cors_allowed_origins)
     validate_tls(config.tls)
+    validate_cache_aware(config.cache_aware)
     for key in ("admin_api_key", "worker_api_key"):
         value = getattr(config, key)
         if value is not None and not (
@@ -362,6 +365,20 @@ def validate_admission(a: AdmissionConfig) -> None:
     check_positive(
         "admission.rate_limit_tokens_per_second", a.rate_limit_tokens_per_second, allow_zero=True
     )
+
+
+def validate_cache_aware(c: CacheAwareConfig) -> None:
+    if not 0.0 <= c.cache_threshold <= 1.0:
+        raise ConfigError(
+            "cache_aware.cache_threshold", f"must be in 0..1, got {c.cache_threshold}"
+        )
+    check_positive("cache_aware.balance_abs_threshold", c.balance_abs_threshold, allow_zero=True)
+    if c.balance_rel_threshold < 1.0:
+        raise ConfigError(
+            "cache_aware.balance_rel_threshold", f"must be >= 1.0, got {c.balance_rel_threshold}"
+        )
+    check_positive("cache_aware.eviction_interval_secs", c.eviction_interval_secs, allow_zero=True)
+    check_positive("cache_aware.max_tree_size", c.max_tree_size)
 
 
 def build_autopilot(data: dict[str, Any]) -> AutopilotConfig:

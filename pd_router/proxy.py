@@ -35,6 +35,7 @@ from pd_router.errors import (
 )
 from pd_router.http1 import Response
 from pd_router.logprobs import merge_body, merged_events, prefill_logprobs
+from pd_router.policies import prompt_key
 from pd_router.requests import (
     CHAT,
     COMPLETIONS,
@@ -146,6 +147,7 @@ class Exchange:
         # When the current attempt's prefill answered (loop time), to split TTFT between pools.
         self.prefilled_at: float | None = None
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
+        self._prompt_key: str | None = None
 
     async def run(self) -> web.StreamResponse:
         retry = self.router.config.retry
@@ -154,8 +156,8 @@ class Exchange:
         last: LegFailed | None = None
         while True:
             try:
-                prefill = self.router.pick(Role.PREFILL, avoid)
-                decode = self.router.pick(Role.DECODE, avoid)
+                prefill = self.router.pick(Role.PREFILL, avoid, self.routing_prompt)
+                decode = self.router.pick(Role.DECODE, avoid, self.routing_prompt)
             except NoWorkers:
                 if last is None:
                     raise
@@ -199,6 +201,13 @@ class Exchange:
                 last = failure
             self.router.metrics.retries_total.inc()
             await asyncio.sleep(backoff_secs(retry, attempt))
+
+    def routing_prompt(self) -> str:
+        """The prompt a cache-aware policy keys on, computed on first use and kept for both
+        pools and every attempt."""
+        if self._prompt_key is None:
+            self._prompt_key = prompt_key(self.body)
+        return self._prompt_key
 
     def prepare(self, attempt: int, prefill: Worker) -> tuple[bytes, list[str]]:
         """The body for this attempt (new rooms, the rid workers know it by) and its rids."""

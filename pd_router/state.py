@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -52,8 +52,8 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.registry = WorkerRegistry(self.metrics, config.circuit)
         self.policies: dict[Role, Policy] = {
-            Role.PREFILL: make_policy(config.prefill_policy),
-            Role.DECODE: make_policy(config.decode_policy),
+            Role.PREFILL: make_policy(config.prefill_policy, config.cache_aware),
+            Role.DECODE: make_policy(config.decode_policy, config.cache_aware),
         }
         self.health = HealthMonitor(self.registry, config.health)
         self.admission = RequestAdmission(config.admission, self.metrics)
@@ -169,9 +169,16 @@ class Router:
 
     # --- selection --------------------------------------------------------------------------
 
-    def pick(self, role: Role, avoid: Iterable[Worker] = ()) -> Worker:
+    def pick(
+        self,
+        role: Role,
+        avoid: Iterable[Worker] = (),
+        prompt: Callable[[], str] | None = None,
+    ) -> Worker:
         """A selectable worker of ``role`` chosen by its pool's policy, preferring workers not
-        in ``avoid`` (the ones that already failed this request). NoWorkers if none."""
+        in ``avoid`` (the ones that already failed this request). NoWorkers if none.
+        ``prompt`` gives the request's prompt key; it is called only for a policy that needs
+        it, so the others cost nothing."""
         workers = self.registry.selectable(role) or self.circuit_panic_pool(role, avoid)
         if avoid and len(workers) > 1:
             avoided = set(avoid)
@@ -181,7 +188,10 @@ class Router:
         if not workers:
             self.latency.count_refusal(role.value)
             raise NoWorkers(f"no available {role.value} worker (none active, healthy and closed)")
-        return self.policies[role].select(workers)
+        policy = self.policies[role]
+        if policy.needs_prompt and prompt is not None:
+            return policy.select(workers, prompt())
+        return policy.select(workers)
 
     def circuit_panic_pool(self, role: Role, avoid: Iterable[Worker] = ()) -> list[Worker]:
         """The ACTIVE, healthy workers of ``role`` not in ``avoid``, for when none is

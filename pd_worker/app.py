@@ -273,6 +273,7 @@ async def flush_cache(request: web.Request) -> web.Response:
             text="Cache not flushed. There are running or waiting requests.",
         )
     engine.kv_pool.clear()
+    engine.prefix_cache.clear()
     return web.Response(
         text="Cache flushed.\nPlease check backend logs for more details. "
         "(When there are running or waiting requests, the operation will not be performed.)"

@@ -8,7 +8,8 @@ connection and receives the payload bytes on it. The protocol is framed, so a co
 any number of requests one after another (the decode keeps a few open per prefill):
 
     decode -> prefill   {"room": <int>}\\n
-    prefill -> decode   {"ok": true, "nbytes": <int>, "source": "<prefill url>"}\\n <payload bytes>
+    prefill -> decode   {"ok": true, "nbytes": <int>, "source": "<prefill url>",
+                         "cached_tokens": <int>}\\n <payload bytes>
                      or {"ok": false, "error": "<reason>"}\\n
 """
 
@@ -31,6 +32,9 @@ class Room:
 
     room_id: int
     num_tokens: int
+    # Prompt tokens the prefill's prefix cache served; the decode reports them as SGLang's
+    # decode reports the prefill's count (``meta_info.cached_tokens``).
+    cached_tokens: int = 0
     payload: asyncio.Future[bytes] = field(default_factory=asyncio.Future)
     pulled: asyncio.Future[None] = field(default_factory=asyncio.Future)
 
@@ -151,7 +155,12 @@ class BootstrapServer:
             await self._reply_error(writer, f"bootstrap_room {room_id} was freed")
             return
         await self._before_send(room)
-        header = {"ok": True, "nbytes": len(payload), "source": self._source}
+        header = {
+            "ok": True,
+            "nbytes": len(payload),
+            "source": self._source,
+            "cached_tokens": room.cached_tokens,
+        }
         writer.write(orjson.dumps(header) + b"\n" + payload)
         await writer.drain()
         if not room.pulled.done():

@@ -22,6 +22,7 @@ from pd_worker.config import DEFAULT_DECODE_CUDA_GRAPH_BS, WorkerConfig
 from pd_worker.errors import BadRequest, WorkerError
 from pd_worker.faults import Faults
 from pd_worker.kvpool import KVPool
+from pd_worker.prefix_cache import PrefixCache
 from pd_worker.requests import GenItem, Progress
 from pd_worker.roles import DecodeRole, PrefillRole
 from pd_worker.stats import EngineStats
@@ -74,6 +75,7 @@ class Engine:
         self.faults = faults
         self.stats = EngineStats()
         self.kv_pool = KVPool(self.timing.max_total_num_tokens, self._changed)
+        self.prefix_cache = PrefixCache(self.timing.max_total_num_tokens)
         self.rooms = RoomRegistry()
         self.running_slots = asyncio.Semaphore(self.timing.max_running_requests)
         self.bootstrap = BootstrapServer(
@@ -200,7 +202,7 @@ class Engine:
                 "status_code": None,
                 "err_type": None,
             }
-            emit(Progress(last.output_ids, last.text, abort, last.kv_source))
+            emit(Progress(last.output_ids, last.text, abort, last.kv_source, last.cached_tokens))
         finally:
             self.set_stage(req, None)
             emit(_DONE)
@@ -252,7 +254,7 @@ class Engine:
             "max_running_requests": self.timing.max_running_requests,
             "token_usage": round(self.kv_pool.usage(), 4),
             "gen_throughput": round(self.stats.gen_throughput(), 2),
-            "cache_hit_rate": 0.0,
+            "cache_hit_rate": round(self.stats.cache_hit_rate(), 4),
             "utilization": round(self.num_running / self.timing.max_running_requests, 4),
             "memory": {
                 "weight_gb": 15.0,
@@ -389,6 +391,7 @@ class Engine:
                 raise SwitchTeardownFailed("injected fault: teardown of the old role failed")
             await self.timing.wait(self.timing.switch_secs)
             self.role_name = new_role
+            self.prefix_cache.clear()
             self.role = self._make_role(new_role)
             self.role.start()
             if new_role == "decode" and self.graphs is None:

@@ -33,7 +33,8 @@ class PulledKV:
     """What a decode received: the payload and the prefill that sent it."""
 
     payload: bytes
-    source: str
+    source: str | None
+    cached_tokens: int = 0
 
 
 class KVPuller:
@@ -92,7 +93,9 @@ class KVPuller:
                 raise KVTransferError(room_id, str(header.get("error")))
             payload = await reader.readexactly(int(header["nbytes"]))
             reusable = True
-            return PulledKV(payload, str(header.get("source", f"{peer[0]}:{peer[1]}")))
+            source = str(header.get("source", f"{peer[0]}:{peer[1]}"))
+            cached = header.get("cached_tokens", 0)
+            return PulledKV(payload, source, cached if isinstance(cached, int) else 0)
         finally:
             if reusable:
                 self._put_idle(peer, connection)

@@ -49,7 +49,7 @@ class KVPool:
         self._on_change()
 
     def clear(self) -> None:
-        """flush_cache: nothing is cached between requests here, so only waiters are re-checked."""
+        """flush_cache: the prefix cache holds no pool slots, so only waiters are re-checked."""
         self._grant()
 
     def _grant(self) -> None:

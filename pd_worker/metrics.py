@@ -33,7 +33,7 @@ class EngineCollector(Collector):
             "max_total_num_tokens": loads["max_total_num_tokens"],
             "token_usage": loads["token_usage"],
             "gen_throughput": loads["gen_throughput"],
-            "cache_hit_rate": 0.0,
+            "cache_hit_rate": loads["cache_hit_rate"],
             "utilization": loads["utilization"],
             "num_prefill_prealloc_queue_reqs": disagg["prefill_bootstrap_queue_reqs"],
             "num_prefill_inflight_queue_reqs": disagg["prefill_inflight_queue_reqs"],
@@ -52,6 +52,7 @@ class EngineCollector(Collector):
             "num_aborted_requests": stats.num_aborted_requests,
             "num_bootstrap_failed_reqs": stats.num_bootstrap_failed_reqs,
             "prompt_tokens": stats.prompt_tokens,
+            "cached_tokens": stats.cached_tokens,
             "generation_tokens": stats.generation_tokens,
         }
         for name, value in counters.items():

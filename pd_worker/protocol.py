@@ -246,7 +246,7 @@ def response_dict(item: GenItem, progress: Progress, e2e_latency: float) -> dict
         "num_retractions": 0,
         "reasoning_tokens": 0,
         "completion_tokens": len(progress.output_ids),
-        "cached_tokens": 0,
+        "cached_tokens": progress.cached_tokens,
     }
     if progress.finished:
         meta["e2e_latency"] = round(e2e_latency, 6)
@@ -260,4 +260,6 @@ def response_dict(item: GenItem, progress: Progress, e2e_latency: float) -> dict
 def abort_progress(progress: Progress, message: str, status: int) -> Progress:
     """The last progress of an item aborted with a status (streams report it, then [DONE])."""
     finish = {"type": "abort", "message": message, "status_code": status, "err_type": None}
-    return Progress(progress.output_ids, progress.text, finish, progress.kv_source)
+    return Progress(
+        progress.output_ids, progress.text, finish, progress.kv_source, progress.cached_tokens
+    )

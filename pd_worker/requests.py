@@ -38,6 +38,7 @@ class Progress:
     text: str = ""
     finish_reason: dict[str, Any] | None = None
     kv_source: str | None = None
+    cached_tokens: int = 0
     input_token_logprobs: list[list[Any]] | None = None
     output_token_logprobs: list[list[Any]] | None = None
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pd_worker.errors import BadRequest, KVTransferError, RequestAborted
-from pd_worker.kv_pull import KVPuller
+from pd_worker.kv_pull import KVPuller, PulledKV
 from pd_worker.requests import GenItem, Progress, token_logprob
 from pd_worker.tokens import WORDS, detokenize, output_ids_from_payload, pack_prompt
 
@@ -23,18 +23,23 @@ if TYPE_CHECKING:
     from pd_worker.engine import Engine, Req
 
 Emit = Callable[[Progress], None]
+# A prompt waiting for a prefill forward: its request, its token ids, and the future that gets
+# how many of its tokens the prefix cache served once the forward is done.
+Pending = tuple["Req", list[int], asyncio.Future[int]]
 
 
 class PrefillRole:
-    """Prefill: batch forwards under a token budget, then hold the KV until a decode pulls it."""
+    """Prefill: batch forwards under a token budget, then hold the KV until a decode pulls it.
+
+    A prompt's cached prefix is looked up when its batch forms (as SGLang's scheduler matches
+    the radix cache for each new prefill batch), so a prompt that waited behind the one that
+    cached its prefix reuses it; only the uncached tokens cost forward time and budget."""
 
     name = "prefill"
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._pending: collections.deque[tuple[Req, int, asyncio.Future[None]]] = (
-            collections.deque()
-        )
+        self._pending: collections.deque[Pending] = collections.deque()
         self._wakeup = asyncio.Event()
         self._batcher: asyncio.Task[None] | None = None
 
@@ -50,7 +55,7 @@ class PrefillRole:
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens waiting for a forward (SGLang's ``num_waiting_uncached_tokens``)."""
-        return sum(n for _, n, future in self._pending if not future.done())
+        return sum(len(ids) for _, ids, future in self._pending if not future.done())
 
     async def run(self, item: GenItem, req: Req, emit: Emit) -> None:
         engine = self._engine
@@ -66,9 +71,10 @@ class PrefillRole:
             engine.set_stage(req, "waiting")
             await engine.kv_pool.acquire(num_tokens)
             try:
-                await self._forward(req, num_tokens)
+                cached = await self._forward(req, item.prompt_ids)
                 payload = pack_prompt(item.prompt_ids)
                 if room is not None:
+                    room.cached_tokens = cached
                     engine.set_stage(req, "inflight")
                     room.payload.set_result(payload)
                     await self._wait_pulled(item, room.pulled, deadline)
@@ -79,6 +85,7 @@ class PrefillRole:
                 engine.rooms.close(room.room_id)
         first = output_ids_from_payload(payload, 1)
         progress = Progress(first, detokenize(first), {"type": "length", "length": 0})
+        progress.cached_tokens = cached
         if item.return_logprob:
             progress.input_token_logprobs = _input_logprobs(item.prompt_ids)
             progress.output_token_logprobs = []
@@ -105,11 +112,12 @@ class PrefillRole:
                 f"req.bootstrap_room={item.bootstrap_room} with exception {error}"
             ) from None
 
-    async def _forward(self, req: Req, num_tokens: int) -> None:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append((req, num_tokens, future))
+    async def _forward(self, req: Req, prompt_ids: list[int]) -> int:
+        """Wait for the forward that prefills ``prompt_ids``; the tokens the cache served."""
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._pending.append((req, prompt_ids, future))
         self._wakeup.set()
-        await future
+        return await future
 
     async def _batch_loop(self) -> None:
         """One simulated GPU: forwards run one batch at a time, each under the token budget."""
@@ -118,28 +126,43 @@ class PrefillRole:
             await self._wakeup.wait()
             self._wakeup.clear()
             while self._pending:
-                batch = self._take_batch()
+                batch, hits, tokens = self._take_batch()
                 for queued, _, _ in batch:
                     self._engine.set_stage(queued, "running")
-                await timing.wait(timing.prefill_secs(sum(n for _, n, _ in batch)))
-                for _, _, future in batch:
-                    if not future.done():
-                        future.set_result(None)
+                await timing.wait(timing.prefill_secs(tokens))
+                self._finish_batch(batch, hits)
 
-    def _take_batch(self) -> list[tuple[Req, int, asyncio.Future[None]]]:
+    def _take_batch(self) -> tuple[list[Pending], list[int], int]:
+        """The next batch, the cached tokens of each of its prompts, and its uncached tokens
+        (what the forward computes, bounded by ``max_prefill_tokens``)."""
         timing = self._engine.timing
-        batch: list[tuple[Req, int, asyncio.Future[None]]] = []
+        cache = self._engine.prefix_cache
+        batch: list[Pending] = []
+        hits: list[int] = []
         tokens = 0
         while self._pending and len(batch) < timing.max_running_requests:
-            _, num_tokens, future = self._pending[0]
+            _, prompt_ids, future = self._pending[0]
             if future.done():
                 self._pending.popleft()
                 continue
-            if batch and tokens + num_tokens > timing.max_prefill_tokens:
+            cached = cache.match(prompt_ids)
+            uncached = len(prompt_ids) - cached
+            if batch and tokens + uncached > timing.max_prefill_tokens:
                 break
             batch.append(self._pending.popleft())
-            tokens += num_tokens
-        return batch
+            hits.append(cached)
+            tokens += uncached
+        return batch, hits, tokens
+
+    def _finish_batch(self, batch: list[Pending], hits: list[int]) -> None:
+        """Cache the prompts just prefilled and wake their requests."""
+        engine = self._engine
+        for (_, prompt_ids, future), cached in zip(batch, hits, strict=True):
+            if future.done():
+                continue
+            engine.prefix_cache.insert(prompt_ids)
+            engine.stats.count_prefill(len(prompt_ids), cached)
+            future.set_result(cached)
 
 
 class DecodeRole:
@@ -168,18 +191,18 @@ class DecodeRole:
         engine.set_stage(req, "prealloc")
         await engine.kv_pool.acquire(reserve)
         try:
-            payload, source = await self._receive(item, req)
+            pulled = await self._receive(item, req)
             engine.set_stage(req, "waiting")
             async with engine.running_slots:
                 engine.set_stage(req, "running")
-                await self._decode(item, payload, source, emit)
+                await self._decode(item, pulled, emit)
         finally:
             engine.kv_pool.release(reserve)
 
-    async def _receive(self, item: GenItem, req: Req) -> tuple[bytes, str | None]:
+    async def _receive(self, item: GenItem, req: Req) -> PulledKV:
         """The KV payload (from the prefill, or the decode's own prompt for a fake transfer)."""
         if item.fake_transfer:
-            return pack_prompt(item.prompt_ids), None
+            return PulledKV(pack_prompt(item.prompt_ids), None)
         engine = self._engine
         engine.set_stage(req, "transfer")
         started = time.monotonic()
@@ -198,22 +221,23 @@ class DecodeRole:
             ) from None
         modeled_bytes = len(item.prompt_ids) * engine.timing.kv_bytes_per_token
         engine.stats.count_transfer(modeled_bytes, time.monotonic() - started)
-        return pulled.payload, pulled.source
+        return pulled
 
-    async def _decode(self, item: GenItem, payload: bytes, source: str | None, emit: Emit) -> None:
-        planned = output_ids_from_payload(payload, item.max_new_tokens)
+    async def _decode(self, item: GenItem, pulled: PulledKV, emit: Emit) -> None:
+        planned = output_ids_from_payload(pulled.payload, item.max_new_tokens)
         if not planned:
-            emit(Progress([], "", {"type": "length", "length": 0}, source))
+            finish = {"type": "length", "length": 0}
+            emit(Progress([], "", finish, pulled.source, pulled.cached_tokens))
             return
         held = [len(item.prompt_ids)]
         self._context_tokens += held[0]
         try:
-            await self._generate(item, planned, source, emit, held)
+            await self._generate(item, planned, pulled, emit, held)
         finally:
             self._context_tokens -= held[0]
 
     async def _generate(
-        self, item: GenItem, planned: list[int], source: str | None, emit: Emit, held: list[int]
+        self, item: GenItem, planned: list[int], pulled: PulledKV, emit: Emit, held: list[int]
     ) -> None:
         """One token per decode step; a step is as long as the whole running batch and the
         context it attends to make it (``held[0]``: this request's share of that context)."""
@@ -235,7 +259,7 @@ class DecodeRole:
                 text, finish = _apply_stop(text, item.stop)
             if finish is None and len(ids) == item.max_new_tokens:
                 finish = {"type": "length", "length": item.max_new_tokens}
-            progress = Progress(list(ids), text, finish, source)
+            progress = Progress(list(ids), text, finish, pulled.source, pulled.cached_tokens)
             if item.return_logprob:
                 progress.input_token_logprobs = []
                 progress.output_token_logprobs = [[token_logprob(t), t, None] for t in ids]

@@ -16,6 +16,8 @@ class EngineStats:
     num_aborted_requests: int = 0
     num_bootstrap_failed_reqs: int = 0
     prompt_tokens: int = 0
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
     generation_tokens: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_secs: float = 0.0
@@ -34,6 +36,17 @@ class EngineStats:
         now = int(time.monotonic())
         recent = sum(n for s, n in self._buckets.items() if now - THROUGHPUT_WINDOW_SECS <= s < now)
         return recent / THROUGHPUT_WINDOW_SECS
+
+    def count_prefill(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """One prompt prefilled, ``cached_tokens`` of it served by the prefix cache."""
+        self.prefill_tokens += prompt_tokens
+        self.cached_tokens += cached_tokens
+
+    def cache_hit_rate(self) -> float:
+        """Share of prefilled prompt tokens the prefix cache served, since start-up."""
+        if self.prefill_tokens <= 0:
+            return 0.0
+        return self.cached_tokens / self.prefill_tokens
 
     def count_transfer(self, nbytes: int, secs: float) -> None:
         self.kv_transfer_bytes += nbytes
