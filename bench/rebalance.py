@@ -57,6 +57,7 @@ PROFILE = "h100-8b"
 DRAIN_TIMEOUT_SECS = 600.0
 WORKER_WAIT_SECS = 600.0
 REQUEST_READ_TIMEOUT_S = 600.0
+TOKEN_IDS = range(1, 30001)
 # Statuses of a conversion that has not ended (GET /conversions).
 UNFINISHED = ("draining", "switching", "verifying")
 
@@ -281,7 +282,10 @@ class Run:
 
 
 def prompt_ids(request: TraceRequest) -> list[int]:
-    return [(request.phase * 131 + i * 7) % 30000 + 1 for i in range(request.prompt_tokens)]
+    """Token ids of the request's prompt, its own: seeded by the request's send time, so no
+    two prompts share a prefix and the workers' prefix cache saves no prefill (the trace
+    measures the split of the pools, not cache hits)."""
+    return random.Random(request.at).choices(TOKEN_IDS, k=request.prompt_tokens)
 
 
 async def send(

@@ -80,3 +80,10 @@ def test_attainment_is_per_phase_of_sending(rb) -> None:
     assert rb.attainment_by_phase(outcomes, slo, 3)[:2] == [1.0, 0.5]
     assert math.isnan(rb.attainment_by_phase(outcomes, slo, 3)[2])
     assert rb.goodput_series(outcomes, slo, duration=20.0, bin_secs=10.0) == [0.1, 0.1]
+
+
+def test_no_two_prompts_of_the_trace_share_a_prefix(rb) -> None:
+    trace = rb.make_trace(rb.TraceSpec(seed=5, phases=2, phase_secs=20.0))
+    heads = {tuple(rb.prompt_ids(r)[:16]) for r in trace}
+    assert len(heads) == len(trace)
+    assert rb.prompt_ids(trace[0]) == rb.prompt_ids(trace[0])
