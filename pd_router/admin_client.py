@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 import sys
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ import httpx
 DEFAULT_ROUTER_URL = "http://127.0.0.1:30000"
 ROUTER_URL_ENV = "PD_ROUTER_URL"
 ADMIN_KEY_ENV = "PD_ROUTER_ADMIN_KEY"
+CA_CERT_ENV = "PD_ROUTER_CACERT"
 RECENT_CONVERSIONS = 10
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -307,12 +309,23 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
         default=os.environ.get(ADMIN_KEY_ENV),
         help=f"admin API key (default: ${ADMIN_KEY_ENV})",
     )
+    parser.add_argument(
+        "--cacert",
+        default=os.environ.get(CA_CERT_ENV),
+        help="CA file to verify an https:// router's certificate against, for a router that "
+        f"serves a certificate of a private CA (default: ${CA_CERT_ENV}, else the system store)",
+    )
     return parser
 
 
 def _client(args: argparse.Namespace, timeout: float | None = 10.0) -> httpx.Client:
     headers = {"Authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
-    return httpx.Client(base_url=args.router.rstrip("/"), headers=headers, timeout=timeout)
+    verify: ssl.SSLContext | bool = True
+    if args.cacert:
+        verify = ssl.create_default_context(cafile=args.cacert)
+    return httpx.Client(
+        base_url=args.router.rstrip("/"), headers=headers, timeout=timeout, verify=verify
+    )
 
 
 def _get_json(client: httpx.Client, path: str) -> dict[str, Any]:

@@ -8,12 +8,14 @@ Certificates are made at test time with the ``openssl`` command (:mod:`tests.tls
 from __future__ import annotations
 
 import asyncio
+import io
 import ssl
 from pathlib import Path
 
 import httpx
 import pytest
 
+from pd_router.admin_client import status as admin_status
 from pd_router.config import ConfigError, load_config
 from pd_router.http1 import LegLimits
 from pd_router.http1_conn import UpstreamConnectError, UpstreamDisconnected
@@ -128,6 +130,16 @@ async def test_router_serves_https_that_a_client_verifies_against_the_ca(pd_clus
             response = await http.post("/generate", json=generate_body("over https", TOKENS))
     assert response.status_code == 200
     assert_paired(response.json(), "over https", TOKENS)
+
+
+async def test_status_command_reads_an_https_router_with_a_private_ca(pd_cluster, pki):
+    tls = {"cert_path": pki.server_cert, "key_path": pki.server_key}
+    async with running_router(pd_cluster, tls=tls) as router:
+        out = io.StringIO()
+        argv = ["--router", router.url, "--cacert", pki.ca_cert]
+        code = await asyncio.to_thread(admin_status, argv, out)
+    assert code == 0
+    assert all(url in out.getvalue() for url in pd_cluster.urls)
 
 
 async def test_https_router_fails_the_handshake_of_a_client_trusting_another_ca(
