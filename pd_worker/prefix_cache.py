@@ -33,13 +33,22 @@ class PrefixCache:
     def match(self, prompt_ids: Sequence[int]) -> int:
         """How many leading tokens of ``prompt_ids`` are cached (a multiple of the page size,
         below the prompt length). The matched pages become the most recently used."""
+        hit = self._hit_pages(prompt_ids)
+        self._touch(hit)
+        return len(hit) * self.page_size
+
+    def peek(self, prompt_ids: Sequence[int]) -> int:
+        """What :meth:`match` would answer now, without marking any page used (a load report
+        must not change what the cache evicts)."""
+        return len(self._hit_pages(prompt_ids)) * self.page_size
+
+    def _hit_pages(self, prompt_ids: Sequence[int]) -> list[int]:
         hit: list[int] = []
         for key in self._keys(prompt_ids, len(prompt_ids) - 1):
             if key not in self._pages:
                 break
             hit.append(key)
-        self._touch(hit)
-        return len(hit) * self.page_size
+        return hit
 
     def insert(self, prompt_ids: Sequence[int]) -> None:
         """Cache every full page of a prefilled prompt, evicting the least recently used pages

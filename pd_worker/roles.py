@@ -25,7 +25,9 @@ if TYPE_CHECKING:
 Emit = Callable[[Progress], None]
 # A prompt waiting for a prefill forward: its request, its token ids, and the future that gets
 # how many of its tokens the prefix cache served once the forward is done.
-Pending = tuple["Req", list[int], asyncio.Future[int]]
+# A request waiting for its forward: its prompt, the tokens of it the cache did not hold when
+# it was queued, and the future the forward resolves with the tokens the cache served.
+Pending = tuple["Req", list[int], int, asyncio.Future[int]]
 
 
 class PrefillRole:
@@ -54,8 +56,9 @@ class PrefillRole:
 
     @property
     def queued_tokens(self) -> int:
-        """Prompt tokens waiting for a forward (SGLang's ``num_waiting_uncached_tokens``)."""
-        return sum(len(ids) for _, ids, future in self._pending if not future.done())
+        """Uncached prompt tokens waiting for a forward (SGLang's
+        ``num_waiting_uncached_tokens``), as the cache stood when each was queued."""
+        return sum(uncached for _, _, uncached, future in self._pending if not future.done())
 
     async def run(self, item: GenItem, req: Req, emit: Emit) -> None:
         engine = self._engine
@@ -115,7 +118,8 @@ class PrefillRole:
     async def _forward(self, req: Req, prompt_ids: list[int]) -> int:
         """Wait for the forward that prefills ``prompt_ids``; the tokens the cache served."""
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._pending.append((req, prompt_ids, future))
+        uncached = len(prompt_ids) - self._engine.prefix_cache.peek(prompt_ids)
+        self._pending.append((req, prompt_ids, uncached, future))
         self._wakeup.set()
         return await future
 
@@ -127,7 +131,7 @@ class PrefillRole:
             self._wakeup.clear()
             while self._pending:
                 batch, hits, tokens = self._take_batch()
-                for queued, _, _ in batch:
+                for queued, _, _, _ in batch:
                     self._engine.set_stage(queued, "running")
                 await timing.wait(timing.prefill_secs(tokens))
                 self._finish_batch(batch, hits)
@@ -141,7 +145,7 @@ class PrefillRole:
         hits: list[int] = []
         tokens = 0
         while self._pending and len(batch) < timing.max_running_requests:
-            _, prompt_ids, future = self._pending[0]
+            _, prompt_ids, _, future = self._pending[0]
             if future.done():
                 self._pending.popleft()
                 continue
@@ -157,7 +161,7 @@ class PrefillRole:
     def _finish_batch(self, batch: list[Pending], hits: list[int]) -> None:
         """Cache the prompts just prefilled and wake their requests."""
         engine = self._engine
-        for (_, prompt_ids, future), cached in zip(batch, hits, strict=True):
+        for (_, prompt_ids, _, future), cached in zip(batch, hits, strict=True):
             if future.done():
                 continue
             engine.prefix_cache.insert(prompt_ids)

@@ -13,6 +13,7 @@ import asyncio
 import httpx
 import pytest
 
+from pd_worker.prefix_cache import PAGE_SIZE
 from pd_worker.testing import new_room, poll_until, with_bootstrap
 
 TIMEOUT = 10.0
@@ -223,6 +224,25 @@ async def test_prompt_tokens_waiting_for_a_forward_are_reported_as_uncached(slow
     await abort(client, prefill, abort_all=True)
     await asyncio.gather(*tasks)
     assert (await load_of(client, prefill))["num_waiting_uncached_tokens"] == 0
+
+
+async def test_queued_prompt_tokens_the_prefix_cache_holds_are_not_uncached(slow_prefill, client):
+    prefill = slow_prefill.prefill_urls[0]
+    port = slow_prefill.bootstrap_port(prefill)
+
+    def body(text: str) -> dict:
+        return with_bootstrap({"text": text, "sampling_params": {"max_new_tokens": 1}}, port,
+                              new_room())  # fmt: skip
+
+    warm = asyncio.create_task(client.post(prefill + "/generate", json=body("w" * 30)))
+    await wait_for(client, prefill, lambda x: x["disaggregation"]["prefill_inflight_queue_reqs"])
+    busy = asyncio.create_task(client.post(prefill + "/generate", json=body("b" * 25)))
+    await wait_for(client, prefill, lambda x: x["num_running_reqs"] == 1)
+    again = asyncio.create_task(client.post(prefill + "/generate", json=body("w" * 30)))
+    load = await wait_for(client, prefill, lambda x: x["num_waiting_reqs"] == 1)
+    assert load["num_waiting_uncached_tokens"] == 30 - PAGE_SIZE
+    await abort(client, prefill, abort_all=True)
+    await asyncio.gather(warm, busy, again)
 
 
 async def test_metrics_expose_sglang_gauge_and_counter_names(small_prefill, client):

@@ -136,3 +136,14 @@ async def test_a_cached_prefix_is_not_prefilled_again(slow_prefill, client):
     warm = await timed(prefix + "second")
     assert cold >= 1.5
     assert warm < cold / 2
+
+
+def test_peek_answers_like_match_without_changing_what_is_evicted():
+    cache = PrefixCache(capacity_tokens=8, page_size=4)
+    old, new = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    cache.insert(old)
+    cache.insert(new)
+    assert cache.peek([*old, 99]) == 4
+    cache.insert([11, 12, 13, 14, 15])
+    assert cache.peek([*old, 99]) == 0
+    assert cache.peek([*new, 99]) == 4
