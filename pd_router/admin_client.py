@@ -55,8 +55,8 @@ def status(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
 
 
 def _status_text(client: httpx.Client) -> str:
-    workers = _get_json(client, "/workers")
-    conversions = _get_json(client, f"/conversions?limit={RECENT_CONVERSIONS}")
+    workers = _request_json(client, "GET", "/workers")
+    conversions = _request_json(client, "GET", f"/conversions?limit={RECENT_CONVERSIONS}")
     return render_status(_worker_list(workers), conversions.get("conversions", []))
 
 
@@ -132,8 +132,8 @@ def autopilot(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     try:
         with _client(args) as client:
             if args.mode is not None:
-                _put_json(client, "/autopilot", {"mode": args.mode})
-            out.write(render_autopilot(_get_json(client, "/autopilot")))
+                _request_json(client, "PUT", "/autopilot", {"mode": args.mode})
+            out.write(render_autopilot(_request_json(client, "GET", "/autopilot")))
     except _Failure as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -328,27 +328,19 @@ def _client(args: argparse.Namespace, timeout: float | None = 10.0) -> httpx.Cli
     )
 
 
-def _get_json(client: httpx.Client, path: str) -> dict[str, Any]:
+def _request_json(
+    client: httpx.Client, method: str, path: str, body: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The router's JSON answer; _Failure naming the call for an unreachable router or a
+    status other than 200."""
     try:
-        response = client.get(path)
-    except httpx.HTTPError as exc:
-        raise _Failure(f"router not reachable: {exc}") from exc
-    body = _body(response)
-    if response.status_code != 200:
-        message = body.get("error", {}).get("message", response.text[:200])
-        raise _Failure(f"GET {path}: HTTP {response.status_code}: {message}")
-    return body
-
-
-def _put_json(client: httpx.Client, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    try:
-        response = client.put(path, json=body)
+        response = client.request(method, path, json=body)
     except httpx.HTTPError as exc:
         raise _Failure(f"router not reachable: {exc}") from exc
     reply = _body(response)
     if response.status_code != 200:
         message = reply.get("error", {}).get("message", response.text[:200])
-        raise _Failure(f"PUT {path}: HTTP {response.status_code}: {message}")
+        raise _Failure(f"{method} {path}: HTTP {response.status_code}: {message}")
     return reply
 
 

@@ -18,8 +18,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_router.errors import NoWorkers, UpstreamError
-from pd_router.info import Reply, fan_out
 from pd_router.state import router_of
+from pd_router.worker_calls import Reply, fan_out
 
 WORKER_LABEL = "worker_addr"
 SCRAPE_TIMEOUT = aiohttp.ClientTimeout(total=10.0)

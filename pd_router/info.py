@@ -11,9 +11,7 @@ prefix of anyone else's.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -25,9 +23,9 @@ from pd_router.auth import has_admin_key, require_admin
 from pd_router.errors import BadRequest, ModelNotFound, NoWorkers, UpstreamError
 from pd_router.requests import parse_body
 from pd_router.state import Router, router_of
+from pd_router.worker_calls import Reply, call, fan_out
 from pd_router.workers import Role, Worker, WorkerState
 
-FAN_OUT_TIMEOUT = aiohttp.ClientTimeout(total=30.0)
 INFO_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 # mini_lb's stand-in when no decode reported its state: SGLang's bench_one_batch_server reads
 # ``internal_states[0]`` unconditionally.
@@ -43,63 +41,11 @@ REDACTED = "<redacted>"
 MIN_ABORT_RID_LENGTH = 16
 
 
-@dataclass(slots=True)
-class Reply:
-    worker: Worker
-    status: int | None
-    body: bytes
-    error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.status is not None and 200 <= self.status < 300
-
-    def summary(self) -> dict:
-        entry: dict = {
-            "url": self.worker.url,
-            "role": self.worker.role.value,
-            "status": self.status,
-        }
-        if self.error is not None:
-            entry["error"] = self.error
-        elif not self.ok:
-            entry["message"] = self.body[:500].decode("utf-8", "replace")
-        return entry
-
-
 def json_response(
     data: object, status: int = 200, headers: dict[str, str] | None = None
 ) -> web.Response:
     return web.Response(
         body=orjson.dumps(data), status=status, content_type="application/json", headers=headers
-    )
-
-
-async def call(
-    session: aiohttp.ClientSession,
-    worker: Worker,
-    method: str,
-    path: str,
-    *,
-    data: bytes | None = None,
-    params: dict[str, str] | None = None,
-    limit: aiohttp.ClientTimeout = FAN_OUT_TIMEOUT,
-) -> Reply:
-    headers = {"Content-Type": "application/json"} if data is not None else None
-    try:
-        async with session.request(
-            method, worker.url + path, data=data, params=params, headers=headers, timeout=limit
-        ) as resp:
-            return Reply(worker, resp.status, await resp.read())
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        return Reply(worker, None, b"", f"{type(exc).__name__}: {exc}")
-
-
-async def fan_out(
-    router: Router, workers: list[Worker], method: str, path: str, **kwargs
-) -> list[Reply]:
-    return list(
-        await asyncio.gather(*(call(router.session, w, method, path, **kwargs) for w in workers))
     )
 
 

@@ -14,8 +14,9 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from pd_router.info import call, json_response
+from pd_router.info import json_response
 from pd_router.state import Router, router_of
+from pd_router.worker_calls import call
 from pd_router.workers import Worker
 
 LOAD_TIMEOUT = aiohttp.ClientTimeout(total=5.0)

@@ -19,6 +19,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import orjson
 
 from pd_router.autopilot.policy import (
     ACTIONS,
@@ -31,6 +32,7 @@ from pd_router.config import build_autopilot
 from pd_router.conversion_history import ConversionRequest
 from pd_router.errors import RouterError
 from pd_router.latency import percentile_ms
+from pd_router.worker_calls import call
 from pd_router.workers import Role, Worker, WorkerState
 
 if TYPE_CHECKING:
@@ -141,13 +143,11 @@ class Autopilot:
     async def _worker_signals(self, worker: Worker) -> WorkerSignals:
         role, inflight = worker.role.value, worker.inflight
         timeout = aiohttp.ClientTimeout(total=self._router.config.health.timeout_secs)
+        reply = await call(self._router.session, worker, "GET", LOADS_PATH, limit=timeout)
         try:
-            async with self._router.session.get(worker.url + LOADS_PATH, timeout=timeout) as resp:
-                if resp.status != 200:
-                    return WorkerSignals(worker.url, role, inflight=inflight)
-                body = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            return WorkerSignals(worker.url, role, inflight=inflight)
+            body = orjson.loads(reply.body) if reply.status == 200 else None
+        except orjson.JSONDecodeError:
+            body = None
         if not isinstance(body, dict):
             return WorkerSignals(worker.url, role, inflight=inflight)
         return worker_from_loads(worker.url, role, inflight, body)
