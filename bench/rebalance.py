@@ -48,6 +48,7 @@ sys.path.insert(0, str(REPO))
 from router_process import router_toml, running_router  # noqa: E402
 
 from pd_router.config import ConfigError, build_config  # noqa: E402
+from pd_router.conversion_history import FINAL  # noqa: E402
 from pd_worker.cluster import WorkerCluster  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
@@ -58,8 +59,6 @@ DRAIN_TIMEOUT_SECS = 600.0
 WORKER_WAIT_SECS = 600.0
 REQUEST_READ_TIMEOUT_S = 600.0
 TOKEN_IDS = range(1, 30001)
-# Statuses of a conversion that has not ended (GET /conversions).
-UNFINISHED = ("draining", "switching", "verifying")
 
 
 # --- the trace ------------------------------------------------------------------------------
@@ -369,7 +368,7 @@ async def replay(url: str, trace: list[TraceRequest], speed: float, run: Run) ->
                 run.decisions = (await response.json())["decisions"]
     run.conversion_records = records
     run.conversions = sum(r["status"] == "succeeded" for r in records)
-    run.unfinished_conversions = sum(r["status"] in UNFINISHED for r in records)
+    run.unfinished_conversions = sum(r["status"] not in FINAL for r in records)
     run.failed_conversions = len(records) - run.conversions - run.unfinished_conversions
 
 
