@@ -240,14 +240,14 @@ class Connection(asyncio.Protocol):
         self.reusable = False
         self.keep_alive = False
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self.keep_alive = False
         self.reusable = False
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -320,7 +320,10 @@ class Connection(asyncio.Protocol):
         self.in_use = False
 
     def close(self) -> None:
+        """Drop the socket at once (abort, not a graceful close): what is still unsent belongs
+        to an exchange nobody waits for. A graceful close would keep the request body in memory
+        until the worker had read it all, and the worker would then serve it."""
         self.keep_alive = False
         self.reusable = False
         if self.transport is not None and not self.closed:
-            self.transport.close()
+            self.transport.abort()

@@ -66,6 +66,38 @@ async def slow_rejecters():
         yield pair
 
 
+class StalledReader:
+    """A decode worker that reads the first megabyte of a body, then nothing until
+    ``resume`` is set; ``received`` is how much of each body it got in the end."""
+
+    def __init__(self) -> None:
+        self.resume = asyncio.Event()
+        self.received: list[int] = []
+
+    def app(self) -> web.Application:
+        async def generate(request: web.Request) -> web.Response:
+            got = len(await request.content.read(MB))
+            await self.resume.wait()
+            try:
+                while chunk := await request.content.read(MB):
+                    got += len(chunk)
+            finally:
+                self.received.append(got)
+            return web.json_response({"error": {"message": "too late"}}, status=400)
+
+        async def pd_role(request: web.Request) -> web.Response:
+            return web.json_response({"role": "decode"})
+
+        async def ok(request: web.Request) -> web.Response:
+            return web.json_response({})
+
+        app = web.Application(client_max_size=2 * BODY_MB * MB)
+        app.router.add_post("/generate", generate)
+        app.router.add_get("/pd_role", pd_role)
+        app.router.add_get("/health", ok)
+        return app
+
+
 def big_body() -> bytes:
     return orjson.dumps({"text": "x" * (BODY_MB * MB), "sampling_params": {"max_new_tokens": 1}})
 
@@ -86,6 +118,32 @@ async def test_memory_of_large_bodies_the_workers_reject_comes_back(quick_reject
         await wait_until(
             lambda: router.rss_mb() - before < BODY_MB, 5.0, "resident memory back to start"
         )
+
+
+async def test_a_leg_given_up_while_its_body_is_still_sent_drops_the_body_at_once():
+    """The prefill rejects the request while the decode has read only the start of its body:
+    the router answers, and neither keeps the rest in memory nor delivers it later."""
+    stalled = StalledReader()
+    prefill = await start_server(rejecting_worker("prefill", 0.0))
+    decode = await start_server(stalled.app())
+    body = big_body()
+    try:
+        async with router_process(
+            prefill=[(prefill.url, 8998)], decode=[decode.url], max_payload_size=2 * BODY_MB * MB
+        ) as router:
+            before = router.rss_mb()
+            async with router.client(timeout=60.0) as http:
+                answer = await http.post("/generate", content=body, headers=JSON)
+            assert answer.status_code == 400
+            await wait_until(
+                lambda: router.rss_mb() - before < BODY_MB, 5.0, "resident memory back to start"
+            )
+            stalled.resume.set()
+            await wait_until(lambda: stalled.received, 5.0, "the decode worker read on")
+            assert stalled.received[0] < len(body)
+    finally:
+        stalled.resume.set()
+        await asyncio.gather(prefill.stop(), decode.stop())
 
 
 async def test_bodies_beyond_the_in_flight_budget_get_503_and_memory_stays_bounded(
