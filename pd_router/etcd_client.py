@@ -25,9 +25,11 @@ import orjson
 
 DEFAULT_TIMEOUT_S = 5.0
 GRPC_NOT_FOUND = 5
+GRPC_RESOURCE_EXHAUSTED = 8
 GRPC_UNAVAILABLE = 14
 WATCH_RETRY_INITIAL_S = 0.05
 WATCH_RETRY_MAX_S = 1.0
+WATCH_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
 class EtcdError(Exception):
@@ -140,6 +142,25 @@ def _raise_for_error(error: Any) -> None:
     if code == GRPC_UNAVAILABLE:
         raise EtcdUnavailable(message)
     raise EtcdRequestError(code, message)
+
+
+async def _lines(content: aiohttp.StreamReader) -> AsyncIterator[bytes]:
+    """The stream's non-empty lines, however long: a catch-up batch of watch events is one line
+    that easily outgrows aiohttp's readline limit; a partial last line is dropped, unparsed."""
+    buffer = bytearray()
+    async for chunk in content.iter_any():
+        scan_from = len(buffer)
+        buffer += chunk
+        start = 0
+        while (end := buffer.find(b"\n", scan_from)) >= 0:
+            if buffer[start:end].strip():
+                yield bytes(buffer[start:end])
+            start = scan_from = end + 1
+        del buffer[:start]
+        if len(buffer) > WATCH_MAX_MESSAGE_BYTES:
+            raise EtcdRequestError(
+                GRPC_RESOURCE_EXHAUSTED, f"watch message over {WATCH_MAX_MESSAGE_BYTES} bytes"
+            )
 
 
 class EtcdClient:
@@ -325,9 +346,7 @@ class Watch:
             if response.status != 200:
                 raise EtcdUnavailable(f"etcd watch: HTTP {response.status}")
             self._failing_since = None
-            async for line in response.content:
-                if not line.strip():
-                    continue
+            async for line in _lines(response.content):
                 for event in self._events_of(orjson.loads(line)):
                     self.next_revision = event.kv.mod_revision + 1
                     yield event

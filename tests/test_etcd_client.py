@@ -209,3 +209,14 @@ async def test_watch_from_a_compacted_revision_raises_watch_compacted(etcd: Etcd
     with pytest.raises(WatchCompacted) as raised:
         await asyncio.wait_for(anext(watch), timeout=10.0)
     assert raised.value.compact_revision == latest
+
+
+async def test_watch_delivers_a_catch_up_batch_larger_than_aiohttp_line_limit(
+    etcd: EtcdClient,
+) -> None:
+    first = await etcd.put("/pd/workers/0000", b"x" * 1000)
+    for index in range(1, 800):
+        await etcd.put(f"/pd/workers/{index:04d}", b"x" * 1000)
+    watch = _events(etcd.watch_prefix("/pd/workers/", start_revision=first))
+    events = await _next_events(watch, 800)
+    assert [e.kv.key for e in events] == [f"/pd/workers/{index:04d}" for index in range(800)]
