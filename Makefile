@@ -16,9 +16,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/pd-router demo
 
-# Tools some tests drive for real: headless Chromium (the status page) and Prometheus' promtool
-# (alert rules). Debian's packages, installed when absent and possible; otherwise those tests skip.
-TEST_TOOLS := chromium:chromium promtool:prometheus
+# Tools some tests drive for real: headless Chromium (the status page), Prometheus' promtool
+# (alert rules) and etcd (the replicas' coordination store). Debian's packages, installed when
+# absent and possible; otherwise those tests skip.
+TEST_TOOLS := chromium:chromium promtool:prometheus etcd:etcd-server
 browser:
 	@missing=""; for t in $(TEST_TOOLS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
 	if [ -n "$$missing" ]; then \
