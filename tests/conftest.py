@@ -5,6 +5,7 @@
   ``cluster_factory(prefill=2, decode=2, speed=0.0, **timing_knobs)`` starts a
   :class:`~pd_worker.cluster.WorkerCluster` and returns it; all are stopped at teardown.
 - ``free_port``: a function returning a free loopback port.
+- ``etcd_server`` (function scope): a real single-member etcd (see tests/etcd_helpers.py).
 
 Clusters are synchronous objects; use them from async tests as well (only their ``kill``,
 ``add`` and ``terminate`` calls block, briefly).
@@ -19,6 +20,7 @@ import pytest
 
 from pd_worker.cluster import WorkerCluster
 from pd_worker.cluster import free_port as _free_port
+from tests.etcd_helpers import etcd_server  # noqa: F401 (a fixture, registered by import)
 
 ClusterFactory = Callable[..., WorkerCluster]
 

@@ -1,4 +1,4 @@
-"""pd_router.etcd_client against a real etcd on loopback (tests/etcd_helpers.py)."""
+"""pd_protocol.etcd_client against a real etcd on loopback (tests/etcd_helpers.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from pd_router.etcd_client import (
+from pd_protocol.etcd_client import (
     EtcdClient,
     EtcdUnavailable,
     EventType,
@@ -18,9 +18,13 @@ from pd_router.etcd_client import (
     Watch,
     WatchCompacted,
     WatchEvent,
+    delete_op,
+    if_absent,
+    if_nothing_changed_under,
+    put_op,
 )
 from pd_worker.cluster import LOOPBACK, free_port
-from tests.etcd_helpers import EtcdServer, etcd_server  # noqa: F401 (fixture)
+from tests.etcd_helpers import EtcdServer
 
 LEASE_EXPIRY_WAIT_S = 10.0
 
@@ -32,7 +36,7 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
 
 
 @pytest.fixture
-def etcd(etcd_server: EtcdServer, session: aiohttp.ClientSession) -> EtcdClient:  # noqa: F811
+def etcd(etcd_server: EtcdServer, session: aiohttp.ClientSession) -> EtcdClient:
     return EtcdClient(session, etcd_server.url, timeout=2.0)
 
 
@@ -69,6 +73,26 @@ async def test_delete_removes_the_key(etcd: EtcdClient) -> None:
     await etcd.put("/pd/k", b"v")
     assert await etcd.delete("/pd/k") == 1
     assert await etcd.get("/pd/k") is None
+
+
+async def test_a_transaction_applies_all_its_operations_or_none(etcd: EtcdClient) -> None:
+    await etcd.put("/pd/taken", b"x")
+    await etcd.put("/pd/old", b"x")
+    ops = [put_op("/pd/a", b"1"), put_op("/pd/b", b"2"), delete_op("/pd/old")]
+    assert await etcd.txn([if_absent("/pd/a"), if_absent("/pd/taken")], ops) is False
+    assert (await etcd.get("/pd/a"), await etcd.get("/pd/old") is not None) == (None, True)
+    assert await etcd.txn([if_absent("/pd/a")], ops) is True
+    assert [kv.key for kv in (await etcd.get_prefix("/pd/"))[0]] == ["/pd/a", "/pd/b", "/pd/taken"]
+
+
+async def test_nothing_changed_under_a_prefix_fails_after_a_write_there(etcd: EtcdClient) -> None:
+    await etcd.put("/pd/workers/a", b"1")
+    _, revision = await etcd.get_prefix("/pd/workers/")
+    await etcd.put("/pd/elsewhere", b"2")
+    unchanged = [if_nothing_changed_under("/pd/workers/", revision)]
+    assert await etcd.txn(unchanged, [put_op("/pd/claim", b"1")]) is True
+    await etcd.put("/pd/workers/b", b"3")
+    assert await etcd.txn(unchanged, [put_op("/pd/claim2", b"1")]) is False
 
 
 async def test_put_if_absent_creates_once(etcd: EtcdClient) -> None:
@@ -135,7 +159,7 @@ async def test_watch_sees_puts_and_deletes_in_order(etcd: EtcdClient) -> None:
 
 async def test_watch_resumes_after_etcd_restarts(
     etcd: EtcdClient,
-    etcd_server: EtcdServer,  # noqa: F811
+    etcd_server: EtcdServer,
 ) -> None:
     _, revision = await etcd.get_prefix("/pd/workers/")
     watch = etcd.watch_prefix("/pd/workers/", start_revision=revision + 1)
@@ -157,7 +181,7 @@ async def test_watch_resumes_after_etcd_restarts(
 
 async def test_calls_raise_etcd_unavailable_when_etcd_is_stopped(
     etcd: EtcdClient,
-    etcd_server: EtcdServer,  # noqa: F811
+    etcd_server: EtcdServer,
 ) -> None:
     await etcd.put("/pd/k", b"v")
     await asyncio.to_thread(etcd_server.stop)
@@ -184,7 +208,7 @@ async def test_watch_gives_up_with_etcd_unavailable_after_its_reconnect_window(
 
 async def test_a_call_to_a_hung_etcd_times_out_as_etcd_unavailable(
     etcd: EtcdClient,
-    etcd_server: EtcdServer,  # noqa: F811
+    etcd_server: EtcdServer,
 ) -> None:
     await etcd.put("/pd/k", b"v")
     assert etcd_server.process is not None

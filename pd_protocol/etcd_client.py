@@ -116,6 +116,48 @@ def prefix_end(prefix: str) -> bytes:
     return b"\0"
 
 
+# A compare or an operation of a transaction, in the gateway's JSON shape (see the builders).
+Compare = dict[str, str]
+Operation = dict[str, Any]
+
+
+def if_absent(key: str) -> Compare:
+    """The compare that holds while ``key`` does not exist."""
+    return {"target": "CREATE", "key": _b64(key), "result": "EQUAL", "create_revision": "0"}
+
+
+def if_unchanged(key: str, mod_revision: int) -> Compare:
+    """The compare that holds while ``key`` was last modified at ``mod_revision``."""
+    return {"target": "MOD", "key": _b64(key), "result": "EQUAL", "mod_revision": str(mod_revision)}
+
+
+def if_nothing_changed_under(prefix: str, revision: int) -> Compare:
+    """The compare that holds while no key under ``prefix`` was written after ``revision`` (a
+    key deleted since is not seen: compare the deletion's side effects where it matters)."""
+    return {
+        "target": "MOD",
+        "key": _b64(prefix),
+        "range_end": _b64(prefix_end(prefix)),
+        "result": "LESS",
+        "mod_revision": str(revision + 1),
+    }
+
+
+def put_op(key: str, value: bytes, *, lease: int = 0) -> Operation:
+    put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
+    if lease:
+        put["lease"] = str(lease)
+    return {"request_put": put}
+
+
+def delete_op(key: str) -> Operation:
+    return {"request_delete_range": {"key": _b64(key)}}
+
+
+def delete_prefix_op(prefix: str) -> Operation:
+    return {"request_delete_range": {"key": _b64(prefix), "range_end": _b64(prefix_end(prefix))}}
+
+
 def _kv(item: dict[str, Any]) -> KeyValue:
     return KeyValue(
         key=_unb64(item["key"]).decode(),
@@ -230,26 +272,18 @@ class EtcdClient:
 
     async def put_if_absent(self, key: str, value: bytes, *, lease: int = 0) -> bool:
         """Create ``key`` only if no one has: the building block of locks and claims."""
-        compare = {"target": "CREATE", "key": _b64(key), "result": "EQUAL", "create_revision": "0"}
-        return await self._txn_put(compare, key, value, lease)
+        return await self.txn([if_absent(key)], [put_op(key, value, lease=lease)])
 
     async def put_if_unchanged(
         self, key: str, value: bytes, mod_revision: int, *, lease: int = 0
     ) -> bool:
         """Replace ``key`` only if it was last modified at ``mod_revision`` (compare-and-swap)."""
-        compare = {
-            "target": "MOD",
-            "key": _b64(key),
-            "result": "EQUAL",
-            "mod_revision": str(mod_revision),
-        }
-        return await self._txn_put(compare, key, value, lease)
+        return await self.txn([if_unchanged(key, mod_revision)], [put_op(key, value, lease=lease)])
 
-    async def _txn_put(self, compare: dict[str, str], key: str, value: bytes, lease: int) -> bool:
-        put: dict[str, Any] = {"key": _b64(key), "value": _b64(value)}
-        if lease:
-            put["lease"] = str(lease)
-        body = await self._call("kv/txn", {"compare": [compare], "success": [{"request_put": put}]})
+    async def txn(self, compares: list[Compare], success: list[Operation]) -> bool:
+        """Apply every operation of ``success`` at one revision if every compare holds; whether
+        they held. Several keys change together or not at all (a claim and its lock)."""
+        body = await self._call("kv/txn", {"compare": compares, "success": success})
         return bool(body.get("succeeded", False))
 
     async def compact(self, revision: int) -> None:
