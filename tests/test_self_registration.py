@@ -240,13 +240,16 @@ async def test_a_record_put_again_over_a_routers_record_moves_the_epoch_to_the_l
 ) -> None:
     registration = await _start(registrations, session, [endpoint], LiveRole())
     lease = registration.lease_id or 0
+    # A router recorded the worker as decode (under a lease of its own), then the worker's
+    # lease was lost; the worker is a prefill.
+    router_lease = await etcd.grant_lease(60)
+    router_record = WorkerRecord(url=URL, role="decode", epoch=4)
+    await etcd.put(KEYS.worker(URL), router_record.encode(), lease=router_lease.id)
     await etcd.revoke_lease(lease)
-    # A router recorded the worker as decode meanwhile; the worker is a prefill.
-    await etcd.put(KEYS.worker(URL), WorkerRecord(url=URL, role="decode", epoch=4).encode())
 
     async def put_again() -> bool:
         kv = await _stored(etcd)
-        return kv is not None and kv.lease not in (0, lease)
+        return kv is not None and kv.lease not in (lease, router_lease.id)
 
     await _until(put_again, "the record put again under a new lease")
     record = await _record(etcd)
