@@ -181,18 +181,24 @@ class SelfRegistration:
     async def start(self) -> None:
         """Register now and keep the registration alive in a background task.
 
-        When no endpoint answers yet, the worker still starts: the warning is logged and the
-        background task registers as soon as etcd answers.
+        When etcd does not answer (or refuses) yet, the worker still starts: one warning is
+        logged and the background task registers as soon as etcd answers.
         """
         if self._task is not None:
             return
+        registered = True
         try:
             await self._register()
-        except (EtcdUnavailable, LeaseNotFound) as exc:
+        except EtcdError as exc:
+            registered = False
             logger.warning(
-                "etcd unreachable (%s): %s will register once it answers", exc, self._url
+                "%s could not register in etcd yet (%s): it serves and registers once etcd answers",
+                self._url,
+                exc,
             )
-        self._task = asyncio.create_task(self._keep_alive(), name=f"registration {self._url}")
+        self._task = asyncio.create_task(
+            self._keep_alive(failing=not registered), name=f"registration {self._url}"
+        )
 
     async def stop(self) -> None:
         """Stop refreshing and revoke the lease, so the record goes at once. Safe to call again
@@ -219,14 +225,15 @@ class SelfRegistration:
         else:
             logger.info("%s unregistered from etcd", self._url)
 
-    async def _keep_alive(self) -> None:
-        """Refresh the lease every ttl/3; register again when it is lost; ride out outages."""
+    async def _keep_alive(self, failing: bool) -> None:
+        """Refresh the lease every ttl/3; register again when it is lost; ride out outages
+        (``failing``: the outage began before this loop, and was logged already)."""
         delay = RETRY_INITIAL_S
-        unreachable = False
+        unreachable = failing
         while True:
             try:
                 if self._registered and self._lease is not None:
-                    await self._call(lambda client: client.keepalive(self._lease or 0))
+                    await self._refresh(self._lease)
                 else:
                     await self._register()
             except LeaseNotFound:
@@ -237,7 +244,7 @@ class SelfRegistration:
             except EtcdError as exc:
                 if not unreachable:
                     logger.warning(
-                        "etcd unreachable (%s): %s keeps serving and retries; its record is "
+                        "etcd call failed (%s): %s keeps serving and retries; its record is "
                         "put again if its lease expires meanwhile",
                         exc,
                         self._url,
@@ -251,6 +258,9 @@ class SelfRegistration:
                 unreachable = False
             delay = RETRY_INITIAL_S
             await asyncio.sleep(self.refresh_interval)
+
+    async def _refresh(self, lease: int) -> None:
+        await self._call(lambda client: client.keepalive(lease))
 
     async def _register(self) -> None:
         """Put the record under this worker's lease (granted first when there is none), as a

@@ -284,15 +284,20 @@ async def test_a_registration_started_while_etcd_is_down_registers_once_it_answe
     etcd: EtcdClient,
     session: aiohttp.ClientSession,
     registrations: list[SelfRegistration],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="pd_protocol.registration")
     etcd_server.stop()
     await _start(registrations, session, [etcd_server.url], LiveRole())
+    await asyncio.sleep(1.0)
     etcd_server.start()
 
     async def present() -> bool:
         return await _stored(etcd) is not None
 
     await _until(present, "the record once etcd answered")
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
 
 
 async def test_the_next_endpoint_is_used_when_the_first_does_not_answer(
