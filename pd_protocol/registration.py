@@ -292,13 +292,14 @@ class SelfRegistration:
             if_absent(self.key) if stored is None else if_unchanged(self.key, stored.mod_revision)
         )
         try:
-            return await self._call(
+            result = await self._call(
                 lambda client: client.txn([compare], [put_op(self.key, value, lease=lease)])
             )
         except EtcdRequestError as exc:
             if exc.code == GRPC_NOT_FOUND:
                 raise LeaseNotFound(lease) from exc
             raise
+        return result.succeeded
 
     async def _call(self, call: Callable[[EtcdClient], Awaitable[T]]) -> T:
         """``call`` on the endpoint in use, moving on to the next ones while they are down."""

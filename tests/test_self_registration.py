@@ -7,6 +7,7 @@ re-registration); tests/test_worker_registration.py runs it inside real pd-worke
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -254,6 +255,51 @@ async def test_a_record_put_again_over_a_routers_record_moves_the_epoch_to_the_l
     await _until(put_again, "the record put again under a new lease")
     record = await _record(etcd)
     assert record is not None and (record.role, record.epoch) == ("prefill", 5)
+
+
+class RouterWritesOnRead(LiveRole):
+    """A worker whose role is read just after a router wrote its record: the registration's
+    compare-and-swap then fails once and must read the record again."""
+
+    def __init__(self, etcd_url: str, record: WorkerRecord) -> None:
+        super().__init__()
+        self.armed = False
+        self._etcd_url = etcd_url
+        self._record = record
+
+    def __call__(self) -> tuple[str, int | None]:
+        if self.armed:
+            self.armed = False
+            # The registration awaits nothing while it reads the role: the router's write runs
+            # on a loop of its own, in another thread.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                pool.submit(asyncio.run, self._router_put()).result()
+        return super().__call__()
+
+    async def _router_put(self) -> None:
+        async with aiohttp.ClientSession() as session:
+            await EtcdClient(session, self._etcd_url).put(KEYS.worker(URL), self._record.encode())
+
+
+async def test_a_record_a_router_writes_during_a_put_is_read_again_before_the_put(
+    endpoint: str,
+    etcd: EtcdClient,
+    session: aiohttp.ClientSession,
+    registrations: list[SelfRegistration],
+) -> None:
+    live = RouterWritesOnRead(endpoint, WorkerRecord(url=URL, role="decode", epoch=7))
+    registration = await _start(registrations, session, [endpoint], live)
+    lease = registration.lease_id or 0
+    live.armed = True
+    await etcd.revoke_lease(lease)
+
+    async def put_again() -> bool:
+        kv = await _stored(etcd)
+        return kv is not None and kv.lease not in (0, lease)
+
+    await _until(put_again, "the record put again under a new lease")
+    record = await _record(etcd)
+    assert record is not None and (record.role, record.epoch) == ("prefill", 8)
 
 
 async def test_etcd_restarted_after_the_ttl_has_the_record_again_and_one_warning_was_logged(
