@@ -232,6 +232,7 @@ async def serve(
     from pd_worker.app import WORKER, build_app
     from pd_worker.registration import registered
 
+    stop = _stop_event(parent_pid)
     app = build_app(config)
     # A client that goes away cancels its request, as SGLang aborts disconnected requests: a
     # router cancelling a prefill leg must not leave the room held until the room timeout.
@@ -244,19 +245,22 @@ async def serve(
             "%s worker on %s, bootstrap port %d", config.role, config.url, config.bootstrap_port
         )
         async with registered(app[WORKER].engine, registration):
-            await _wait_for_signal(parent_pid)
+            await stop.wait()
     finally:
         await runner.cleanup()
 
 
-async def _wait_for_signal(parent_pid: int | None) -> None:
+def _stop_event(parent_pid: int | None) -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM (or the parent's exit). Installed before the worker
+    serves: a signal that arrived before would kill it at once, leaving its etcd record to
+    expire instead of being revoked."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if parent_pid is not None:
         _watch_parent(loop, parent_pid, stop)
-    await stop.wait()
+    return stop
 
 
 def _watch_parent(loop: asyncio.AbstractEventLoop, parent_pid: int, stop: asyncio.Event) -> None:

@@ -59,6 +59,22 @@ async def _record(etcd: EtcdClient, url: str) -> WorkerRecord | None:
     return None if kv is None else WorkerRecord.decode(kv.value)
 
 
+async def _registered(etcd: EtcdClient, url: str) -> KeyValue:
+    """The worker's record, once it is there: a worker answers /health (so its cluster has
+    started) a moment before its record is put."""
+    stored: KeyValue | None = None
+
+    async def present() -> bool:
+        nonlocal stored
+        stored = await _stored(etcd, url)
+        return stored is not None
+
+    await _until(present, f"the record of {url}", within=WAIT_S)
+    if stored is None:
+        raise AssertionError(f"no record of {url}")
+    return stored
+
+
 async def _until(condition: Callable[[], Awaitable[bool]], what: str, within: float) -> float:
     """Seconds until ``condition`` held (AssertionError after ``within``)."""
     started = time.monotonic()
@@ -74,12 +90,11 @@ async def test_a_worker_started_with_etcd_appears_with_its_role_and_bootstrap_po
 ) -> None:
     cluster = registered_cluster(prefill=1, decode=1)
     for worker in cluster.workers:
-        record = await _record(etcd, worker.url)
-        assert record == WorkerRecord(
+        kv = await _registered(etcd, worker.url)
+        assert WorkerRecord.decode(kv.value) == WorkerRecord(
             url=worker.url, role=worker.role, bootstrap_port=worker.bootstrap_port, source="self"
         )
-        kv = await _stored(etcd, worker.url)
-        assert kv is not None and kv.lease != 0
+        assert kv.lease != 0
 
 
 async def test_a_killed_workers_record_goes_within_the_lease_ttl(
@@ -87,7 +102,7 @@ async def test_a_killed_workers_record_goes_within_the_lease_ttl(
 ) -> None:
     cluster = registered_cluster()
     url = cluster.urls[0]
-    assert await _stored(etcd, url) is not None
+    await _registered(etcd, url)
     cluster.kill(url)
 
     async def gone() -> bool:
@@ -101,7 +116,7 @@ async def test_a_terminated_workers_record_goes_at_once(
 ) -> None:
     cluster = registered_cluster()
     url = cluster.urls[0]
-    assert await _stored(etcd, url) is not None
+    await _registered(etcd, url)
     cluster.terminate(url)
     assert await _stored(etcd, url) is None
 
@@ -110,8 +125,7 @@ async def test_a_record_a_router_changed_under_the_workers_lease_is_kept_alive(
     registered_cluster: Callable[..., WorkerCluster], etcd: EtcdClient
 ) -> None:
     url = registered_cluster().urls[0]
-    stored = await _stored(etcd, url)
-    assert stored is not None
+    stored = await _registered(etcd, url)
     converted = WorkerRecord.decode(stored.value).evolve(role="decode", epoch=1)
     await etcd.put(KEYS.worker(url), converted.encode(), lease=stored.lease)
     await asyncio.sleep(2 * TTL)
@@ -122,8 +136,7 @@ async def test_a_record_put_again_after_a_role_switch_carries_the_new_role(
     registered_cluster: Callable[..., WorkerCluster], etcd: EtcdClient
 ) -> None:
     url = registered_cluster().urls[0]
-    first = await _stored(etcd, url)
-    assert first is not None
+    first = await _registered(etcd, url)
     async with httpx.AsyncClient(timeout=WAIT_S) as client:
         reply = await client.post(
             url + "/pd_role_switch",
@@ -148,6 +161,7 @@ async def test_the_record_is_there_after_etcd_was_stopped_past_the_ttl_and_resta
     etcd: EtcdClient,
 ) -> None:
     url = registered_cluster().urls[0]
+    await _registered(etcd, url)
     etcd_server.stop()
     await asyncio.sleep(TTL + 1)
     etcd_server.start()
