@@ -263,3 +263,28 @@ async def test_converting_the_last_two_prefills_through_two_replicas_at_once_ref
     assert statuses == [200, 409], [a.text for a in answers]
     refused = next(a for a in answers if a.status_code == 409).json()["error"]
     assert refused["reason"] in ("min_prefill", "cluster_changed")
+
+
+async def test_a_replica_killed_while_its_worker_switches_leaves_the_worker_in_its_new_role(
+    cluster_factory, etcd_server
+):
+    workers = cluster_factory(prefill=2, decode=2, speed=1.0, switch_secs=1.5)
+    decode = workers.decode_urls[0]
+    async with replicas(workers, etcd_server, 2) as (r1, r2):
+        async with _client(r1) as via_r1:
+            started = await via_r1.post(
+                "/convert_pd_role", json={"server_url": decode, "wait": False}
+            )
+        assert started.status_code == 202, started.text
+        await wait_until(lambda: _state_on(r2.url, decode, "switching"), 2.0, "switching")
+        r1.process.send_signal(signal.SIGKILL)
+        await r1.process.wait()
+        await wait_until(
+            lambda: roles_agree([r2], decode, "prefill"),
+            LEASE_TTL_SECS + 8.0,
+            "the survivor has the worker in the role it switched to",
+        )
+        assert (await worker_role(decode))["role"] == "prefill"
+        async with _client(r2) as via_r2:
+            reply = await via_r2.post("/generate", json=generate_body("after", 2))
+        assert reply.status_code == 200
