@@ -85,6 +85,15 @@ def registered_record(
 
 
 @dataclass(frozen=True)
+class FlagNames:
+    """How a launcher spells the registration flags, for its usage errors."""
+
+    etcd: str
+    cluster: str
+    advertise_url: str
+
+
+@dataclass(frozen=True)
 class RegistrationSettings:
     """Where a worker registers itself: the ``--etcd`` family of launch flags, shared by
     ``pd-worker serve`` and the SGLang launcher. ``advertise_url`` None: the server's own url."""
@@ -109,6 +118,28 @@ class RegistrationSettings:
             )
         if self.lease_ttl < 1:
             raise ValueError(f"the etcd lease ttl must be at least 1 second, got {self.lease_ttl}")
+
+    @classmethod
+    def from_flags(
+        cls,
+        flags: FlagNames,
+        endpoints: list[str],
+        cluster: str | None,
+        prefix: str,
+        advertise_url: str | None,
+        lease_ttl: int,
+    ) -> RegistrationSettings | None:
+        """The settings a launcher's flags give (None without an etcd endpoint); ValueError
+        naming the launcher's flags when they cannot work together."""
+        if not endpoints:
+            if cluster is not None or advertise_url is not None:
+                raise ValueError(f"{flags.cluster} and {flags.advertise_url} need {flags.etcd} URL")
+            return None
+        if cluster is None:
+            raise ValueError(f"{flags.etcd} needs {flags.cluster} NAME (the router cluster)")
+        settings = cls(tuple(endpoints), cluster, prefix, advertise_url, lease_ttl)
+        settings.validate()
+        return settings
 
     def registration(
         self, session: aiohttp.ClientSession, own_url: str, current: CurrentRole

@@ -152,6 +152,7 @@ class ConversionManager:
             raise WorkerUnreachable(exc) from exc
         if request.extra and not extensions:
             raise KnobNotAccepted(sorted(request.extra)[0], worker)
+        await self._cluster.catch_up()
         conversion_id = self._cluster.conversion_id(self._started + 1)
         target = self._claim(worker, conversion_id, request.new_role)
         self._started += 1

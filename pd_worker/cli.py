@@ -21,10 +21,12 @@ from dataclasses import fields
 from typing import NoReturn
 
 from pd_protocol.cluster import DEFAULT_LEASE_TTL_SECS, DEFAULT_PREFIX
-from pd_protocol.registration import RegistrationSettings
+from pd_protocol.registration import FlagNames, RegistrationSettings
 from pd_protocol.wire import ROLES
 from pd_worker.config import WorkerConfig
 from pd_worker.timing import PROFILES, TimingModel, profile
+
+REGISTRATION_FLAGS = FlagNames("--etcd", "--cluster", "--advertise-url")
 
 USAGE_ERROR = 2
 
@@ -87,24 +89,13 @@ def _registration(
     parser: argparse.ArgumentParser, args: argparse.Namespace
 ) -> RegistrationSettings | None:
     """The self-registration settings, or None without --etcd; usage errors exit 2."""
-    if not args.etcd:
-        if args.cluster is not None or args.advertise_url is not None:
-            parser.error("--cluster and --advertise-url need --etcd URL")
-        return None
-    if args.cluster is None:
-        parser.error("--etcd needs --cluster NAME (the router cluster to register in)")
-    settings = RegistrationSettings(
-        endpoints=tuple(args.etcd),
-        cluster=args.cluster,
-        prefix=args.cluster_prefix,
-        advertise_url=args.advertise_url,
-        lease_ttl=args.etcd_lease_ttl,
-    )
     try:
-        settings.validate()
+        return RegistrationSettings.from_flags(
+            REGISTRATION_FLAGS, args.etcd, args.cluster, args.cluster_prefix,
+            args.advertise_url, args.etcd_lease_ttl,
+        )  # fmt: skip
     except ValueError as exc:
         parser.error(str(exc))
-    return settings
 
 
 def _build_parser() -> argparse.ArgumentParser:

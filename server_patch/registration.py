@@ -19,14 +19,13 @@ from typing import Any, NoReturn
 import aiohttp
 
 from pd_protocol.cluster import DEFAULT_LEASE_TTL_SECS, DEFAULT_PREFIX
-from pd_protocol.registration import RegistrationSettings
+from pd_protocol.registration import FlagNames, RegistrationSettings
 from server_patch.extension import PDExtension
 from server_patch.preflight import LaunchError
 
 logger = logging.getLogger("server_patch")
 
-ETCD_FLAG = "--pd-router-etcd"
-CLUSTER_FLAG = "--pd-router-cluster"
+FLAGS = FlagNames("--pd-router-etcd", "--pd-router-cluster", "--pd-router-advertise-url")
 
 Lifespan = Callable[[Any], contextlib.AbstractAsyncContextManager[Any]]
 
@@ -41,10 +40,10 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     # No abbreviations: a prefix of one of our flags must not swallow an SGLang flag.
     parser = _Parser(prog="server_patch.launch_server", add_help=False, allow_abbrev=False)
-    parser.add_argument(ETCD_FLAG, dest="etcd", action="append", default=[])
-    parser.add_argument(CLUSTER_FLAG, dest="cluster", default=None)
+    parser.add_argument(FLAGS.etcd, dest="etcd", action="append", default=[])
+    parser.add_argument(FLAGS.cluster, dest="cluster", default=None)
     parser.add_argument("--pd-router-cluster-prefix", dest="prefix", default=DEFAULT_PREFIX)
-    parser.add_argument("--pd-router-advertise-url", dest="advertise_url", default=None)
+    parser.add_argument(FLAGS.advertise_url, dest="advertise_url", default=None)
     parser.add_argument(
         "--pd-router-etcd-lease-ttl", dest="lease_ttl", type=int, default=DEFAULT_LEASE_TTL_SECS
     )
@@ -55,21 +54,10 @@ def split_registration_args(argv: list[str]) -> tuple[RegistrationSettings | Non
     """Our ``--pd-router-*`` flags as settings (None without ``--pd-router-etcd``) and the
     arguments left for SGLang, in their order. LaunchError for unusable flags."""
     args, rest = _parser().parse_known_args(argv)
-    if not args.etcd:
-        if args.cluster is not None or args.advertise_url is not None:
-            raise LaunchError(f"{CLUSTER_FLAG} and --pd-router-advertise-url need {ETCD_FLAG} URL")
-        return None, rest
-    if args.cluster is None:
-        raise LaunchError(f"{ETCD_FLAG} needs {CLUSTER_FLAG} NAME (the router cluster to join)")
-    settings = RegistrationSettings(
-        endpoints=tuple(args.etcd),
-        cluster=args.cluster,
-        prefix=args.prefix,
-        advertise_url=args.advertise_url,
-        lease_ttl=args.lease_ttl,
-    )
     try:
-        settings.validate()
+        settings = RegistrationSettings.from_flags(
+            FLAGS, args.etcd, args.cluster, args.prefix, args.advertise_url, args.lease_ttl
+        )
     except ValueError as exc:
         raise LaunchError(f"--pd-router-* flags: {exc}") from exc
     return settings, rest

@@ -175,3 +175,10 @@ def test_a_value_that_is_not_a_worker_record_is_ignored():
     view = ClusterView(KEYS)
     view.reset([KeyValue(KEYS.worker(URL), b"not json", 1, 1, 1, 0)], 1)
     assert view.records == {}
+
+
+async def test_a_wait_for_a_change_started_before_the_change_is_woken_by_it():
+    view = ClusterView(KEYS)
+    waiter = asyncio.ensure_future(view.changed())
+    view.apply(WatchEvent(EventType.PUT, KeyValue(KEYS.leader, b"r1", 1, 1, 1, 0)))
+    await asyncio.wait_for(waiter, 1.0)

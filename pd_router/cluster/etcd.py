@@ -368,6 +368,13 @@ class EtcdCluster:
             )
         return url, stored
 
+    async def catch_up(self) -> None:
+        try:
+            _, revision = await self._etcd("read", lambda c: c.get_prefix(self._keys.leader))
+        except EtcdError:
+            return
+        await self._catch_up(revision)
+
     async def _catch_up(self, revision: int) -> None:
         """Until this replica's view has applied ``revision`` (bounded by the etcd timeout)."""
         deadline = time.monotonic() + min(2.0, self._ttl / 2)

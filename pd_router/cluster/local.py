@@ -32,6 +32,10 @@ class Cluster(Protocol):
     def conversion_id(self, number: int) -> str:
         """The cluster-wide id of this replica's ``number``-th conversion."""
 
+    async def catch_up(self) -> None:
+        """Until this replica has applied everything the cluster agreed so far (a conversion
+        checks the pools on that, not on a view a few milliseconds behind another replica)."""
+
     async def claim(
         self, worker: Worker, conversion_id: str, to_role: Role, recheck: Callable[[], None]
     ) -> None:
@@ -93,6 +97,9 @@ class LocalCluster:
 
     def conversion_id(self, number: int) -> str:
         return f"c{number}"
+
+    async def catch_up(self) -> None:
+        return None
 
     async def claim(
         self, worker: Worker, conversion_id: str, to_role: Role, recheck: Callable[[], None]

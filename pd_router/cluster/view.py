@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from pd_protocol.cluster import BadRecord, ClusterKeys, WorkerRecord
 from pd_protocol.etcd_client import EventType, KeyValue, WatchEvent
@@ -59,9 +61,11 @@ class ClusterView:
         self._notify()
         return url
 
-    async def changed(self) -> None:
-        """Return at the next change."""
-        await self._changed.wait()
+    def changed(self) -> Coroutine[Any, Any, bool]:
+        """An awaitable that returns at the next change after this call. Not a coroutine
+        function: it takes the current event now, so a change between the call and the first
+        await (a task not yet started) still wakes it."""
+        return self._changed.wait()
 
     def _notify(self) -> None:
         self._changed.set()
