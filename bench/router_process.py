@@ -1,6 +1,7 @@
 """pd-router in its own process over a reference cluster, for the benchmarks that convert
-workers through it (convert_under_load.py, rebalance.py): its TOML config, start, readiness
-(every worker registered and healthy) and stop."""
+workers through it (convert_under_load.py, rebalance.py): its TOML config (with a
+``[cluster]`` section for a replica on etcd), start, readiness (every worker registered and
+healthy) and stop."""
 
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ def router_toml(
     for url in decode:
         lines += ["[[decode]]", f'url = "{url}"']
     return "\n".join(lines) + "\n" + extra
+
+
+def cluster_toml(etcd_url: str, name: str) -> str:
+    """A ``[cluster]`` section: the router joins cluster ``name`` on ``etcd_url`` as one of
+    its replicas (the router's default lease TTL)."""
+    return f'[cluster]\netcd = ["{etcd_url}"]\nname = "{name}"\n'
 
 
 @contextlib.contextmanager
