@@ -46,7 +46,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from etcd_process import running_etcd  # noqa: E402
-from router_process import cluster_toml, running_router  # noqa: E402
+from router_process import cluster_toml, running_router, wait_replicas  # noqa: E402
 
 from pd_worker.cluster import WorkerCluster  # noqa: E402
 from pd_worker.tokens import expected_text  # noqa: E402
@@ -57,7 +57,6 @@ MAX_BENCH_SECS = 600.0
 WARM_UP_TIMEOUT_SECS = 30.0
 DRAIN_TIMEOUT_SECS = 60.0
 CLUSTER_NAME = "bench"
-REPLICAS_READY_TIMEOUT_SECS = 30.0
 
 
 @dataclass
@@ -294,20 +293,6 @@ async def soak(
             stop.set()
             await asyncio.gather(*clients)
         return loads, records, time.monotonic() - started, problems
-
-
-def wait_replicas(urls: list[str]) -> None:
-    """Return once every replica's ``GET /cluster`` lists all of them (each has joined and
-    seen the others), polling for at most REPLICAS_READY_TIMEOUT_SECS."""
-    deadline = time.monotonic() + REPLICAS_READY_TIMEOUT_SECS
-    with httpx.Client(timeout=2.0) as client:
-        while time.monotonic() < deadline:
-            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                views = [client.get(url + "/cluster").json() for url in urls]
-                if all(view["etcd_up"] and len(view["replicas"]) == len(urls) for view in views):
-                    return
-            time.sleep(0.05)
-    raise SystemExit(f"the {len(urls)} replicas did not all see each other in time")
 
 
 def start_routers(

@@ -22,6 +22,7 @@ from pd_worker.cluster import WorkerCluster, free_port
 REPO = Path(__file__).resolve().parent.parent
 ROUTER_MAIN = "import sys; from pd_router.cli import main; sys.exit(main())"
 ROUTER_START_TIMEOUT_S = 30.0
+REPLICAS_READY_TIMEOUT_S = 30.0
 
 
 def router_toml(
@@ -109,3 +110,17 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], workers: int) -> None
                     return
             time.sleep(0.05)
     raise SystemExit("router not ready in time")
+
+
+def wait_replicas(urls: list[str]) -> None:
+    """Return once every replica's ``GET /cluster`` lists all of them (each has joined and
+    seen the others), polling for at most REPLICAS_READY_TIMEOUT_S."""
+    deadline = time.monotonic() + REPLICAS_READY_TIMEOUT_S
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                views = [client.get(url + "/cluster").json() for url in urls]
+                if all(view["etcd_up"] and len(view["replicas"]) == len(urls) for view in views):
+                    return
+            time.sleep(0.05)
+    raise SystemExit(f"the {len(urls)} replicas did not all see each other in time")
