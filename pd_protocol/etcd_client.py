@@ -77,6 +77,15 @@ class KeyValue:
     lease: int
 
 
+@dataclass(frozen=True)
+class TxnResult:
+    """Whether a transaction's compares held, and the store's revision after it (the
+    ``mod_revision`` of every key it wrote, when they held)."""
+
+    succeeded: bool
+    revision: int
+
+
 class EventType(enum.Enum):
     PUT = "PUT"
     DELETE = "DELETE"
@@ -272,19 +281,20 @@ class EtcdClient:
 
     async def put_if_absent(self, key: str, value: bytes, *, lease: int = 0) -> bool:
         """Create ``key`` only if no one has: the building block of locks and claims."""
-        return await self.txn([if_absent(key)], [put_op(key, value, lease=lease)])
+        return (await self.txn([if_absent(key)], [put_op(key, value, lease=lease)])).succeeded
 
     async def put_if_unchanged(
         self, key: str, value: bytes, mod_revision: int, *, lease: int = 0
     ) -> bool:
         """Replace ``key`` only if it was last modified at ``mod_revision`` (compare-and-swap)."""
-        return await self.txn([if_unchanged(key, mod_revision)], [put_op(key, value, lease=lease)])
+        ops = [put_op(key, value, lease=lease)]
+        return (await self.txn([if_unchanged(key, mod_revision)], ops)).succeeded
 
-    async def txn(self, compares: list[Compare], success: list[Operation]) -> bool:
-        """Apply every operation of ``success`` at one revision if every compare holds; whether
-        they held. Several keys change together or not at all (a claim and its lock)."""
+    async def txn(self, compares: list[Compare], success: list[Operation]) -> TxnResult:
+        """Apply every operation of ``success`` at one revision if every compare holds. Several
+        keys change together or not at all (a claim and its lock)."""
         body = await self._call("kv/txn", {"compare": compares, "success": success})
-        return bool(body.get("succeeded", False))
+        return TxnResult(bool(body.get("succeeded", False)), _revision(body))
 
     async def compact(self, revision: int) -> None:
         """Drop history before ``revision``; watches starting earlier get WatchCompacted."""

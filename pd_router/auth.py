@@ -21,6 +21,7 @@ ADMIN_PREFIXES = (
     "/pd_role_switch",
     "/conversions",
     "/autopilot",
+    "/cluster",
 )
 ADMIN_PATHS = frozenset({"/flush_cache", "/get_loads"})
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pd_router import policies
-from pd_router.compat import FLOAT, INT, PEER_OPTIONS, STR, Arity, Option, option
+from pd_router.compat import FLOAT, INT, PEER_OPTIONS, REPEAT, STR, Arity, Option, option
 from pd_router.config import LOG_FORMATS, ConfigError, RouterConfig, load_config, merge
 
 SUBCOMMANDS = ("serve", "launch", "demo", "status", "convert", "autopilot")
@@ -61,6 +61,12 @@ NATIVE_OPTIONS: tuple[Option, ...] = (
     option("--worker-api-key", (), STR, "worker_api_key",
            help="key of workers launched with --api-key, sent as Authorization: Bearer on "
            f"every call to a worker (default: ${WORKER_API_KEY_ENV}; the peers' --api-key)"),
+    option("--etcd", (), REPEAT, "cluster.etcd",
+           help="etcd endpoint (repeatable) shared by the router replicas of --cluster"),
+    option("--cluster", (), STR, "cluster.name",
+           help="name of the cluster this replica serves with its peers on --etcd"),
+    option("--replica-id", (), STR, "cluster.replica_id",
+           help="this replica's name in the cluster (default: HOSTNAME-PID)"),
 )  # fmt: skip
 
 
@@ -131,9 +137,11 @@ def startup_warnings(args: argparse.Namespace, config: RouterConfig) -> list[str
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """A validated config from parsed ``serve`` arguments (ConfigError on a bad value)."""
     config = load_config(args.config, overrides_from_args(args))
-    if not config.prefill or not config.decode:
+    if not config.cluster.enabled and (not config.prefill or not config.decode):
         raise ConfigError(
-            "prefill/decode", "at least one --prefill and one --decode (or [[prefill]]/[[decode]])"
+            "prefill/decode",
+            "at least one --prefill and one --decode (or [[prefill]]/[[decode]]), unless the "
+            "workers come from a cluster (--etcd URL --cluster NAME)",
         )
     return config
 

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from pd_router.autopilot.policy import MODES, AutopilotConfig
 from pd_router.circuit import CircuitConfig
+from pd_router.cluster.config import ClusterConfig
 from pd_router.concurrency import AdmissionConfig
 from pd_router.http1 import LegLimits
 from pd_router.policies import POLICIES, POLICY_ALIASES, CacheAwareConfig, canonical_policy_name
@@ -99,6 +100,7 @@ class RouterConfig:
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
     tls: TLSConfig = field(default_factory=TLSConfig)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
 
 SECTIONS: Mapping[str, type] = types.MappingProxyType(
@@ -112,6 +114,7 @@ SECTIONS: Mapping[str, type] = types.MappingProxyType(
         "autopilot": AutopilotConfig,
         "tls": TLSConfig,
         "cache_aware": CacheAwareConfig,
+        "cluster": ClusterConfig,
     }
 )
 
@@ -297,6 +300,7 @@ def validate(config: RouterConfig) -> None:
     validate_cors(config.cors_allowed_origins)
     validate_tls(config.tls)
     validate_cache_aware(config.cache_aware)
+    validate_cluster(config.cluster)
     for key in ("admin_api_key", "worker_api_key"):
         value = getattr(config, key)
         if value is not None and not (
@@ -308,6 +312,20 @@ def validate(config: RouterConfig) -> None:
     duplicates = sorted({u for u in urls if urls.count(u) > 1})
     if duplicates:
         raise ConfigError("prefill/decode", f"worker listed twice: {', '.join(duplicates)}")
+
+
+def validate_cluster(c: ClusterConfig) -> None:
+    for i, endpoint in enumerate(c.etcd):
+        parts = urlsplit(endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"cluster.etcd[{i}]", f"not an http(s) url: {endpoint!r}")
+    if c.enabled and not c.name:
+        raise ConfigError("cluster.name", "required with cluster.etcd (--cluster NAME)")
+    if "/" in c.name:
+        raise ConfigError("cluster.name", f"must not contain '/': {c.name!r}")
+    if not c.prefix.startswith("/"):
+        raise ConfigError("cluster.prefix", f"must start with '/': {c.prefix!r}")
+    check_positive("cluster.lease_ttl_secs", c.lease_ttl_secs)
 
 
 def validate_cors(origins: tuple[str, ...]) -> None:

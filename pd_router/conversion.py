@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from pd_router.cluster.local import Cluster, LocalCluster
 from pd_router.control import ControlError, SwitchReply, WorkerControl
 from pd_router.conversion_history import (
     HISTORY_SIZE,
@@ -105,8 +106,10 @@ class ConversionManager:
         max_concurrent: int = 1,
         drain_timeout_secs: float = DEFAULT_DRAIN_TIMEOUT_SECS,
         history_size: int = HISTORY_SIZE,
+        cluster: Cluster | None = None,
     ) -> None:
         self._registry = registry
+        self._cluster = cluster or LocalCluster()
         self._control = control
         self._minimum = {Role.PREFILL: min_prefill, Role.DECODE: min_decode}
         self._max_concurrent = max_concurrent
@@ -125,8 +128,13 @@ class ConversionManager:
         return self._history.newest_first()
 
     def active(self) -> list[Conversion]:
-        """The conversions that hold a worker right now (the registry knows which)."""
-        return [self._history.get(w.conversion_id) for w in self._registry.converting()]
+        """This router's conversions that hold a worker right now (the registry knows which;
+        a worker may also be held by another replica's conversion)."""
+        return [
+            self._history.get(w.conversion_id)
+            for w in self._registry.converting()
+            if w.conversion_id in self._history
+        ]
 
     # --- commands ---------------------------------------------------------------------------
 
@@ -144,9 +152,14 @@ class ConversionManager:
             raise WorkerUnreachable(exc) from exc
         if request.extra and not extensions:
             raise KnobNotAccepted(sorted(request.extra)[0], worker)
-        conversion_id = f"c{self._started + 1}"
+        conversion_id = self._cluster.conversion_id(self._started + 1)
         target = self._claim(worker, conversion_id, request.new_role)
         self._started += 1
+        try:
+            await self._cluster.claim(worker, conversion_id, target)
+        except BaseException:
+            self._registry.end_conversion(worker, conversion_id, WorkerState.ACTIVE)
+            raise
         protocol = protocol_for(self._control, extensions)
         conversion = Conversion(
             id=conversion_id,
@@ -278,6 +291,7 @@ class ConversionManager:
         await protocol.close_admission(conv)
         if conv.request.drain:
             await self._wait_router_idle(conv, deadline)
+            await self._wait_peers_idle(conv, deadline)
         conv.timings["router_idle_at"] = time.monotonic()
         conv.timings["drain_s"] = conv.phases[-1].end()
         logger.info("conversion %s: drained in %.3fs", conv.id, conv.timings["drain_s"])
@@ -300,6 +314,21 @@ class ConversionManager:
                 Status.DRAIN_TIMEOUT,
                 f"drain timed out with {conv.worker.inflight} request(s) still in flight "
                 "through this router",
+                restore=True,
+            )
+
+    async def _wait_peers_idle(self, conv: Conversion, deadline: float) -> None:
+        """Every other router replica stopped routing to the worker and has nothing left in
+        flight on it (at once for a router alone)."""
+        missing = await self._cluster.wait_peers_drained(
+            conv.worker, conv.id, conv._abort, deadline
+        )
+        self._check_abort(conv)
+        if missing:
+            raise Stop(
+                Status.DRAIN_TIMEOUT,
+                f"drain timed out: router replica(s) {', '.join(missing)} still have requests "
+                "in flight on it",
                 restore=True,
             )
 
@@ -331,6 +360,7 @@ class ConversionManager:
         conv.phases.append(phase)
         conv.status = Status.SWITCHING
         self._registry.advance_conversion(conv.worker, conv.id, WorkerState.SWITCHING)
+        await self._cluster.mark_switching(conv.worker, conv.id)
         body = self._switch_body(conv, peer_params)
         body.update(protocol.switch_fields(conv, deadline))
         conv.timings["idle_to_switch_s"] = time.monotonic() - conv.timings.pop("router_idle_at")
@@ -407,6 +437,7 @@ class ConversionManager:
             )
         await self._reopen(conv, protocol)
         conv.timings["verify_s"] = phase.end()
+        await self._cluster.release(conv.worker, conv.id, WorkerState.ACTIVE, conv.to_role, port)
         self._registry.end_conversion(
             conv.worker, conv.id, WorkerState.ACTIVE, role=conv.to_role, bootstrap_port=port
         )
@@ -434,9 +465,11 @@ class ConversionManager:
                 await self._reopen(conv, protocol)
             else:
                 self._registry.set_health(worker, False, stop.message)
+            await self._cluster.release(worker, conv.id, WorkerState.ACTIVE, worker.role, None)
             self._registry.end_conversion(worker, conv.id, WorkerState.ACTIVE)
             logger.warning("conversion %s: %s; back in the %s pool", conv.id, stop, worker.role)
         else:
+            await self._cluster.release(worker, conv.id, WorkerState.FAILED, worker.role, None)
             self._registry.end_conversion(worker, conv.id, WorkerState.FAILED, error=stop.message)
             logger.error("conversion %s: %s; worker %s FAILED", conv.id, stop, worker.url)
 
@@ -450,8 +483,22 @@ class ConversionManager:
                 total - conv.timings["drain_s"] - conv.timings["worker_switch_s"]
             )
         self._history.record_finished(conv, total)
+        self._cluster.finished(conv.worker, conv.id)
         conv._done.set()
         logger.info("conversion %s: %s in %.3fs (%s)", conv.id, conv.status, total, conv.message)
+
+    async def settle_orphan(self, worker: Worker, role: Role) -> tuple[Role, int | None]:
+        """The role a worker serves now, for a conversion whose router replica went before it
+        ended: its live role (the switch took effect or not), admission reopened; ``role``, the
+        one it had, if it cannot be read (the health probes find out when it answers)."""
+        try:
+            reading = await self._control.read_role(worker)
+            if reading.draining:
+                await self._control.set_admission(worker, open_=True)
+        except ControlError as exc:
+            logger.warning("settling %s: %s; keeping it as a %s", worker.url, exc, role)
+            return role, None
+        return reading.role or role, reading.bootstrap_port
 
     async def _decode_peer_params(self, conv: Conversion) -> dict[str, Any]:
         """Decode graph parameters of a decode peer, fetched while the drain runs, for the ones

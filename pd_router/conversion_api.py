@@ -83,6 +83,7 @@ async def _conversions(app: web.Application) -> AsyncIterator[None]:
             min_decode=settings.min_decode,
             max_concurrent=settings.max_concurrent,
             drain_timeout_secs=settings.drain_timeout_secs,
+            cluster=router.cluster,
         )
         router.conversions = manager
         yield

@@ -191,6 +191,9 @@ class ConversionHistory:
             raise ConversionNotFound(conversion_id)
         return conversion
 
+    def __contains__(self, conversion_id: object) -> bool:
+        return conversion_id in self._records
+
     def newest_first(self) -> Iterator[Conversion]:
         return reversed(list(self._records.values()))
 

@@ -129,6 +129,17 @@ class RouterOverloaded(RouterError):
         super().__init__(message, headers={"Retry-After": str(retry_after_secs)})
 
 
+class ClusterUnavailable(RouterError):
+    """A step that needs the other router replicas' agreement (a conversion, adding or removing
+    a worker) while etcd cannot be reached; routing goes on meanwhile."""
+
+    status = 503
+    error_type = "cluster_unavailable"
+
+    def __init__(self, message: str, retry_after_secs: int = 5) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after_secs)})
+
+
 class UpstreamTimeout(RouterError):
     status = 504
     error_type = "upstream_timeout"

@@ -78,6 +78,11 @@ async def handle_readiness(request: web.Request) -> web.Response:
     return json_response(body, 200 if ready else 503)
 
 
+async def handle_cluster(request: web.Request) -> web.Response:
+    """The router replicas this one agrees with (``{"enabled": false}`` for a router alone)."""
+    return json_response(router_of(request).cluster.as_dict())
+
+
 async def handle_metrics(request: web.Request) -> web.Response:
     body, content_type = router_of(request).metrics.exposition()
     response = web.Response(body=body)

@@ -96,6 +96,22 @@ class RouterMetrics:
             "Workers per role the autopilot's last decision aims for.",
             ["role"], registry=r,
         )  # fmt: skip
+        self.cluster_etcd_up = Gauge(
+            PREFIX + "cluster_etcd_up",
+            "1 while this replica reaches its cluster's etcd (always 0 without a cluster).",
+            registry=r,
+        )  # fmt: skip
+        self.cluster_replicas = Gauge(
+            PREFIX + "cluster_replicas", "Live router replicas of the cluster, as last seen.",
+            registry=r,
+        )  # fmt: skip
+        self.cluster_leader = Gauge(
+            PREFIX + "cluster_leader", "1 on the replica whose autopilot runs.", registry=r,
+        )  # fmt: skip
+        self.cluster_etcd_errors_total = Counter(
+            PREFIX + "cluster_etcd_errors_total", "etcd calls that failed, by operation.",
+            ["operation"], registry=r,
+        )  # fmt: skip
 
     def forget_worker(self, worker: str, role: str, states: Iterable[str]) -> None:
         """Drop a removed worker's labelled series (``worker_state`` for each of ``states``) so

@@ -153,6 +153,7 @@ def add_routes(app: web.Application) -> None:
     r.add_get("/readiness", info.handle_readiness)
     r.add_get("/health_generate", info.handle_health_generate)
     r.add_get("/metrics", info.handle_metrics)
+    r.add_get("/cluster", info.handle_cluster)
     r.add_get("/engine_metrics", engine_metrics.handle_engine_metrics)
     r.add_get("/v1/models", info.handle_models)
     r.add_get("/v1/models/{model_id:.+}", info.handle_model)

@@ -25,6 +25,8 @@ from aiohttp import web
 
 from pd_protocol.wire import ROLE_HEADER
 from pd_router.autopilot.controller import Autopilot
+from pd_router.cluster.etcd import EtcdCluster
+from pd_router.cluster.local import Cluster, LocalCluster
 from pd_router.concurrency import RequestAdmission
 from pd_router.config import RouterConfig
 from pd_router.errors import NoWorkers
@@ -60,6 +62,7 @@ class Router:
         self.conversions: ConversionManager | None = None
         self.latency = LatencyRecorder()
         self.autopilot = Autopilot(self)
+        self.cluster: Cluster = EtcdCluster(self) if config.cluster.enabled else LocalCluster()
         # Sent on every call to a worker (legs, probes, fan-outs, aborts, control).
         self.worker_headers: dict[str, str] = (
             {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else {}
@@ -130,6 +133,7 @@ class Router:
             headers=self.worker_headers,
         )
         self.health.start(self._session)
+        await self.cluster.start()
         await self.health.probe_all()
         if self.config.health.startup_wait_secs > 0:
             try:
@@ -142,6 +146,7 @@ class Router:
 
     async def stop(self) -> None:
         await self.autopilot.stop()
+        await self.cluster.stop()
         await self.health.stop()
         for task in list(self._background):
             task.cancel()

@@ -223,6 +223,7 @@ class WorkerRegistry:
         self._by_id: dict[str, Worker] = {}
         self._ids = itertools.count(1)
         self._unavailable_callbacks: list[UnavailableCallback] = []
+        self._adopted_callbacks: list[Callable[[Worker], None]] = []
         for role in Role:
             self._metrics.pool_size.labels(role.value).set(0)
 
@@ -271,6 +272,11 @@ class WorkerRegistry:
         self._export_state(worker)
         self._export_pools()
         return worker
+
+    def check_removable(self, worker: Worker) -> None:
+        """Raise what :meth:`begin_removal` would refuse with, changing nothing (to ask the
+        other router replicas only about a removal this one allows)."""
+        self._require_free(worker)
 
     def begin_removal(self, worker: Worker) -> None:
         """ACTIVE or FAILED -> REMOVING: out of every pool at once, the in-flight requests left
@@ -451,6 +457,58 @@ class WorkerRegistry:
         if worker.state is not WorkerState.ACTIVE:
             raise InvalidTransition(worker, WorkerState.ACTIVE)
         self._move(worker, WorkerState.ACTIVE, role=role, bootstrap_port=bootstrap_port)
+        for callback in list(self._adopted_callbacks):
+            callback(worker)
+
+    # --- what other router replicas decided -------------------------------------------------
+    # A cluster of replicas shares each worker's role, state, epoch and holding conversion
+    # (pd_router.cluster); these apply what another replica published. Health, circuits and
+    # in-flight counts stay this replica's own.
+
+    def hold_for_peer(self, worker: Worker, conversion_id: str, state: WorkerState) -> None:
+        """A conversion another replica runs holds ``worker`` (DRAINING, then SWITCHING): out
+        of selection here too, its in-flight requests left to finish."""
+        self._require_registered(worker)
+        if worker.conversion_id not in (None, conversion_id):
+            raise WorkerConverting(worker)
+        if worker.state is WorkerState.REMOVING:
+            raise WorkerRemoving(worker)
+        if state not in CONVERTING:
+            raise InvalidTransition(worker, state)
+        if worker.state is WorkerState.ACTIVE and state is WorkerState.SWITCHING:
+            self._move(worker, WorkerState.DRAINING)
+        worker.conversion_id = conversion_id
+        self._move(worker, state)
+
+    def release_from_peer(
+        self,
+        worker: Worker,
+        conversion_id: str,
+        state: WorkerState,
+        *,
+        role: Role,
+        bootstrap_port: int | None,
+        epoch: int,
+    ) -> None:
+        """Another replica's conversion let the worker go: ACTIVE or FAILED, under ``role``."""
+        self._require_holder(worker, conversion_id)
+        if state in CONVERTING:
+            raise InvalidTransition(worker, state)
+        worker.conversion_id = None
+        self._move(worker, state, role=role, bootstrap_port=bootstrap_port, epoch=epoch)
+
+    def follow_peer(
+        self, worker: Worker, *, role: Role, bootstrap_port: int | None, epoch: int
+    ) -> None:
+        """The shared record of a worker no conversion holds names another role, port or
+        epoch (another replica saw its role change): take them over."""
+        self._require_free(worker)
+        self._move(worker, worker.state, role=role, bootstrap_port=bootstrap_port, epoch=epoch)
+
+    def on_adopted(self, callback: Callable[[Worker], None]) -> None:
+        """Call ``callback(worker)`` after :meth:`adopt_role` moved a worker to another pool
+        (a role change this replica's probes found), so a cluster can share it."""
+        self._adopted_callbacks.append(callback)
 
     # --- in-flight accounting (hot path) ----------------------------------------------------
 
@@ -513,8 +571,10 @@ class WorkerRegistry:
         *,
         role: Role | None = None,
         bootstrap_port: int | None = None,
+        epoch: int | None = None,
     ) -> None:
-        """The one place a worker's state changes; a new ``role`` bumps its epoch."""
+        """The one place a worker's state changes; a new ``role`` bumps its epoch (to ``epoch``
+        when the cluster's shared record says which)."""
         if state is not worker.state and state not in TRANSITIONS[worker.state]:
             raise InvalidTransition(worker, state)
         if role is not None and role is not worker.role:
@@ -528,6 +588,8 @@ class WorkerRegistry:
             worker._inflight_gauge.set(worker.inflight)
         if bootstrap_port is not None:
             worker.bootstrap_port = bootstrap_port
+        if epoch is not None:
+            worker.epoch = epoch
         worker.state = state
         self._export_state(worker)
         self._export_pools()

@@ -1,5 +1,8 @@
 """Admin API for the pools: list, read, add and remove workers.
 
+With router replicas (``[cluster]``) an addition or a removal is published to the others first
+(503 while etcd cannot be reached), so it shows on every replica.
+
 Removal stops routing to the worker at once (REMOVING), waits for the router's in-flight
 requests on it to end (an event, bounded by ``worker_removal_timeout_secs``), then forgets it. The
 registry refuses it (409) while a conversion holds the worker, and refuses a conversion of a
@@ -17,7 +20,14 @@ from pd_router.errors import BadRequest, Conflict
 from pd_router.info import json_response
 from pd_router.requests import is_int, parse_body
 from pd_router.state import Router, router_of
-from pd_router.workers import Role, Worker, WorkerConverting, WorkerRemoving, normalize_url
+from pd_router.workers import (
+    Role,
+    Worker,
+    WorkerConverting,
+    WorkerRemoving,
+    WorkerState,
+    normalize_url,
+)
 
 
 async def handle_list_workers(request: web.Request) -> web.Response:
@@ -60,6 +70,7 @@ async def handle_add_worker(request: web.Request) -> web.Response:
     """Register a worker, probe it once, answer with its record (409 if already known)."""
     router = router_of(request)
     url, role, port = parse_new_worker(parse_body(await request.read()))
+    await router.cluster.add_worker(url, role, port)
     worker = router.registry.add(url, role, port, healthy=False)
     await router.health.check(worker)
     return json_response(worker.as_dict(), 201)
@@ -72,7 +83,11 @@ async def handle_remove_worker(request: web.Request) -> web.Response:
         raise BadRequest("name the worker: DELETE /workers/{id-or-url} or ?url=")
     worker = router.registry.get(key)
     try:
-        router.registry.begin_removal(worker)
+        router.registry.check_removable(worker)
+        await router.cluster.begin_removal(worker)
+        # With replicas, this one may already have applied its own published removal.
+        if worker.state is not WorkerState.REMOVING:
+            router.registry.begin_removal(worker)
     except (WorkerConverting, WorkerRemoving) as exc:
         raise Conflict(str(exc), details={"reason": exc.reason}) from exc
     forced = await asyncio.shield(router.spawn(remove(router, worker)))
@@ -90,5 +105,7 @@ async def remove(router: Router, worker: Worker) -> bool:
         forced = False
     except TimeoutError:
         forced = True
-    router.registry.forget(worker)
+    if router.registry.registered(worker):
+        router.registry.forget(worker)
+    await router.cluster.end_removal(worker)
     return forced

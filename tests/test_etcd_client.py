@@ -79,9 +79,11 @@ async def test_a_transaction_applies_all_its_operations_or_none(etcd: EtcdClient
     await etcd.put("/pd/taken", b"x")
     await etcd.put("/pd/old", b"x")
     ops = [put_op("/pd/a", b"1"), put_op("/pd/b", b"2"), delete_op("/pd/old")]
-    assert await etcd.txn([if_absent("/pd/a"), if_absent("/pd/taken")], ops) is False
+    assert (await etcd.txn([if_absent("/pd/a"), if_absent("/pd/taken")], ops)).succeeded is False
     assert (await etcd.get("/pd/a"), await etcd.get("/pd/old") is not None) == (None, True)
-    assert await etcd.txn([if_absent("/pd/a")], ops) is True
+    done = await etcd.txn([if_absent("/pd/a")], ops)
+    assert done.succeeded is True
+    assert (await etcd.get("/pd/b")).mod_revision == done.revision
     assert [kv.key for kv in (await etcd.get_prefix("/pd/"))[0]] == ["/pd/a", "/pd/b", "/pd/taken"]
 
 
@@ -90,9 +92,9 @@ async def test_nothing_changed_under_a_prefix_fails_after_a_write_there(etcd: Et
     _, revision = await etcd.get_prefix("/pd/workers/")
     await etcd.put("/pd/elsewhere", b"2")
     unchanged = [if_nothing_changed_under("/pd/workers/", revision)]
-    assert await etcd.txn(unchanged, [put_op("/pd/claim", b"1")]) is True
+    assert (await etcd.txn(unchanged, [put_op("/pd/claim", b"1")])).succeeded is True
     await etcd.put("/pd/workers/b", b"3")
-    assert await etcd.txn(unchanged, [put_op("/pd/claim2", b"1")]) is False
+    assert (await etcd.txn(unchanged, [put_op("/pd/claim2", b"1")])).succeeded is False
 
 
 async def test_put_if_absent_creates_once(etcd: EtcdClient) -> None:

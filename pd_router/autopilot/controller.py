@@ -100,9 +100,11 @@ class Autopilot:
                 await task
 
     async def _run(self) -> None:
+        """One tick per interval, on the cluster's leader only: replicas that each rebalanced
+        would convert the same pools several times over."""
         while True:
             await asyncio.sleep(self.config.interval_secs)
-            if self.config.mode != "off":
+            if self.config.mode != "off" and self._router.cluster.is_leader():
                 await self.tick()
 
     # --- one interval -----------------------------------------------------------------------

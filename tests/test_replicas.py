@@ -1,0 +1,214 @@
+"""Several router replicas in front of one 2P2D cluster of reference workers, agreeing through a
+real etcd: conversions through one replica while clients send through all, workers added
+through one and served through another, a replica killed in the middle of a drain, etcd
+stopped and restarted."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.conversion_helpers import LONG, wait_for_busy, worker_role
+from tests.replica_helpers import (
+    LEASE_TTL_SECS,
+    cluster_view,
+    failures,
+    load_on_all,
+    more_requests,
+    replicas,
+    roles_agree,
+    workers_of,
+)
+from tests.router_helpers import assert_paired, generate_body, wait_until
+from tests.router_process import RouterProcess
+
+SPEED = 0.05
+
+
+@pytest.fixture
+def workers(cluster_factory):
+    return cluster_factory(prefill=2, decode=2, speed=SPEED)
+
+
+async def test_a_conversion_through_one_replica_fails_no_request_sent_through_any(
+    workers, etcd_server
+):
+    prefill = workers.prefill_urls[0]
+    async with replicas(workers, etcd_server, 3) as routers:
+        async with load_on_all(routers, 32) as loads, httpx.AsyncClient(timeout=60.0) as http:
+            await more_requests(loads, 10)
+            body = {"server_url": prefill}
+            there = await http.post(routers[0].url + "/convert_pd_role", json=body)
+            back = await http.post(routers[1].url + "/convert_pd_role", json=body)
+            await more_requests(loads, 10)
+        assert there.status_code == 200 and there.json()["status"] == "succeeded", there.text
+        assert back.status_code == 200 and back.json()["status"] == "succeeded", back.text
+        assert failures(loads) == []
+        await wait_until(lambda: roles_agree(routers, prefill, "prefill"), 2.0, "agreed role")
+        epochs = {(await workers_of(r.url))[prefill]["epoch"] for r in routers}
+        assert epochs == {2}
+
+
+async def test_a_draining_worker_is_out_of_every_replica_until_each_has_finished_with_it(
+    workers, etcd_server
+):
+    """The switch waits for a request another replica still has in flight on the worker."""
+    async with replicas(workers, etcd_server, 2) as (r1, r2), _client(r1) as via_r1:
+        async with _client(r2) as via_r2:
+            long = asyncio.create_task(via_r2.post("/generate", json=LONG))
+            busy = await wait_for_busy(workers.decode_urls)
+            started = await via_r1.post(
+                "/convert_pd_role", json={"server_url": busy, "wait": False}
+            )
+            assert started.status_code == 202, started.text
+            await wait_until(lambda: _state_on(r2.url, busy, "draining"), 2.0, "draining on r2")
+            assert (await worker_role(busy))["role"] == "decode"
+            assert (await long).status_code == 200
+        location = started.json()["location"]
+        await wait_until(lambda: _conversion_done(via_r1, location), 10.0, "conversion ended")
+        record = (await via_r1.get(location)).json()
+        assert record["status"] == "succeeded", record
+        await wait_until(lambda: roles_agree([r1, r2], busy, "prefill"), 2.0, "agreed role")
+
+
+async def test_one_worker_converted_through_two_replicas_at_once_is_refused_once(
+    workers, etcd_server
+):
+    async with replicas(workers, etcd_server, 2) as (r1, r2), _client(r2) as via_r2:
+        long = asyncio.create_task(via_r2.post("/generate", json=LONG))
+        busy = await wait_for_busy(workers.decode_urls)
+        body = {"server_url": busy, "wait": False}
+        async with _client(r1) as via_r1:
+            answers = await asyncio.gather(
+                via_r1.post("/convert_pd_role", json=body),
+                via_r2.post("/convert_pd_role", json=body),
+            )
+        await long
+    statuses = sorted(a.status_code for a in answers)
+    assert statuses == [202, 409], [a.text for a in answers]
+    refused = next(a for a in answers if a.status_code == 409).json()["error"]
+    assert refused["reason"] == "already_converting"
+
+
+async def test_a_worker_added_through_one_replica_serves_through_another_within_a_second(
+    workers, etcd_server
+):
+    async with replicas(workers, etcd_server, 2) as (r1, r2):
+        new = await asyncio.to_thread(workers.add, "prefill")
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            added = await http.post(
+                r1.url + "/workers",
+                json={"url": new.url, "role": "prefill", "bootstrap_port": new.bootstrap_port},
+            )
+            assert added.status_code == 201, added.text
+            since = time.monotonic()
+            served_by = set()
+            while new.url not in served_by and time.monotonic() - since < 1.0:
+                reply = await http.post(r2.url + "/generate", json=generate_body("hello", 2))
+                assert reply.status_code == 200, reply.text
+                served_by.add(assert_paired(reply.json(), "hello", 2))
+        assert new.url in served_by, f"{new.url} served nothing through r2 within 1 s"
+
+
+async def test_a_worker_removed_through_one_replica_leaves_every_replica(workers, etcd_server):
+    gone = workers.decode_urls[0]
+    async with replicas(workers, etcd_server, 2) as (r1, r2):
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            removed = await http.delete(r1.url + "/workers", params={"url": gone})
+        assert removed.status_code == 200, removed.text
+
+        async def gone_from_r2() -> bool:
+            return gone not in await workers_of(r2.url)
+
+        await wait_until(gone_from_r2, 2.0, "removed on r2")
+
+
+async def test_a_replica_killed_in_the_middle_of_a_drain_leaves_no_worker_stuck(
+    workers, etcd_server
+):
+    async with replicas(workers, etcd_server, 2) as (r1, r2), _client(r2) as via_r2:
+        long = asyncio.create_task(via_r2.post("/generate", json=LONG))
+        busy = await wait_for_busy(workers.decode_urls)
+        async with _client(r1) as via_r1:
+            started = await via_r1.post(
+                "/convert_pd_role",
+                json={"server_url": busy, "wait": False, "drain_timeout_secs": 60},
+            )
+        assert started.status_code == 202, started.text
+        await wait_until(lambda: _state_on(r2.url, busy, "draining"), 2.0, "draining")
+        r1.process.send_signal(signal.SIGKILL)
+        await r1.process.wait()
+        assert (await long).status_code == 200
+        await wait_until(
+            lambda: _state_on(r2.url, busy, "active"),
+            LEASE_TTL_SECS + 5.0,
+            "settled by the surviving replica",
+        )
+        role = await worker_role(busy)
+        assert (role["role"], role["draining"]) == ("decode", False)
+        entry = (await workers_of(r2.url))[busy]
+        assert (entry["role"], entry["conversion"]) == ("decode", None)
+        reply = await via_r2.post("/generate", json=generate_body("after", 2))
+        assert reply.status_code == 200
+
+
+async def test_etcd_away_keeps_traffic_flowing_refuses_conversions_then_recovers(
+    workers, etcd_server
+):
+    prefill = workers.prefill_urls[0]
+    async with replicas(workers, etcd_server, 2) as routers:
+        async with load_on_all(routers, 8) as loads, _client(routers[0]) as http:
+            await asyncio.to_thread(etcd_server.stop)
+            await wait_until(lambda: _etcd_down(routers), 10.0, "replicas see etcd away")
+            refused = await http.post("/convert_pd_role", json={"server_url": prefill})
+            await more_requests(loads, 10)
+            await asyncio.to_thread(etcd_server.start)
+            await wait_until(lambda: _etcd_up(routers), 10.0, "replicas see etcd back")
+            converted = await http.post("/convert_pd_role", json={"server_url": prefill})
+            await more_requests(loads, 10)
+        assert refused.status_code == 503, refused.text
+        assert refused.json()["error"]["type"] == "cluster_unavailable"
+        assert converted.status_code == 200, converted.text
+        assert failures(loads) == []
+        await wait_until(lambda: roles_agree(routers, prefill, "decode"), 2.0, "agreed role")
+
+
+async def test_only_one_replica_leads_and_another_takes_over_when_it_stops(workers, etcd_server):
+    async with replicas(workers, etcd_server, 2) as (r1, r2):
+        leaders = {(await cluster_view(r.url))["leader"] for r in (r1, r2)}
+        assert len(leaders) == 1
+        leader, follower = (r1, r2) if leaders == {"r1"} else (r2, r1)
+        leader.process.send_signal(signal.SIGTERM)
+        await leader.process.wait()
+        survivor = "r2" if follower is r2 else "r1"
+
+        async def took_over() -> bool:
+            return (await cluster_view(follower.url))["leader"] == survivor
+
+        await wait_until(took_over, LEASE_TTL_SECS + 3.0, "the other replica leads")
+
+
+def _client(router: RouterProcess) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=router.url, timeout=60.0)
+
+
+async def _state_on(router_url: str, worker_url: str, state: str) -> bool:
+    entry = (await workers_of(router_url)).get(worker_url)
+    return entry is not None and entry["state"] == state
+
+
+async def _conversion_done(http: httpx.AsyncClient, location: str) -> bool:
+    status = (await http.get(location)).json()["status"]
+    return status not in ("draining", "switching", "verifying")
+
+
+async def _etcd_down(routers) -> bool:
+    return [(await cluster_view(r.url))["etcd_up"] for r in routers] == [False] * len(routers)
+
+
+async def _etcd_up(routers) -> bool:
+    return [(await cluster_view(r.url))["etcd_up"] for r in routers] == [True] * len(routers)
