@@ -23,7 +23,8 @@ replicas are routing to. It reports:
     .venv/bin/python bench/convert_under_load.py --native        # workers without extensions
     .venv/bin/python bench/convert_under_load.py --replicas 3 --flips 100   # 3 routers on etcd
 
-Exit status 1 if a request failed, a conversion did not succeed or a goal was missed.
+Exit status 1 if a request failed, a conversion did not succeed or a goal was missed (with
+``--replicas``, the two latency goals are reported but not judged: they are a single router's).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ MAX_BENCH_SECS = 600.0
 WARM_UP_TIMEOUT_SECS = 30.0
 DRAIN_TIMEOUT_SECS = 60.0
 CLUSTER_NAME = "bench"
+# The latency goals are the single router's: a replica's conversion also waits for etcd (its
+# SWITCHING mark and its outcome are transactions, the peers' drain reports come through the
+# watch), so with --replicas they are reported and the run is judged on failures alone.
+REPLICA_GOALS_NOTE = "(single-router goals, reported only with replicas)"
 
 
 @dataclass
@@ -233,16 +238,17 @@ def report(
         row("last in-flight request done -> switch call", timings["idle_to_switch_s"]),
         "",
         f"goals: router overhead p99 {overhead_p99 * 1000:.2f} ms (< {OVERHEAD_GOAL_S * 1000:.0f}),"
-        f" idle->switch p99 {idle_p99 * 1000:.2f} ms (< {IDLE_TO_SWITCH_GOAL_S * 1000:.0f})",
+        f" idle->switch p99 {idle_p99 * 1000:.2f} ms (< {IDLE_TO_SWITCH_GOAL_S * 1000:.0f})"
+        + (f" {REPLICA_GOALS_NOTE}" if args.replicas else ""),
     ]
     print("\n".join(lines))
     for error in load.errors[:5]:
         print("error:", error)
+    timing_goals_met = overhead_p99 < OVERHEAD_GOAL_S and idle_p99 < IDLE_TO_SWITCH_GOAL_S
     return (
         load.failed == 0
         and len(records) >= args.flips
-        and overhead_p99 < OVERHEAD_GOAL_S
-        and idle_p99 < IDLE_TO_SWITCH_GOAL_S
+        and (timing_goals_met or bool(args.replicas))
     )
 
 
