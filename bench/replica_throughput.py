@@ -4,19 +4,22 @@ One run starts the workers (reference workers at speed 0, or ``--backend stub``)
 single-member etcd, and every configuration of ``--routers`` at once: ``1`` is one pd-router
 without ``[cluster]`` (in-memory state, as before replicas), ``N`` >= 2 is N pd-router
 processes started with ``--etcd URL --cluster replicas-N`` (one cluster per configuration on
-the same etcd). Each configuration is then driven in turn by the same closed-loop load as
-bench/overhead.py (bench/loadgen.py in its own process, ``--concurrency`` clients), the clients
-spread over the configuration's routers (client i to router i mod N); rounds interleave the
-configurations with a rotating order. Reported per configuration and mode: requests/s, latency,
-errors, and the CPU of all its routers together, per request and in cores.
+the same etcd), ``Ni`` is N independent pd-routers without etcd (the same split of the load
+over N processes without a cluster: what the split itself costs). Each configuration is then
+driven in turn by the same closed-loop load as bench/overhead.py (bench/loadgen.py in its own
+process, ``--concurrency`` clients), the clients spread over the configuration's routers
+(client i to router i mod N); rounds interleave the configurations with a rotating order.
+Reported per configuration and mode: requests/s, latency, errors, and the CPU of all its
+routers together, per request and in cores.
 
     .venv/bin/python bench/replica_throughput.py                    # 1, 2, 3 routers, pd_worker
     .venv/bin/python bench/replica_throughput.py --backend stub     # instant workers
-    .venv/bin/python bench/replica_throughput.py --routers 1,3 --rounds 3
+    .venv/bin/python bench/replica_throughput.py --routers 1,2,2i,3,3i   # + routers without etcd
 
 On a machine with fewer cores than routers + workers + load generator, more routers cannot add
-throughput: the figure shows what replicas cost (CPU per request, latency) and that spreading
-clients over them loses nothing, not how they scale. Results go to stdout and
+throughput: the figures show what splitting one load over more router processes costs on shared
+cores (CPU per request, latency) and whether membership in a cluster adds to it, not how
+replicas scale when each has cores of its own. Results go to stdout and
 bench/results/replicas-<timestamp>.md; exit status 1 if any configuration had an error.
 """
 
@@ -60,17 +63,26 @@ MAX_ROUTERS = 8
 
 @dataclass(frozen=True)
 class Configuration:
-    """One line of the comparison: how many routers and whether they are replicas on etcd."""
+    """One line of the comparison: how many routers and whether they are replicas on etcd
+    (``replicas`` False: independent routers, each alone with the same workers, the same load
+    split over more processes without any etcd)."""
 
     routers: int
+    replicas: bool = True
+
+    @property
+    def on_etcd(self) -> bool:
+        return self.replicas and self.routers > 1
 
     @property
     def name(self) -> str:
-        return "1 router" if self.routers == 1 else f"{self.routers} replicas"
+        if self.routers == 1:
+            return "1 router"
+        return f"{self.routers} replicas" if self.replicas else f"{self.routers} routers, no etcd"
 
     @property
     def cluster(self) -> str:
-        return f"replicas-{self.routers}"
+        return f"replicas-{self.routers}" if self.replicas else f"alone-{self.routers}"
 
 
 def replica_argv(
@@ -85,7 +97,11 @@ def router_peers(configuration: Configuration, etcd_url: str) -> list[Peer]:
     """The routers of one configuration, each with its own name (its log file's)."""
     if configuration.routers == 1:
         return [PEERS["pd-router"]]
-    build = functools.partial(replica_argv, etcd_url, configuration.cluster)
+    build = (
+        functools.partial(replica_argv, etcd_url, configuration.cluster)
+        if configuration.replicas
+        else PEERS["pd-router"].build_argv
+    )
     return [
         Peer(
             name=f"{configuration.cluster}-{index}",
@@ -93,7 +109,7 @@ def router_peers(configuration: Configuration, etcd_url: str) -> list[Peer]:
             packages=(),
             build_argv=build,
             help_argv=PEERS["pd-router"].help_argv,
-            description=f"pd-router replica {index} of cluster {configuration.cluster}",
+            description=f"pd-router {index} of {configuration.name}",
         )
         for index in range(configuration.routers)
     ]
@@ -114,7 +130,7 @@ def start_configuration(
     ]
     for router in routers:
         router.wait_ready()
-    if configuration.routers > 1:
+    if configuration.on_etcd:
         wait_replicas([router.url for router in routers])
     print(f"# {configuration.name} ready", file=sys.stderr)
     return routers
@@ -193,18 +209,26 @@ def report(
 
 
 def parse_configurations(text: str) -> tuple[Configuration, ...]:
-    """``"1,2,3"`` -> one configuration per distinct router count, in the order given."""
-    counts = [int(part) for part in text.split(",") if part.strip()]
-    if not counts or any(not 1 <= n <= MAX_ROUTERS for n in counts):
+    """``"1,2,3,2i"`` -> one configuration per distinct entry, in the order given: N routers
+    as replicas on etcd, or with an ``i`` suffix N independent routers without etcd."""
+    entries = [part.strip() for part in text.split(",") if part.strip()]
+    counts = [(int(entry.removesuffix("i")), entry.endswith("i")) for entry in entries]
+    configurations = [Configuration(n, replicas=n > 1 and not alone) for n, alone in counts]
+    if not configurations or any(not 1 <= c.routers <= MAX_ROUTERS for c in configurations):
         raise ValueError(f"router counts must be between 1 and {MAX_ROUTERS}")
-    return tuple(Configuration(n) for n in dict.fromkeys(counts))
+    return tuple(dict.fromkeys(configurations))
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, tuple[Configuration, ...], str]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--routers", default="1,2,3", help="router counts, default %(default)s")
+    parser.add_argument(
+        "--routers",
+        default="1,2,3",
+        help="router counts, default %(default)s; N as replicas on etcd, Ni: N independent "
+        "routers without etcd (the same split of the load, no cluster)",
+    )
     parser.add_argument(
         "--modes", default=",".join(MODES), help="comma-separated subset of %(default)s"
     )

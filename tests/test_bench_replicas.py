@@ -44,3 +44,16 @@ def test_a_replica_is_the_benchmarked_pd_router_joined_to_its_cluster(bench_modu
         argv = peer.argv(topology, "127.0.0.1", 8000)
         assert argv == [*plain, "--etcd", "http://127.0.0.1:2379", "--cluster", "replicas-2"]
     assert router_peers(Configuration(1), "http://127.0.0.1:2379") == [PEERS["pd-router"]]
+
+
+def test_an_i_suffix_names_independent_routers_without_etcd(bench_modules: None) -> None:
+    from peers import PEERS, Topology
+    from replica_throughput import parse_configurations, router_peers
+
+    (alone,) = parse_configurations("2i")
+    topology = Topology(prefills=(("http://127.0.0.1:1", 2),), decodes=("http://127.0.0.1:3",))
+    assert (alone.name, alone.on_etcd) == ("2 routers, no etcd", False)
+    plain = PEERS["pd-router"].argv(topology, "127.0.0.1", 8000)
+    peers = router_peers(alone, "http://127.0.0.1:2379")
+    assert [peer.argv(topology, "127.0.0.1", 8000) for peer in peers] == [plain, plain]
+    assert len({peer.name for peer in peers}) == 2
