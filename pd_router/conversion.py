@@ -156,7 +156,9 @@ class ConversionManager:
         target = self._claim(worker, conversion_id, request.new_role)
         self._started += 1
         try:
-            await self._cluster.claim(worker, conversion_id, target)
+            await self._cluster.claim(
+                worker, conversion_id, target, lambda: self._refuse_below_minimum(worker)
+            )
         except BaseException:
             self._registry.end_conversion(worker, conversion_id, WorkerState.ACTIVE)
             raise
@@ -232,7 +234,11 @@ class ConversionManager:
                 "too_many_conversions",
                 f"{running} conversion(s) running; the limit is {self._max_concurrent}",
             )
-        remaining = self._registry.active_healthy_count(worker.role) - (1 if worker.healthy else 0)
+        self._refuse_below_minimum(worker)
+
+    def _refuse_below_minimum(self, worker: Worker) -> None:
+        """The worker's pool keeps its minimum of active, healthy workers without it."""
+        remaining = self._registry.active_healthy_count(worker.role, excluding=worker)
         minimum = self._minimum[worker.role]
         if remaining < minimum:
             raise ConversionRefused(

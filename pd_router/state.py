@@ -1,7 +1,8 @@
 """The router's state object: one per application, stored under :data:`ROUTER`.
 
 It owns the configuration, the worker registry, the metrics, the admission of generation
-requests by number and rate (:attr:`Router.admission`), the one shared aiohttp client
+requests by number and rate (:attr:`Router.admission`), the other router replicas it agrees
+with (:attr:`Router.cluster`, alone without ``[cluster]``), the one shared aiohttp client
 session (probes, fan-outs, aborts, worker control), the keep-alive pool of the request legs
 (:attr:`Router.legs`), the selection policies, the health monitor, the recent latencies of
 finished requests (:attr:`Router.latency`) and the autopilot that reads them; handlers reach

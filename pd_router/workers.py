@@ -241,12 +241,9 @@ class WorkerRegistry:
         WorkerRemoving until its removal ends), except a FAILED worker, which an operator
         re-adds this way (it comes back under ``role``)."""
         url = normalize_url(url)
+        self.check_addable(url)
         existing = self._by_url.get(url)
         if existing is not None:
-            if existing.state is WorkerState.REMOVING:
-                raise WorkerRemoving(existing)
-            if existing.state is not WorkerState.FAILED:
-                raise DuplicateWorker(url)
             existing.circuit.reset()
             existing.last_error = None
             self.set_health(existing, healthy)
@@ -272,6 +269,16 @@ class WorkerRegistry:
         self._export_state(worker)
         self._export_pools()
         return worker
+
+    def check_addable(self, url: str) -> None:
+        """Raise what :meth:`add` would refuse ``url`` with (DuplicateWorker, WorkerRemoving),
+        changing nothing."""
+        existing = self._by_url.get(normalize_url(url))
+        if existing is not None:
+            if existing.state is WorkerState.REMOVING:
+                raise WorkerRemoving(existing)
+            if existing.state is not WorkerState.FAILED:
+                raise DuplicateWorker(existing.url)
 
     def check_removable(self, worker: Worker) -> None:
         """Raise what :meth:`begin_removal` would refuse with, changing nothing (to ask the
@@ -333,11 +340,15 @@ class WorkerRegistry:
         """ACTIVE, healthy workers of ``role`` whose circuit lets a request through."""
         return [w for w in self._by_url.values() if w.role is role and w.selectable]
 
-    def active_healthy_count(self, role: Role) -> int:
+    def active_healthy_count(self, role: Role, excluding: Worker | None = None) -> int:
         return sum(
             1
             for w in self._by_url.values()
-            if w.role is role and w.state is WorkerState.ACTIVE and w.healthy and w.admitting
+            if w.role is role
+            and w.state is WorkerState.ACTIVE
+            and w.healthy
+            and w.admitting
+            and w is not excluding
         )
 
     def converting(self) -> list[Worker]:

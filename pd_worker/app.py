@@ -10,9 +10,10 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -71,9 +72,12 @@ class WorkerState:
     extension: PDExtension
     registry: CollectorRegistry
     started: float = field(default_factory=time.time)
+    # Role changes whose caller went away, kept until they end.
+    orphaned_calls: set[asyncio.Task] = field(default_factory=set)
 
 
 WORKER = web.AppKey("worker", WorkerState)
+T = TypeVar("T")
 
 
 def build_app(config: WorkerConfig) -> web.Application:
@@ -481,10 +485,9 @@ async def pd_role_switch(request: web.Request) -> web.Response:
     body = pd_role_switch_body(await _typed_body(request))
     if state.engine.switch_in_progress or body.get("prepare_only"):
         return _native_switch_reply(await tokenizer_switch(state.engine, body))
+    fields = {name: value for name, value in body.items() if name in SWITCH_FIELDS}
     try:
-        status, reply = await state.extension.switch(
-            {name: value for name, value in body.items() if name in SWITCH_FIELDS}
-        )
+        status, reply = await _to_the_end(state, state.extension.switch(fields))
     except ExtensionError as exc:
         if exc.body.get("field") == "new_role":
             return _native_switch_reply(await tokenizer_switch(state.engine, body))
@@ -524,8 +527,20 @@ async def pd_drain(request: web.Request) -> web.Response:
 async def convert_pd_role(request: web.Request) -> web.Response:
     _require_extension(request)
     _require_admin(request)
-    status, reply = await request.app[WORKER].extension.convert(await _body(request))
+    state = request.app[WORKER]
+    status, reply = await _to_the_end(state, state.extension.convert(await _body(request)))
     return _json(reply, status)
+
+
+async def _to_the_end(state: WorkerState, change: Coroutine[Any, Any, T]) -> T:
+    """Run a role change to its end even if its caller goes away: the server cancels a handler
+    whose client disconnected (SGLang's does not), and a switch cut off half-way would leave the
+    worker between roles. A router replica that died mid-conversion is then settled by another
+    from the role the worker ends up in."""
+    task = asyncio.ensure_future(change)
+    state.orphaned_calls.add(task)
+    task.add_done_callback(state.orphaned_calls.discard)
+    return await asyncio.shield(task)
 
 
 async def fault(request: web.Request) -> web.Response:

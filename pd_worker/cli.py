@@ -2,6 +2,8 @@
 
     pd-worker serve --role prefill --port 30000 --bootstrap-port 8998 [--enable-pd-role-switch]
                     [--profile h100-8b] [--speed 0.1] [--prefill-secs-per-token ...] [other knobs]
+                    [--etcd URL [--etcd URL ...] --cluster NAME [--cluster-prefix P]
+                     [--advertise-url URL] [--etcd-lease-ttl SECS]]
     pd-worker cluster --prefill 2 --decode 2 [--base-port 30000] [--speed 1.0] [--profile NAME]
 
 Bad arguments print one line and exit with status 2.
@@ -18,6 +20,8 @@ import sys
 from dataclasses import fields
 from typing import NoReturn
 
+from pd_protocol.cluster import DEFAULT_LEASE_TTL_SECS, DEFAULT_PREFIX
+from pd_protocol.registration import RegistrationSettings
 from pd_protocol.wire import ROLES
 from pd_worker.config import WorkerConfig
 from pd_worker.timing import PROFILES, TimingModel, profile
@@ -48,6 +52,59 @@ def _add_timing_flags(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=f"timing model knob (default {getattr(defaults, f.name)})",
         )
+
+
+def _add_registration_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "self-registration",
+        "put this worker's record in etcd under a lease (docs/self-registration.md)",
+    )
+    group.add_argument(
+        "--etcd",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="etcd client url (repeat for several; the first that answers is used)",
+    )
+    group.add_argument("--cluster", default=None, metavar="NAME", help="the router cluster name")
+    group.add_argument(
+        "--cluster-prefix",
+        default=DEFAULT_PREFIX,
+        metavar="P",
+        help=f"etcd key prefix (default {DEFAULT_PREFIX})",
+    )
+    group.add_argument(
+        "--advertise-url", default=None, metavar="URL",
+        help="the url routers reach this worker at (default http://<host>:<port>)",
+    )  # fmt: skip
+    group.add_argument(
+        "--etcd-lease-ttl", type=int, default=DEFAULT_LEASE_TTL_SECS, metavar="SECS",
+        help="a killed worker's record goes within this many seconds",
+    )  # fmt: skip
+
+
+def _registration(
+    parser: argparse.ArgumentParser, args: argparse.Namespace
+) -> RegistrationSettings | None:
+    """The self-registration settings, or None without --etcd; usage errors exit 2."""
+    if not args.etcd:
+        if args.cluster is not None or args.advertise_url is not None:
+            parser.error("--cluster and --advertise-url need --etcd URL")
+        return None
+    if args.cluster is None:
+        parser.error("--etcd needs --cluster NAME (the router cluster to register in)")
+    settings = RegistrationSettings(
+        endpoints=tuple(args.etcd),
+        cluster=args.cluster,
+        prefix=args.cluster_prefix,
+        advertise_url=args.advertise_url,
+        lease_ttl=args.etcd_lease_ttl,
+    )
+    try:
+        settings.validate()
+    except ValueError as exc:
+        parser.error(str(exc))
+    return settings
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -87,6 +144,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--parent-pid", type=int, default=None, help="exit when this process is gone (clusters)"
     )
     _add_timing_flags(serve)
+    _add_registration_flags(serve)
     cluster = sub.add_parser("cluster", help="start a cluster of worker processes")
     cluster.add_argument("--prefill", type=int, default=2)
     cluster.add_argument("--decode", type=int, default=2)
@@ -141,11 +199,12 @@ def main(argv: list[str] | None = None) -> int:
         config.validate()
     except ValueError as exc:
         parser.error(str(exc))
+    registration = _registration(parser, args)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        _run(serve(config, args.parent_pid))
+        _run(serve(config, args.parent_pid, registration))
     except OSError as exc:
         print(f"pd-worker: error: cannot listen: {exc}", file=sys.stderr)
         return 1
@@ -161,15 +220,23 @@ def _run(coro: object) -> None:
     uvloop.run(coro)  # type: ignore[arg-type]
 
 
-async def serve(config: WorkerConfig, parent_pid: int | None = None) -> None:
-    """Serve until SIGINT or SIGTERM, or until ``parent_pid`` is no longer our parent."""
+async def serve(
+    config: WorkerConfig,
+    parent_pid: int | None = None,
+    registration: RegistrationSettings | None = None,
+) -> None:
+    """Serve until SIGINT or SIGTERM, or until ``parent_pid`` is no longer our parent; with
+    ``registration``, registered in etcd from the moment the listener serves until then."""
     from aiohttp import web
 
-    from pd_worker.app import build_app
+    from pd_worker.app import WORKER, build_app
+    from pd_worker.registration import registered
 
+    stop = _stop_event(parent_pid)
+    app = build_app(config)
     # A client that goes away cancels its request, as SGLang aborts disconnected requests: a
     # router cancelling a prefill leg must not leave the room held until the room timeout.
-    runner = web.AppRunner(build_app(config), access_log=None, handler_cancellation=True)
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port, ssl_context=config.ssl_context())
@@ -177,19 +244,23 @@ async def serve(config: WorkerConfig, parent_pid: int | None = None) -> None:
         logging.getLogger("pd_worker").info(
             "%s worker on %s, bootstrap port %d", config.role, config.url, config.bootstrap_port
         )
-        await _wait_for_signal(parent_pid)
+        async with registered(app[WORKER].engine, registration):
+            await stop.wait()
     finally:
         await runner.cleanup()
 
 
-async def _wait_for_signal(parent_pid: int | None) -> None:
+def _stop_event(parent_pid: int | None) -> asyncio.Event:
+    """An event set by SIGINT or SIGTERM (or the parent's exit). Installed before the worker
+    serves: a signal that arrived before would kill it at once, leaving its etcd record to
+    expire instead of being revoked."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if parent_pid is not None:
         _watch_parent(loop, parent_pid, stop)
-    await stop.wait()
+    return stop
 
 
 def _watch_parent(loop: asyncio.AbstractEventLoop, parent_pid: int, stop: asyncio.Event) -> None:

@@ -26,6 +26,8 @@ Keyword arguments besides the documented ones are timing knobs of
 ``--enable-faults`` unless told otherwise; ``admin_api_key`` guards their admin routes;
 ``profile`` names a calibrated timing model (``h100-8b``) that the knobs then override;
 ``tls`` (:class:`ClusterTLS`) makes every worker serve HTTPS (mTLS with ``ca_certs``).
+``etcd`` (a client url) with ``cluster_name`` makes every worker register itself in that router
+cluster under a lease of ``etcd_lease_ttl`` seconds (docs/self-registration.md).
 :func:`free_port` returns a free loopback TCP port.
 """
 
@@ -135,11 +137,16 @@ class WorkerCluster:
         startup_timeout: float = 30.0,
         extra_args: tuple[str, ...] = (),
         tls: ClusterTLS | None = None,
+        etcd: str | None = None,
+        cluster_name: str | None = None,
+        etcd_lease_ttl: int | None = None,
         **knobs: Any,
     ) -> None:
         unknown = set(knobs) - _KNOBS
         if unknown:
             raise TypeError(f"unknown timing knob(s): {', '.join(sorted(unknown))}")
+        if (etcd is None) != (cluster_name is None):
+            raise TypeError("etcd and cluster_name go together")
         self._initial = ("prefill",) * prefill + ("decode",) * decode
         self._knobs = dict(knobs, speed=speed)
         self._host = host
@@ -151,6 +158,7 @@ class WorkerCluster:
             + (("--admin-api-key", admin_api_key) if admin_api_key else ())
             + (("--profile", profile) if profile else ())
             + (tls.flags() if tls is not None else ())
+            + _registration_flags(etcd, cluster_name, etcd_lease_ttl)
             + tuple(extra_args)
         )
         self._tls = tls
@@ -343,6 +351,15 @@ class WorkerCluster:
         raise WorkerStartError(
             f"{worker.role} worker {worker.url} not healthy after {self._startup_timeout}s"
         )
+
+
+def _registration_flags(
+    etcd: str | None, cluster_name: str | None, lease_ttl: int | None
+) -> tuple[str, ...]:
+    if etcd is None or cluster_name is None:
+        return ()
+    ttl = ("--etcd-lease-ttl", str(lease_ttl)) if lease_ttl is not None else ()
+    return ("--etcd", etcd, "--cluster", cluster_name, *ttl)
 
 
 def _child_env() -> dict[str, str]:

@@ -245,6 +245,9 @@ class PDExtension:
         self._backend = backend
         self._started_at = time.time()
         self._role: str | None = None
+        # The last role read from the backend or switched to; unlike `_role` it is not
+        # cleared by a switch, so synchronous readers always have the latest one seen.
+        self._last_role: str | None = None
         self._idle_poll_interval = idle_poll_interval
         self._drain_requested = False
         self._converting = False
@@ -268,6 +271,17 @@ class PDExtension:
         """Whether a switch failed without `safe_to_restore` (restart required)."""
         return self._failed
 
+    @property
+    def known_role(self) -> str | None:
+        """The latest role read from the backend or switched to, without asking the backend
+        (None before the first read): for callers that cannot await, such as the etcd
+        self-registration reading the role it puts in the worker's record."""
+        return self._role or self._last_role
+
+    def bootstrap_port(self) -> int | None:
+        """The server's KV bootstrap port (as /pd_role reports it)."""
+        return self._backend.bootstrap_port()
+
     def admits(self) -> bool:
         """Whether a new generation request may enter (else: 503 with Retry-After)."""
         return not self.draining
@@ -281,7 +295,7 @@ class PDExtension:
         epoch = self._epoch
         role = await self._backend.current_role()
         if self._role is None and epoch == self._epoch:
-            self._role = role
+            self._role = self._last_role = role
         return role
 
     async def misdirected(self, header: str | None) -> dict[str, Any] | None:
@@ -299,7 +313,10 @@ class PDExtension:
 
     async def status(self) -> dict[str, Any]:
         """The GET /pd_role reply."""
+        epoch = self._epoch
         role = await self._backend.current_role()
+        if epoch == self._epoch:
+            self._last_role = role
         load = await self._backend.load()
         return {
             "role": role,
@@ -416,6 +433,8 @@ class PDExtension:
         # Whatever the reply claims, the live role is read again from the backend next time (a
         # failed or misreported switch may have left it anywhere).
         self._role = None
+        if success and reply.get("new_role") in ROLES:
+            self._last_role = reply["new_role"]
         if success and reply.get("old_role") != reply.get("new_role"):
             self._epoch += 1
             logger.info(

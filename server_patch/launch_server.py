@@ -3,7 +3,9 @@
 Starts SGLang exactly as `python -m sglang.launch_server` does (plugins, argument parsing,
 `run_server`, process-tree cleanup), after checking the SGLang version and PD mode, turning on
 `--enable-pd-role-switch` when missing, and adding the extension routes and admission gate to
-SGLang's FastAPI app before it serves.
+SGLang's FastAPI app before it serves. With `--pd-router-etcd URL --pd-router-cluster NAME`
+(taken out before SGLang parses its arguments) the server registers itself in that pd-router
+cluster's etcd while it serves (server_patch/registration.py, docs/self-registration.md).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import sys
 from typing import Any
 
+from pd_protocol.registration import advertise_url
 from server_patch.preflight import (
     ROLE_SWITCH_FLAG,
     LaunchError,
@@ -22,6 +25,7 @@ from server_patch.preflight import (
     check_version,
     with_role_switch,
 )
+from server_patch.registration import install_registration, split_registration_args
 
 logger = logging.getLogger("server_patch")
 
@@ -56,8 +60,19 @@ def serving_plan(server_args: Any) -> ServingPlan:
     )
 
 
+def server_url(server_args: Any) -> str:
+    """The url routers reach this server at when no `--pd-router-advertise-url` is given."""
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    view = resolving_view(server_args)
+    scheme = "https" if view.ssl_certfile else "http"
+    return advertise_url(scheme, str(view.host), int(view.port))
+
+
 def prepare(argv: list[str]) -> Any:
-    """Check, parse and patch: the SGLang server arguments to run, with the routes installed."""
+    """Check, parse and patch: the SGLang server arguments to run, with the routes installed
+    (and the self-registration, with `--pd-router-etcd`)."""
+    registration, argv = split_registration_args(argv)
     check_version(installed_sglang_version())
     from sglang.srt.plugins import load_plugins
     from sglang.srt.server_args import prepare_server_args
@@ -72,8 +87,12 @@ def prepare(argv: list[str]) -> Any:
     if not plan.enable_pd_role_switch:
         logger.info("adding %s (server_patch converts roles in process)", ROLE_SWITCH_FLAG)
         server_args = prepare_server_args(with_role_switch(argv, enabled=False))
-    install_on_sglang_app()
+    extension = install_on_sglang_app()
     logger.info("extension routes installed: GET /pd_role, POST /pd_drain, POST /convert_pd_role")
+    if registration is not None:
+        from sglang.srt.entrypoints import http_server
+
+        install_registration(http_server.app, extension, registration, server_url(server_args))
     return server_args
 
 

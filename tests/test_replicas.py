@@ -15,6 +15,7 @@ import pytest
 from tests.conversion_helpers import LONG, wait_for_busy, worker_role
 from tests.replica_helpers import (
     LEASE_TTL_SECS,
+    cluster_config,
     cluster_view,
     failures,
     load_on_all,
@@ -24,7 +25,7 @@ from tests.replica_helpers import (
     workers_of,
 )
 from tests.router_helpers import assert_paired, generate_body, wait_until
-from tests.router_process import RouterProcess
+from tests.router_process import RouterProcess, router_process
 
 SPEED = 0.05
 
@@ -212,3 +213,78 @@ async def _etcd_down(routers) -> bool:
 
 async def _etcd_up(routers) -> bool:
     return [(await cluster_view(r.url))["etcd_up"] for r in routers] == [True] * len(routers)
+
+
+async def test_a_replica_started_without_workers_takes_the_clusters(workers, etcd_server):
+    async with (
+        replicas(workers, etcd_server, 1) as (r1,),
+        router_process(
+            prefill=[], decode=[], cluster=cluster_config(etcd_server, "r2"), log_format="text"
+        ) as r2,
+    ):
+        assert set(await workers_of(r2.url)) == set(workers.urls)
+        async with _client(r2) as via_r2:
+            reply = await via_r2.post("/generate", json=generate_body("joined", 2))
+        assert reply.status_code == 200, reply.text
+        assert (await cluster_view(r1.url))["replicas"] == ["r1", "r2"]
+
+
+async def test_the_cluster_wide_cap_refuses_a_second_conversion_through_another_replica(
+    workers, etcd_server
+):
+    async with replicas(workers, etcd_server, 2) as (r1, r2), _client(r2) as via_r2:
+        long = asyncio.create_task(via_r2.post("/generate", json=LONG))
+        busy = await wait_for_busy(workers.decode_urls)
+        async with _client(r1) as via_r1:
+            first = await via_r1.post("/convert_pd_role", json={"server_url": busy, "wait": False})
+        other = next(url for url in workers.decode_urls if url != busy)
+        second = await via_r2.post("/convert_pd_role", json={"server_url": other})
+        await long
+    assert first.status_code == 202, first.text
+    assert second.status_code == 409, second.text
+    assert second.json()["error"]["reason"] == "too_many_conversions"
+
+
+async def test_converting_the_last_two_prefills_through_two_replicas_at_once_refuses_one(
+    workers, etcd_server
+):
+    """Each replica's pool minimum holds across replicas: both conversions cannot pass it."""
+    async with (
+        replicas(workers, etcd_server, 2, conversion={"max_concurrent": 2}) as routers,
+        httpx.AsyncClient(timeout=60.0) as http,
+    ):
+        answers = await asyncio.gather(
+            *(
+                http.post(router.url + "/convert_pd_role", json={"server_url": url})
+                for router, url in zip(routers, workers.prefill_urls, strict=True)
+            )
+        )
+    statuses = sorted(a.status_code for a in answers)
+    assert statuses == [200, 409], [a.text for a in answers]
+    refused = next(a for a in answers if a.status_code == 409).json()["error"]
+    assert refused["reason"] in ("min_prefill", "cluster_changed")
+
+
+async def test_a_replica_killed_while_its_worker_switches_leaves_the_worker_in_its_new_role(
+    cluster_factory, etcd_server
+):
+    workers = cluster_factory(prefill=2, decode=2, speed=1.0, switch_secs=1.5)
+    decode = workers.decode_urls[0]
+    async with replicas(workers, etcd_server, 2) as (r1, r2):
+        async with _client(r1) as via_r1:
+            started = await via_r1.post(
+                "/convert_pd_role", json={"server_url": decode, "wait": False}
+            )
+        assert started.status_code == 202, started.text
+        await wait_until(lambda: _state_on(r2.url, decode, "switching"), 2.0, "switching")
+        r1.process.send_signal(signal.SIGKILL)
+        await r1.process.wait()
+        await wait_until(
+            lambda: roles_agree([r2], decode, "prefill"),
+            LEASE_TTL_SECS + 8.0,
+            "the survivor has the worker in the role it switched to",
+        )
+        assert (await worker_role(decode))["role"] == "prefill"
+        async with _client(r2) as via_r2:
+            reply = await via_r2.post("/generate", json=generate_body("after", 2))
+        assert reply.status_code == 200

@@ -388,3 +388,18 @@ async def test_worker_without_extension_routes_ignores_the_role_header(cluster, 
     finally:
         await client.post(url + "/fault", json={"clear": True})
     assert response.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/convert_pd_role", "/pd_role_switch"])
+async def test_a_switch_whose_caller_goes_away_runs_to_its_end(cluster_factory, client, path):
+    """As on SGLang's server, a client that disconnects does not cut a role change off half-way
+    (a router replica that died mid-conversion leaves the worker in a defined role)."""
+    cluster = cluster_factory(prefill=1, decode=1, speed=1.0, switch_secs=1.0)
+    url = cluster.prefill_urls[0]
+    with pytest.raises(httpx.ReadTimeout):
+        await client.post(url + path, json={"new_role": "decode", **GRAPH_GB}, timeout=0.3)
+
+    async def switched() -> bool:
+        return (await client.get(url + "/pd_role")).json()["role"] == "decode"
+
+    assert await poll_until(switched, "the role changed", deadline_secs=5.0)

@@ -63,6 +63,8 @@ RETRY_MAX_SECS = 2.0
 # A lock that went with its replica's lease is settled after this pause, so that a conversion
 # ending normally (its record and its lock change in one transaction) is never mistaken for one.
 ORPHAN_GRACE_SECS = 0.2
+# How often a claim catches up with records that changed under it before it gives up.
+CLAIM_CATCH_UPS = 3
 
 
 class EtcdCluster:
@@ -285,70 +287,93 @@ class EtcdCluster:
 
     # --- conversions ------------------------------------------------------------------------
 
-    async def claim(self, worker: Worker, conversion_id: str, to_role: Role) -> None:
+    async def claim(
+        self, worker: Worker, conversion_id: str, to_role: Role, recheck: Callable[[], None]
+    ) -> None:
         with self._agreement("conversions"):
-            await self._claim(worker, conversion_id, to_role)
+            self.mirror.own_conversions.add(conversion_id)
+            try:
+                await self._claim(worker, conversion_id, to_role, recheck)
+            except BaseException:
+                self.mirror.own_conversions.discard(conversion_id)
+                raise
 
-    async def _claim(self, worker: Worker, conversion_id: str, to_role: Role) -> None:
+    async def _claim(
+        self, worker: Worker, conversion_id: str, to_role: Role, recheck: Callable[[], None]
+    ) -> None:
+        """Try the slots in turn. The claim holds only if no worker record changed since the
+        state the caller checked its pool minimums on; when one did, catch up with etcd, have
+        the caller check again, and retry."""
+        seen = self.view.revision
+        value = orjson.dumps({"conversion": conversion_id, "replica": self.replica_id})
+        index = catch_ups = 0
+        while index < self._router.config.conversion.max_concurrent:
+            url, stored = self._claimable(worker)
+            lock, slot, key = self._keys.lock(url), self._keys.slot(index), self._keys.worker(url)
+            claimed = stored.record.evolve(
+                state=WorkerState.DRAINING.value,
+                conversion=conversion_id,
+                owner=self.replica_id,
+                to_role=to_role.value,
+            )
+            compares = [
+                if_absent(lock),
+                if_absent(slot),
+                if_unchanged(key, stored.mod_revision),
+                if_nothing_changed_under(self._keys.workers, seen),
+            ]
+            lease = self._lease or 0
+            ops = [
+                put_op(lock, value, lease=lease),
+                put_op(slot, value, lease=lease),
+                put_op(key, claimed.encode(), lease=stored.lease),
+            ]
+            result = await self._etcd("claim", lambda c, cs=compares, os=ops: c.txn(cs, os))
+            if result.succeeded:
+                self._own[conversion_id] = (
+                    url,
+                    StoredRecord(claimed, result.revision, stored.lease),
+                )
+                self._slots[conversion_id] = slot
+                return
+            if await self._etcd("claim", lambda c, k=lock: c.get(k)) is not None:
+                raise ConversionRefused(
+                    "already_converting", f"another replica converts worker {worker.url}"
+                )
+            if await self._etcd("claim", lambda c, k=slot: c.get(k)) is not None:
+                index += 1
+                continue
+            catch_ups += 1
+            if catch_ups > CLAIM_CATCH_UPS:
+                raise ConversionRefused(
+                    "cluster_changed",
+                    "the cluster's workers kept changing while the conversion was checked; "
+                    "try again",
+                )
+            await self._catch_up(result.revision)
+            recheck()
+            seen = self.view.revision
+        raise ConversionRefused(
+            "too_many_conversions",
+            f"the cluster runs its limit of {self._router.config.conversion.max_concurrent} "
+            "conversion(s)",
+        )
+
+    def _claimable(self, worker: Worker) -> tuple[str, StoredRecord]:
         url, stored = self._stored(worker)
         record = stored.record
         if record.conversion is not None or record.state != WorkerState.ACTIVE:
             raise ConversionRefused(
                 "already_converting", f"worker {worker.url} is {record.state} in the cluster"
             )
-        lock = self._keys.lock(url)
-        claimed = record.evolve(
-            state=WorkerState.DRAINING.value,
-            conversion=conversion_id,
-            owner=self.replica_id,
-            to_role=to_role.value,
-        )
-        value = orjson.dumps({"conversion": conversion_id, "replica": self.replica_id})
-        self.mirror.own_conversions.add(conversion_id)
-        try:
-            for index in range(self._router.config.conversion.max_concurrent):
-                slot = self._keys.slot(index)
-                compares = [
-                    if_absent(lock),
-                    if_absent(slot),
-                    if_unchanged(self._keys.worker(url), stored.mod_revision),
-                    if_nothing_changed_under(self._keys.workers, self.view.revision),
-                ]
-                lease = self._lease or 0
-                ops = [
-                    put_op(lock, value, lease=lease),
-                    put_op(slot, value, lease=lease),
-                    put_op(self._keys.worker(url), claimed.encode(), lease=stored.lease),
-                ]
-                result = await self._etcd("claim", lambda c, cs=compares, os=ops: c.txn(cs, os))
-                if result.succeeded:
-                    self._own[conversion_id] = (
-                        url,
-                        StoredRecord(claimed, result.revision, stored.lease),
-                    )
-                    self._slots[conversion_id] = slot
-                    return
-                await self._explain_refusal(worker, lock, slot)
-            raise ConversionRefused(
-                "too_many_conversions",
-                f"the cluster runs its limit of {self._router.config.conversion.max_concurrent} "
-                "conversion(s)",
-            )
-        except BaseException:
-            self.mirror.own_conversions.discard(conversion_id)
-            raise
+        return url, stored
 
-    async def _explain_refusal(self, worker: Worker, lock: str, slot: str) -> None:
-        """Why a claim's compares failed; returns only when the slot was the reason."""
-        if await self._etcd("claim", lambda c: c.get(lock)) is not None:
-            raise ConversionRefused(
-                "already_converting", f"another replica converts worker {worker.url}"
-            )
-        if await self._etcd("claim", lambda c: c.get(slot)) is None:
-            raise ConversionRefused(
-                "cluster_changed",
-                "the cluster's workers changed while the conversion was checked; try again",
-            )
+    async def _catch_up(self, revision: int) -> None:
+        """Until this replica's view has applied ``revision`` (bounded by the etcd timeout)."""
+        deadline = time.monotonic() + min(2.0, self._ttl / 2)
+        while self.view.revision < revision and time.monotonic() < deadline:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.view.changed(), deadline - time.monotonic())
 
     async def mark_switching(self, worker: Worker, conversion_id: str) -> None:
         own = self._own.get(conversion_id)

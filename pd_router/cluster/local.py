@@ -10,6 +10,7 @@ through etcd.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from pd_router.workers import Role, Worker, WorkerState
@@ -31,9 +32,13 @@ class Cluster(Protocol):
     def conversion_id(self, number: int) -> str:
         """The cluster-wide id of this replica's ``number``-th conversion."""
 
-    async def claim(self, worker: Worker, conversion_id: str, to_role: Role) -> None:
+    async def claim(
+        self, worker: Worker, conversion_id: str, to_role: Role, recheck: Callable[[], None]
+    ) -> None:
         """Hold ``worker`` for the conversion on every replica; raises ConversionRefused (409)
-        or ClusterUnavailable (503) with nothing changed."""
+        or ClusterUnavailable (503) with nothing changed. ``recheck`` raises ConversionRefused
+        when the pools, as they are now, no longer allow the conversion (called when another
+        replica changed them since the caller's check)."""
 
     async def mark_switching(self, worker: Worker, conversion_id: str) -> None:
         """The conversion calls the switch now (shown on every replica)."""
@@ -89,7 +94,9 @@ class LocalCluster:
     def conversion_id(self, number: int) -> str:
         return f"c{number}"
 
-    async def claim(self, worker: Worker, conversion_id: str, to_role: Role) -> None:
+    async def claim(
+        self, worker: Worker, conversion_id: str, to_role: Role, recheck: Callable[[], None]
+    ) -> None:
         return None
 
     async def mark_switching(self, worker: Worker, conversion_id: str) -> None:

@@ -1,0 +1,329 @@
+"""A worker's own record in etcd, kept under a lease: the record goes when the worker does.
+
+This is the pattern Dynamo's workers follow: a worker grants itself a lease, puts
+``workers/<url>`` (a :class:`~pd_protocol.cluster.WorkerRecord` with ``source="self"``) under it
+and refreshes the lease every ``ttl / 3`` seconds. A worker that is killed stops refreshing and
+etcd deletes its record within ``ttl``; a graceful shutdown revokes the lease, which deletes the
+record at once. Router replicas watching ``workers/`` add and drop the worker accordingly.
+
+A router that changes the record (a conversion) puts it back under the same lease, so the record
+stays tied to the worker's life, and the refreshes keep it alive as changed. The record is only
+written again when the lease is lost (etcd restarted after it expired, or it was revoked): then
+the live role and bootstrap port come from ``current()``, the fields a router manages (state,
+conversion) are kept, and the epoch is kept, or bumped when the live role differs from the
+stored one.
+
+While etcd is unreachable the refresh loop retries with a bounded backoff and logs one warning;
+the worker keeps serving throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from pd_protocol.cluster import (
+    DEFAULT_LEASE_TTL_SECS,
+    DEFAULT_PREFIX,
+    BadRecord,
+    ClusterKeys,
+    WorkerRecord,
+)
+from pd_protocol.etcd_client import (
+    GRPC_NOT_FOUND,
+    EtcdClient,
+    EtcdError,
+    EtcdRequestError,
+    EtcdUnavailable,
+    KeyValue,
+    LeaseNotFound,
+    if_absent,
+    if_unchanged,
+    put_op,
+)
+
+logger = logging.getLogger(__name__)
+
+RETRY_INITIAL_S = 0.1
+PUT_ATTEMPTS = 5
+WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+T = TypeVar("T")
+CurrentRole = Callable[[], tuple[str, int | None]]
+
+
+def advertise_url(scheme: str, host: str, port: int) -> str:
+    """The url routers reach a worker at: a wildcard listen address is no address to reach, so
+    it is replaced by this machine's host name (pass an explicit advertise url behind NAT)."""
+    if host in WILDCARD_HOSTS:
+        host = socket.gethostname()
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{scheme}://{host}:{port}"
+
+
+def registered_record(
+    url: str, role: str, bootstrap_port: int | None, stored: WorkerRecord | None
+) -> WorkerRecord:
+    """The record a worker puts for itself, given what is stored for its url now (if anything).
+
+    A stored record may carry a router's conversion state: it is kept, with the live role and
+    bootstrap port put in; the epoch counts role changes, so it moves on when the live role is
+    not the stored one.
+    """
+    if stored is None:
+        return WorkerRecord(url=url, role=role, bootstrap_port=bootstrap_port, source="self")
+    epoch = stored.epoch if stored.role == role else stored.epoch + 1
+    return stored.evolve(role=role, bootstrap_port=bootstrap_port, epoch=epoch, source="self")
+
+
+@dataclass(frozen=True)
+class RegistrationSettings:
+    """Where a worker registers itself: the ``--etcd`` family of launch flags, shared by
+    ``pd-worker serve`` and the SGLang launcher. ``advertise_url`` None: the server's own url."""
+
+    endpoints: tuple[str, ...]
+    cluster: str
+    prefix: str = DEFAULT_PREFIX
+    advertise_url: str | None = None
+    lease_ttl: int = DEFAULT_LEASE_TTL_SECS
+
+    def validate(self) -> None:
+        """Raise ValueError with a one-line reason for settings that cannot work."""
+        if not self.endpoints:
+            raise ValueError("at least one etcd endpoint is needed")
+        for url in (*self.endpoints, *((self.advertise_url,) if self.advertise_url else ())):
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ValueError(f"{url!r} is not an http(s)://host:port url")
+        if not self.cluster or "/" in self.cluster:
+            raise ValueError(
+                f"the cluster name must be non-empty without '/', got {self.cluster!r}"
+            )
+        if self.lease_ttl < 1:
+            raise ValueError(f"the etcd lease ttl must be at least 1 second, got {self.lease_ttl}")
+
+    def registration(
+        self, session: aiohttp.ClientSession, own_url: str, current: CurrentRole
+    ) -> SelfRegistration:
+        """The registration of this server, at ``advertise_url`` or else at ``own_url``."""
+        return SelfRegistration(
+            session,
+            list(self.endpoints),
+            ClusterKeys(self.cluster, self.prefix),
+            (self.advertise_url or own_url).rstrip("/"),
+            current,
+            self.lease_ttl,
+        )
+
+
+class RegistrationConflict(EtcdError):
+    """The record kept changing under every compare-and-swap attempt."""
+
+
+class SelfRegistration:
+    """Keep ``workers/<url>`` of cluster ``keys`` in etcd while this worker lives.
+
+    ``endpoints`` are tried in order: the first that answers is used until it stops answering
+    (EtcdUnavailable), then the next. ``current()`` returns the worker's live (role,
+    bootstrap_port) and is read whenever the record is written.
+    """
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        endpoints: list[str],
+        keys: ClusterKeys,
+        url: str,
+        current: CurrentRole,
+        ttl: int = DEFAULT_LEASE_TTL_SECS,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("at least one etcd endpoint is needed")
+        if ttl < 1:
+            raise ValueError(f"the lease ttl must be at least 1 second, got {ttl}")
+        # A call that hangs must not outlast the refresh interval by much, or the lease expires
+        # while the worker waits on one endpoint instead of trying the next.
+        timeout = max(1.0, ttl / 3)
+        self._clients = [EtcdClient(session, endpoint, timeout=timeout) for endpoint in endpoints]
+        self._endpoints = list(endpoints)
+        self._active = 0
+        self._keys = keys
+        self._url = url
+        self._current = current
+        self._ttl = ttl
+        self._lease: int | None = None
+        # Whether the record was put under the current lease (a grant may succeed and the put
+        # fail: the next attempt puts it under the same lease).
+        self._registered = False
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def key(self) -> str:
+        return self._keys.worker(self._url)
+
+    @property
+    def lease_id(self) -> int | None:
+        """The lease the record is held under now (None before the first grant and after stop)."""
+        return self._lease
+
+    @property
+    def refresh_interval(self) -> float:
+        return self._ttl / 3
+
+    async def start(self) -> None:
+        """Register now and keep the registration alive in a background task.
+
+        When etcd does not answer (or refuses) yet, the worker still starts: one warning is
+        logged and the background task registers as soon as etcd answers.
+        """
+        if self._task is not None:
+            return
+        registered = True
+        try:
+            await self._register()
+        except EtcdError as exc:
+            registered = False
+            logger.warning(
+                "%s could not register in etcd yet (%s): it serves and registers once etcd answers",
+                self._url,
+                exc,
+            )
+        self._task = asyncio.create_task(
+            self._keep_alive(failing=not registered), name=f"registration {self._url}"
+        )
+
+    async def stop(self) -> None:
+        """Stop refreshing and revoke the lease, so the record goes at once. Safe to call again
+        and when etcd is down (the record then goes when the lease expires)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        lease, self._lease, self._registered = self._lease, None, False
+        if lease is None:
+            return
+        try:
+            await self._call(lambda client: client.revoke_lease(lease))
+        except LeaseNotFound:
+            pass
+        except EtcdError as exc:
+            logger.warning(
+                "could not revoke lease %x of %s (%s): the record goes within %ds",
+                lease,
+                self._url,
+                exc,
+                self._ttl,
+            )
+        else:
+            logger.info("%s unregistered from etcd", self._url)
+
+    async def _keep_alive(self, failing: bool) -> None:
+        """Refresh the lease every ttl/3; register again when it is lost; ride out outages
+        (``failing``: the outage began before this loop, and was logged already)."""
+        delay = RETRY_INITIAL_S
+        unreachable = failing
+        while True:
+            try:
+                if self._registered and self._lease is not None:
+                    await self._refresh(self._lease)
+                else:
+                    await self._register()
+            except LeaseNotFound:
+                logger.info("lease of %s is gone: registering again", self._url)
+                self._lease, self._registered = None, False
+                await asyncio.sleep(RETRY_INITIAL_S)
+                continue
+            except EtcdError as exc:
+                if not unreachable:
+                    logger.warning(
+                        "etcd call failed (%s): %s keeps serving and retries; its record is "
+                        "put again if its lease expires meanwhile",
+                        exc,
+                        self._url,
+                    )
+                    unreachable = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.refresh_interval)
+                continue
+            if unreachable:
+                logger.info("etcd answers again: %s is registered", self._url)
+                unreachable = False
+            delay = RETRY_INITIAL_S
+            await asyncio.sleep(self.refresh_interval)
+
+    async def _refresh(self, lease: int) -> None:
+        await self._call(lambda client: client.keepalive(lease))
+
+    async def _register(self) -> None:
+        """Put the record under this worker's lease (granted first when there is none), as a
+        compare-and-swap against what is stored, so a router's concurrent change is not lost."""
+        if self._lease is None:
+            lease = await self._call(lambda client: client.grant_lease(self._ttl))
+            self._lease = lease.id
+        lease_id = self._lease
+        for _ in range(PUT_ATTEMPTS):
+            stored = await self._call(lambda client: client.get(self.key))
+            role, bootstrap_port = self._current()
+            record = registered_record(self._url, role, bootstrap_port, _decoded(stored))
+            if await self._put(record, stored, lease_id):
+                self._registered = True
+                logger.info(
+                    "%s registered in etcd as %s (bootstrap port %s, lease %x)",
+                    self._url,
+                    role,
+                    bootstrap_port,
+                    lease_id,
+                )
+                return
+        raise RegistrationConflict(f"{self.key} changed under {PUT_ATTEMPTS} attempts to put it")
+
+    async def _put(self, record: WorkerRecord, stored: KeyValue | None, lease: int) -> bool:
+        """Whether the compare-and-swap put held; LeaseNotFound when the lease is gone."""
+        value = record.encode()
+        compare = (
+            if_absent(self.key) if stored is None else if_unchanged(self.key, stored.mod_revision)
+        )
+        try:
+            result = await self._call(
+                lambda client: client.txn([compare], [put_op(self.key, value, lease=lease)])
+            )
+        except EtcdRequestError as exc:
+            if exc.code == GRPC_NOT_FOUND:
+                raise LeaseNotFound(lease) from exc
+            raise
+        return result.succeeded
+
+    async def _call(self, call: Callable[[EtcdClient], Awaitable[T]]) -> T:
+        """``call`` on the endpoint in use, moving on to the next ones while they are down."""
+        failure: EtcdUnavailable | None = None
+        for step in range(len(self._clients)):
+            index = (self._active + step) % len(self._clients)
+            try:
+                result = await call(self._clients[index])
+            except EtcdUnavailable as exc:
+                failure = exc
+                continue
+            if index != self._active:
+                logger.info("etcd endpoint %s answers: using it", self._endpoints[index])
+                self._active = index
+            return result
+        raise EtcdUnavailable(f"no etcd endpoint answers ({failure})")
+
+
+def _decoded(stored: KeyValue | None) -> WorkerRecord | None:
+    """The stored record, or None when there is none or it is not a worker record (replaced)."""
+    if stored is None:
+        return None
+    try:
+        return WorkerRecord.decode(stored.value)
+    except BadRecord:
+        logger.warning("replacing %s: not a worker record", stored.key)
+        return None
