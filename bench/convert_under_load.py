@@ -4,7 +4,13 @@ A 2P2D reference cluster (pd_worker processes) sits behind pd-router (its own pr
 from a TOML config); this process runs ``--concurrency`` closed-loop clients (half streaming,
 half not, every reply checked against the text the decode must produce) and, at the same time,
 converts workers back and forth through ``POST /convert_pd_role`` (a prefill to decode, then a
-decode to prefill, ...) until ``--flips`` conversions have succeeded. It reports:
+decode to prefill, ...) until ``--flips`` conversions have succeeded.
+
+With ``--replicas N`` it starts a single-member etcd (``--etcd-binary``, default ``etcd`` on
+PATH) and N pd-router processes that join one cluster on it (a ``[cluster]`` section in each
+config); the clients are spread over the replicas (client i sends to replica i mod N) and the
+conversions go through the replicas in turn, so every conversion drains a worker that the other
+replicas are routing to. It reports:
 
 - requests sent and failed (the goal is 0 failed);
 - drain, worker switch, verify and total time per conversion (p50/p90/p99/max);
@@ -15,14 +21,17 @@ decode to prefill, ...) until ``--flips`` conversions have succeeded. It reports
 
     .venv/bin/python bench/convert_under_load.py                 # 2P2D, 32 clients, 120 flips
     .venv/bin/python bench/convert_under_load.py --native        # workers without extensions
+    .venv/bin/python bench/convert_under_load.py --replicas 3 --flips 100   # 3 routers on etcd
 
-Exit status 1 if a request failed, a conversion did not succeed or a goal was missed.
+Exit status 1 if a request failed, a conversion did not succeed or a goal was missed (with
+``--replicas``, the two latency goals are reported but not judged: they are a single router's).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import sys
@@ -31,12 +40,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import httpx
 import orjson
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from router_process import running_router  # noqa: E402
+from etcd_process import running_etcd  # noqa: E402
+from router_process import cluster_toml, running_router, wait_replicas  # noqa: E402
 
 from pd_worker.cluster import WorkerCluster  # noqa: E402
 from pd_worker.tokens import expected_text  # noqa: E402
@@ -46,6 +57,11 @@ IDLE_TO_SWITCH_GOAL_S = 0.050
 MAX_BENCH_SECS = 600.0
 WARM_UP_TIMEOUT_SECS = 30.0
 DRAIN_TIMEOUT_SECS = 60.0
+CLUSTER_NAME = "bench"
+# The latency goals are the single router's: a replica's conversion also waits for etcd (its
+# SWITCHING mark and its outcome are transactions, the peers' drain reports come through the
+# watch), so with --replicas they are reported and the run is judged on failures alone.
+REPLICA_GOALS_NOTE = "(single-router goals, reported only with replicas)"
 
 
 @dataclass
@@ -54,6 +70,16 @@ class Load:
     ok: int = 0
     failed: int = 0
     errors: list[str] = field(default_factory=list)
+
+    @classmethod
+    def total(cls, loads: list[Load]) -> Load:
+        """The sum of the loads sent to each replica."""
+        return cls(
+            sent=sum(load.sent for load in loads),
+            ok=sum(load.ok for load in loads),
+            failed=sum(load.failed for load in loads),
+            errors=[error for load in loads for error in load.errors],
+        )
 
 
 # --- load -----------------------------------------------------------------------------------
@@ -107,13 +133,15 @@ async def one_request(
 
 
 async def flip_loop(
-    session: aiohttp.ClientSession, url: str, flips: int, records: list[dict]
+    session: aiohttp.ClientSession, urls: list[str], flips: int, records: list[dict]
 ) -> list[str]:
-    """Alternate: one prefill -> decode, then one decode -> prefill, until ``flips`` succeeded."""
+    """Alternate: one prefill -> decode, then one decode -> prefill, until ``flips`` succeeded;
+    each attempt goes through the next router of ``urls`` (one, or the replicas in turn)."""
     problems: list[str] = []
     roles = itertools.cycle(("prefill", "decode"))
     attempts = 0
     while len(records) < flips and attempts < flips * 2:
+        url = urls[attempts % len(urls)]
         attempts += 1
         source = next(roles)
         async with session.get(url + "/workers") as response:
@@ -144,7 +172,13 @@ def row(name: str, values: list[float]) -> str:
     return f"| {name} | " + " | ".join(f"{c:.2f}" for c in cells) + " |"
 
 
-def report(records: list[dict], load: Load, elapsed: float, args: argparse.Namespace) -> bool:
+def report(
+    loads: list[Load], records: list[dict], elapsed: float, args: argparse.Namespace
+) -> bool:
+    load = Load.total(loads)
+    if not records:
+        print(f"no conversion succeeded; requests sent: {load.sent}, failed: {load.failed}")
+        return False
     for r in records:
         r["timings"]["overhead_without_verify_s"] = (
             r["timings"]["router_overhead_s"] - r["timings"]["verify_s"]
@@ -171,13 +205,25 @@ def report(records: list[dict], load: Load, elapsed: float, args: argparse.Names
     switch_calls = sum(
         1 for r in records for reply in r["worker_replies"] if reply["call"] != "verify"
     )
+    routers = (
+        f"{args.replicas} pd-router replicas on etcd (clients and conversions spread over them)"
+        if args.replicas
+        else "one pd-router"
+    )
     lines = [
-        f"2P2D reference cluster (speed {args.speed}, {args.protocol} protocol), "
+        f"2P2D reference cluster (speed {args.speed}, {args.protocol} protocol) behind {routers}, "
         f"concurrency {args.concurrency} (half streaming), {args.tokens} tokens per request, "
         f"{elapsed:.1f} s, load average {args.load_before:.1f} before / "
         f"{os.getloadavg()[0]:.1f} after on {os.cpu_count()} CPUs",
         "",
         f"requests sent: {load.sent}, ok: {load.ok}, failed: {load.failed}",
+    ]
+    if len(loads) > 1:
+        lines.append(
+            "per replica (sent / failed): "
+            + ", ".join(f"{each.sent} / {each.failed}" for each in loads)
+        )
+    lines += [
         f"conversions succeeded: {len(records)} ({by_direction}); switch calls: {switch_calls} "
         "(a native switch refused as not idle is called again)",
         "",
@@ -192,16 +238,17 @@ def report(records: list[dict], load: Load, elapsed: float, args: argparse.Names
         row("last in-flight request done -> switch call", timings["idle_to_switch_s"]),
         "",
         f"goals: router overhead p99 {overhead_p99 * 1000:.2f} ms (< {OVERHEAD_GOAL_S * 1000:.0f}),"
-        f" idle->switch p99 {idle_p99 * 1000:.2f} ms (< {IDLE_TO_SWITCH_GOAL_S * 1000:.0f})",
+        f" idle->switch p99 {idle_p99 * 1000:.2f} ms (< {IDLE_TO_SWITCH_GOAL_S * 1000:.0f})"
+        + (f" {REPLICA_GOALS_NOTE}" if args.replicas else ""),
     ]
     print("\n".join(lines))
     for error in load.errors[:5]:
         print("error:", error)
+    timing_goals_met = overhead_p99 < OVERHEAD_GOAL_S and idle_p99 < IDLE_TO_SWITCH_GOAL_S
     return (
         load.failed == 0
         and len(records) >= args.flips
-        and overhead_p99 < OVERHEAD_GOAL_S
-        and idle_p99 < IDLE_TO_SWITCH_GOAL_S
+        and (timing_goals_met or bool(args.replicas))
     )
 
 
@@ -218,27 +265,58 @@ async def warmed_up(load: Load, clients: int) -> None:
         await asyncio.sleep(0.01)
 
 
-async def soak(url: str, args: argparse.Namespace) -> tuple[list[dict], Load, float, list[str]]:
-    load = Load()
+async def all_warmed_up(loads: list[Load], clients: int) -> None:
+    """Every router has answered as many requests as clients send to it."""
+    await asyncio.gather(
+        *(warmed_up(load, len(range(i, clients, len(loads)))) for i, load in enumerate(loads))
+    )
+
+
+async def soak(
+    urls: list[str], args: argparse.Namespace
+) -> tuple[list[Load], list[dict], float, list[str]]:
+    """Client i sends to ``urls[i % len(urls)]`` (one Load per router) while the conversions
+    go through the routers in turn."""
+    loads = [Load() for _ in urls]
     stop = asyncio.Event()
     records: list[dict] = []
     connector = aiohttp.TCPConnector(limit=args.concurrency + 8)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         clients = [
-            asyncio.create_task(client_loop(session, url, load, stop, args.tokens))
-            for _ in range(args.concurrency)
+            asyncio.create_task(
+                client_loop(session, urls[i % len(urls)], loads[i % len(urls)], stop, args.tokens)
+            )
+            for i in range(args.concurrency)
         ]
         started = time.monotonic()
         try:
-            await warmed_up(load, args.concurrency)
+            await all_warmed_up(loads, args.concurrency)
             problems = await asyncio.wait_for(
-                flip_loop(session, url, args.flips, records), MAX_BENCH_SECS
+                flip_loop(session, urls, args.flips, records), MAX_BENCH_SECS
             )
         finally:
             stop.set()
             await asyncio.gather(*clients)
-        return records, load, time.monotonic() - started, problems
+        return loads, records, time.monotonic() - started, problems
+
+
+def start_routers(
+    cluster: WorkerCluster, args: argparse.Namespace, stack: contextlib.ExitStack
+) -> list[str]:
+    """One router, or etcd and ``args.replicas`` routers on one cluster; their urls."""
+    if not args.replicas:
+        return [stack.enter_context(running_router(cluster, drain_timeout_secs=DRAIN_TIMEOUT_SECS))]
+    etcd_url = stack.enter_context(running_etcd(args.etcd_binary))
+    extra = cluster_toml(etcd_url, CLUSTER_NAME)
+    urls = [
+        stack.enter_context(
+            running_router(cluster, drain_timeout_secs=DRAIN_TIMEOUT_SECS, extra=extra)
+        )
+        for _ in range(args.replicas)
+    ]
+    wait_replicas(urls)
+    return urls
 
 
 def main() -> int:
@@ -248,20 +326,25 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--speed", type=float, default=0.05)
     parser.add_argument("--native", action="store_true", help="hide the extension routes")
+    parser.add_argument(
+        "--replicas", type=int, default=0, help="N pd-router replicas on one etcd cluster"
+    )
+    parser.add_argument("--etcd-binary", default="etcd", help="etcd for --replicas")
     args = parser.parse_args()
+    if args.replicas < 0:
+        parser.error("--replicas takes N >= 1 (0, the default: one router without etcd)")
     args.protocol = "native" if args.native else "extension"
     args.load_before = os.getloadavg()[0]
     with WorkerCluster(prefill=2, decode=2, speed=args.speed) as cluster:
         if args.native:
-            import httpx
-
             for worker_url in cluster.urls:
                 httpx.post(worker_url + "/fault", json={"native_only": True}).raise_for_status()
-        with running_router(cluster, drain_timeout_secs=DRAIN_TIMEOUT_SECS) as url:
-            records, load, elapsed, problems = asyncio.run(soak(url, args))
+        with contextlib.ExitStack() as stack:
+            urls = start_routers(cluster, args, stack)
+            loads, records, elapsed, problems = asyncio.run(soak(urls, args))
     for problem in problems[:5]:
         print("conversion problem:", problem)
-    return 0 if report(records, load, elapsed, args) and not problems else 1
+    return 0 if report(loads, records, elapsed, args) and not problems else 1
 
 
 if __name__ == "__main__":

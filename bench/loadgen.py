@@ -1,4 +1,5 @@
-"""Closed-loop load generator: N concurrent clients sending /generate to one router.
+"""Closed-loop load generator: N concurrent clients sending /generate to one router, or spread
+over several (``--url`` repeated: client i sends to the i-th url modulo their number).
 
 Runs as its own process (aiohttp client on uvloop) so its CPU is never charged to the router
 or to the orchestrator. Each client sends a request, waits for the full answer (non-streaming
@@ -33,7 +34,7 @@ DRAIN_GRACE_S = 10.0
 class LoadConfig:
     """What to send, how hard and for how long."""
 
-    url: str
+    urls: tuple[str, ...]
     concurrency: int
     warmup_s: float
     duration_s: float
@@ -75,11 +76,13 @@ def _body(client: int, cfg: LoadConfig) -> bytes:
     )
 
 
-async def _exchange(session: aiohttp.ClientSession, cfg: LoadConfig, body: bytes) -> float | None:
+async def _exchange(
+    session: aiohttp.ClientSession, cfg: LoadConfig, url: str, body: bytes
+) -> float | None:
     """Send one request and read the full answer; return the time to first byte if streaming."""
     started = time.perf_counter()
     headers = {"Content-Type": "application/json"}
-    async with session.post(cfg.url, data=body, headers=headers) as resp:
+    async with session.post(url, data=body, headers=headers) as resp:
         if resp.status != 200:
             raise BadAnswer(f"HTTP {resp.status}: {(await resp.read())[:200]!r}")
         if not cfg.stream:
@@ -101,16 +104,17 @@ async def _exchange(session: aiohttp.ClientSession, cfg: LoadConfig, body: bytes
 async def _client(
     session: aiohttp.ClientSession,
     cfg: LoadConfig,
-    body: bytes,
+    index: int,
     window: tuple[float, float],
     tally: Tally,
 ) -> None:
     """Send requests back to back until the window closes, recording those that end in it."""
+    url, body = cfg.urls[index % len(cfg.urls)], _body(index, cfg)
     window_start, window_end = window
     while time.perf_counter() < window_end:
         started = time.perf_counter()
         try:
-            ttft = await _exchange(session, cfg, body)
+            ttft = await _exchange(session, cfg, url, body)
         except (aiohttp.ClientError, TimeoutError, BadAnswer, orjson.JSONDecodeError) as exc:
             tally.error(f"{type(exc).__name__}: {exc}")
             continue
@@ -145,7 +149,7 @@ async def run(cfg: LoadConfig) -> dict[str, object]:
         now = time.perf_counter()
         window = (now + cfg.warmup_s, now + cfg.warmup_s + cfg.duration_s)
         clients = [
-            asyncio.create_task(_client(session, cfg, _body(i, cfg), window, tally))
+            asyncio.create_task(_client(session, cfg, i, window, tally))
             for i in range(cfg.concurrency)
         ]
         await asyncio.sleep(max(0.0, window[0] - time.perf_counter()))
@@ -172,21 +176,26 @@ async def run(cfg: LoadConfig) -> dict[str, object]:
 
 def parse_args(argv: Sequence[str] | None) -> tuple[Path, LoadConfig]:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--url", required=True, help="e.g. http://127.0.0.1:30000/generate")
+    parser.add_argument(
+        "--url",
+        action="append",
+        required=True,
+        help="e.g. http://127.0.0.1:30000/generate; repeat to spread the clients",
+    )
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--warmup", type=float, default=2.0)
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--request-timeout", type=float, default=30.0)
-    parser.add_argument("--cpu-pid", type=int, action="append", default=[], help="the router")
+    parser.add_argument("--cpu-pid", type=int, action="append", default=[], help="a router")
     parser.add_argument("--backend-pid", type=int, action="append", default=[], help="a worker")
     parser.add_argument("--output", type=Path, required=True, help="where to write the JSON")
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("need --concurrency >= 1, --duration > 0, --warmup >= 0")
     return args.output, LoadConfig(
-        url=args.url,
+        urls=tuple(args.url),
         concurrency=args.concurrency,
         warmup_s=args.warmup,
         duration_s=args.duration,

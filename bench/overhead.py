@@ -217,19 +217,18 @@ def running_router(peer: Peer, topology: Topology, log_dir: Path) -> Iterator[Ro
 
 
 def run_load(
-    router: RouterProcess,
+    routers: Sequence[RouterProcess],
     cfg: BenchConfig,
     stream: bool,
     out_dir: Path,
     backend_pids: Sequence[int] = (),
 ) -> dict:
-    """One measured segment: the loadgen process against one router."""
+    """One measured segment: the loadgen process against one router, or its clients spread
+    over several (replicas); the CPU of all of them is read."""
     output = out_dir / "loadgen.json"
     argv = [
         sys.executable,
         str(BENCH / "loadgen.py"),
-        "--url",
-        f"{router.url}/generate",
         "--concurrency",
         str(cfg.concurrency),
         "--warmup",
@@ -238,11 +237,11 @@ def run_load(
         str(cfg.duration_s),
         "--max-new-tokens",
         str(cfg.max_new_tokens),
-        "--cpu-pid",
-        str(router.process.pid),
         "--output",
         str(output),
     ]
+    for router in routers:
+        argv += ["--url", f"{router.url}/generate", "--cpu-pid", str(router.process.pid)]
     for pid in backend_pids:
         argv += ["--backend-pid", str(pid)]
     if stream:
@@ -282,7 +281,7 @@ def profile_router(router: RouterProcess, cfg: BenchConfig, out_dir: Path) -> st
     )
     profiled = dataclasses.replace(cfg, warmup_s=1.0, duration_s=cfg.profile_s + 1.0, rounds=1)
     mode = cfg.modes[0]
-    result = run_load(router, profiled, mode == "stream", out_dir)
+    result = run_load([router], profiled, mode == "stream", out_dir)
     _, err = spy.communicate(timeout=cfg.profile_s + 60.0)
     if spy.returncode != 0 or not raw.exists():
         return f"_py-spy failed: {err.decode(errors='replace')[-500:]}_\n"
@@ -299,6 +298,17 @@ def start_backend(cfg: BenchConfig) -> contextlib.AbstractContextManager:
     if cfg.backend == "stub":
         return stub_cluster(cfg.prefill, cfg.decode, iter(lambda: free_port(HOST), None))
     return WorkerCluster(cfg.prefill, cfg.decode, speed=0.0, enable_faults=False)
+
+
+def backend_topology(cluster: StubCluster | WorkerCluster) -> tuple[Topology, list[int]]:
+    """Where a started backend's workers listen, and their pids (for their CPU)."""
+    topology = Topology(
+        prefills=tuple((url, cluster.bootstrap_port(url)) for url in cluster.prefill_urls),
+        decodes=tuple(cluster.decode_urls),
+    )
+    if isinstance(cluster, StubCluster):
+        return topology, cluster.pids
+    return topology, [worker.process.pid for worker in cluster.workers]
 
 
 @dataclass
@@ -338,22 +348,14 @@ def measure(cfg: BenchConfig, log_dir: Path) -> Measurement:
     """Start the cluster and every router, run the interleaved rounds, return the sums."""
     result = Measurement({(name, mode): Figures() for name in cfg.peers for mode in cfg.modes})
     with start_backend(cfg) as cluster:
-        topology = Topology(
-            prefills=tuple((url, cluster.bootstrap_port(url)) for url in cluster.prefill_urls),
-            decodes=tuple(cluster.decode_urls),
-        )
-        pids = (
-            cluster.pids
-            if isinstance(cluster, StubCluster)
-            else [worker.process.pid for worker in cluster.workers]
-        )
+        topology, pids = backend_topology(cluster)
         with contextlib.ExitStack() as stack:
             routers, result.not_started = start_routers(cfg, topology, log_dir, stack)
             for round_no in range(cfg.rounds):
                 shift = round_no % len(routers)
                 for mode in cfg.modes:
                     for router in routers[shift:] + routers[:shift]:
-                        segment = run_load(router, cfg, mode == "stream", log_dir, pids)
+                        segment = run_load([router], cfg, mode == "stream", log_dir, pids)
                         result.figures[(router.peer.name, mode)].add(segment)
                         print(
                             f"# round {round_no + 1} {mode:10} {router.peer.name:10} "
@@ -367,7 +369,7 @@ def measure(cfg: BenchConfig, log_dir: Path) -> Measurement:
     return result
 
 
-def _ratio(numerator: float, denominator: float) -> str:
+def ratio(numerator: float, denominator: float) -> str:
     return f"{numerator / denominator:.2f}x" if denominator else "n/a"
 
 
@@ -378,7 +380,7 @@ TABLE_HEAD = (
 )
 
 
-def _row(mode: str, name: str, f: Figures) -> str:
+def table_row(mode: str, name: str, f: Figures) -> str:
     """One line of the figures table."""
     p50, p99 = percentile(f.latencies_ms, 50), percentile(f.latencies_ms, 99)
     router_pct = 100 * f.router_cpu_s / f.window_s
@@ -423,7 +425,7 @@ def report(cfg: BenchConfig, measurement: Measurement, command: str) -> str:
         "",
         TABLE_HEAD,
     ]
-    lines += [_row(mode, name, figures[(name, mode)]) for mode in cfg.modes for name in peers]
+    lines += [table_row(mode, name, figures[(name, mode)]) for mode in cfg.modes for name in peers]
     lines += ["", "Peers: " + "; ".join(f"{n}: {PEERS[n].description}" for n in cfg.peers), ""]
     lines += [f"- {name} did not start: {why}" for name, why in measurement.not_started.items()]
     others = [name for name in peers if name != BASELINE]
@@ -434,8 +436,8 @@ def report(cfg: BenchConfig, measurement: Measurement, command: str) -> str:
             for name in others:
                 theirs = figures[(name, mode)]
                 lines.append(
-                    f"| {mode} | {BASELINE} / {name} | {_ratio(ours.rps, theirs.rps)} | "
-                    f"{_ratio(ours.cpu_ms_per_request, theirs.cpu_ms_per_request)} |"
+                    f"| {mode} | {BASELINE} / {name} | {ratio(ours.rps, theirs.rps)} | "
+                    f"{ratio(ours.cpu_ms_per_request, theirs.cpu_ms_per_request)} |"
                 )
         lines.append("")
     samples = [(key, f.error_samples) for key, f in figures.items() if f.error_samples]

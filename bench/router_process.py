@@ -1,6 +1,7 @@
 """pd-router in its own process over a reference cluster, for the benchmarks that convert
-workers through it (convert_under_load.py, rebalance.py): its TOML config, start, readiness
-(every worker registered and healthy) and stop."""
+workers through it (convert_under_load.py, rebalance.py): its TOML config (with a
+``[cluster]`` section for a replica on etcd), start, readiness (every worker registered and
+healthy) and stop."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pd_worker.cluster import WorkerCluster, free_port
 REPO = Path(__file__).resolve().parent.parent
 ROUTER_MAIN = "import sys; from pd_router.cli import main; sys.exit(main())"
 ROUTER_START_TIMEOUT_S = 30.0
+REPLICAS_READY_TIMEOUT_S = 30.0
 
 
 def router_toml(
@@ -50,6 +52,12 @@ def router_toml(
     for url in decode:
         lines += ["[[decode]]", f'url = "{url}"']
     return "\n".join(lines) + "\n" + extra
+
+
+def cluster_toml(etcd_url: str, name: str) -> str:
+    """A ``[cluster]`` section: the router joins cluster ``name`` on ``etcd_url`` as one of
+    its replicas (the router's default lease TTL)."""
+    return f'[cluster]\netcd = ["{etcd_url}"]\nname = "{name}"\n'
 
 
 @contextlib.contextmanager
@@ -102,3 +110,17 @@ def wait_ready(url: str, process: subprocess.Popen[bytes], workers: int) -> None
                     return
             time.sleep(0.05)
     raise SystemExit("router not ready in time")
+
+
+def wait_replicas(urls: list[str]) -> None:
+    """Return once every replica's ``GET /cluster`` lists all of them (each has joined and
+    seen the others), polling for at most REPLICAS_READY_TIMEOUT_S."""
+    deadline = time.monotonic() + REPLICAS_READY_TIMEOUT_S
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
+                views = [client.get(url + "/cluster").json() for url in urls]
+                if all(view["etcd_up"] and len(view["replicas"]) == len(urls) for view in views):
+                    return
+            time.sleep(0.05)
+    raise SystemExit(f"the {len(urls)} replicas did not all see each other in time")
