@@ -337,3 +337,47 @@ def test_query_walker_reads_nested_row_panels_annotations_and_query_variables():
     assert sorted(expr for _, expr in dashboard_queries(dashboard)) == [
         "a_total", "b_state", "d", "e", "topk(1, c)"
     ]  # fmt: skip
+
+
+# --- docker/compose.ha.yml: replicas on etcd behind HAProxy ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def ha() -> dict[str, Any]:
+    return load_yaml(DOCKER / "compose.ha.yml")["services"]
+
+
+def ha_routers(services: dict[str, Any]) -> list[str]:
+    return sorted(name for name in services if name.startswith("router-"))
+
+
+def test_ha_replicas_join_one_cluster_on_the_compose_etcd_without_a_worker_list(ha):
+    assert len(ha_routers(ha)) >= 2
+    for name in ha_routers(ha):
+        config = config_from_argv([str(arg) for arg in ha[name]["command"]])
+        assert (config.cluster.etcd, config.cluster.name) == (("http://etcd:2379",), "demo")
+        assert (config.prefill, config.decode) == ((), ())
+
+
+def test_ha_workers_register_in_that_cluster_under_their_service_name(ha):
+    for name, role in WORKER_SERVICES.items():
+        args = tokens(ha[name]["command"])
+        assert (flag(args, "--role"), flag(args, "--etcd"), flag(args, "--cluster")) == (
+            role, "http://etcd:2379", "demo",
+        )  # fmt: skip
+        assert flag(args, "--advertise-url") == f"http://{name}:{flag(args, '--port')}"
+
+
+def test_ha_balancer_checks_the_readiness_of_every_replica_and_nothing_else():
+    cfg = (DOCKER / "haproxy.ha.cfg").read_text()
+    servers = re.findall(r"^\s*server (\S+) (\S+):(\d+)", cfg, re.MULTILINE)
+    services = load_yaml(DOCKER / "compose.ha.yml")["services"]
+    assert sorted(name for name, _, _ in servers) == ha_routers(services)
+    assert all(host == name and port == "8000" for name, host, port in servers)
+    assert "http-check send meth GET uri /readiness" in cfg
+
+
+def test_ha_balancer_config_is_the_file_the_compose_mounts(ha):
+    mounts = [volume.split(":")[0] for volume in ha["lb"]["volumes"]]
+    assert mounts == ["./haproxy.ha.cfg"]
+    assert (DOCKER / mounts[0]).is_file()
