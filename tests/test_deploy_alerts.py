@@ -94,6 +94,7 @@ def test_rules_file_defines_every_alert_an_operator_needs():
         "PDRouterHighErrorRatio",
         "PDRouterCircuitOpen",
         "PDRouterTTFTP99High",
+        "PDRouterEtcdUnreachable",
     } <= set(rules())
 
 
@@ -286,3 +287,21 @@ def test_upstream_errors_is_quiet_when_one_client_sends_only_invalid_requests(tm
     ]
     fires_for("PDRouterUpstreamErrors", inputs, [], tmp_path)
     fires_for("PDRouterHighErrorRatio", inputs, [], tmp_path)
+
+
+@needs_promtool
+def test_etcd_unreachable_fires_for_a_replica_that_lost_etcd(tmp_path):
+    inputs = [
+        series("pd_router_cluster_etcd_up", "0x10"),
+        series("pd_router_cluster_replicas", "2x10"),
+    ]
+    fires_for("PDRouterEtcdUnreachable", inputs, [f"{{{ROUTER}}}"], tmp_path)
+
+
+@needs_promtool
+def test_etcd_unreachable_is_quiet_for_a_router_alone(tmp_path):
+    inputs = [
+        series("pd_router_cluster_etcd_up", "0x10"),
+        series("pd_router_cluster_replicas", "0x10"),
+    ]
+    fires_for("PDRouterEtcdUnreachable", inputs, [], tmp_path)
