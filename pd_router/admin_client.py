@@ -57,7 +57,28 @@ def status(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
 def _status_text(client: httpx.Client) -> str:
     workers = _request_json(client, "GET", "/workers")
     conversions = _request_json(client, "GET", f"/conversions?limit={RECENT_CONVERSIONS}")
-    return render_status(_worker_list(workers), conversions.get("conversions", []))
+    text = render_status(_worker_list(workers), conversions.get("conversions", []))
+    return render_cluster(_cluster(client)) + text
+
+
+def _cluster(client: httpx.Client) -> dict[str, Any]:
+    """The router's ``/cluster`` (an older router has none: a router alone, then)."""
+    try:
+        return _request_json(client, "GET", "/cluster")
+    except _Failure:
+        return {"enabled": False}
+
+
+def render_cluster(cluster: dict[str, Any]) -> str:
+    """One line for a replica: its cluster, the live replicas, the leader, etcd's state."""
+    if not cluster.get("enabled"):
+        return ""
+    replicas = ", ".join(str(r) for r in cluster.get("replicas", [])) or "none seen"
+    etcd = "reachable" if cluster.get("etcd_up") else "UNREACHABLE (conversions refused)"
+    return (
+        f"Cluster {cluster.get('name')}: replica {cluster.get('replica_id')} of [{replicas}], "
+        f"leader {cluster.get('leader') or 'none'}, etcd {etcd}\n\n"
+    )
 
 
 def _watch(args: argparse.Namespace, out: TextIO) -> int:

@@ -6,12 +6,14 @@ stopped and restarted."""
 from __future__ import annotations
 
 import asyncio
+import io
 import signal
 import time
 
 import httpx
 import pytest
 
+from pd_router import admin_client
 from tests.conversion_helpers import LONG, wait_for_busy, worker_role
 from tests.replica_helpers import (
     LEASE_TTL_SECS,
@@ -288,3 +290,12 @@ async def test_a_replica_killed_while_its_worker_switches_leaves_the_worker_in_i
         async with _client(r2) as via_r2:
             reply = await via_r2.post("/generate", json=generate_body("after", 2))
         assert reply.status_code == 200
+
+
+async def test_status_of_a_replica_names_its_cluster_peers_leader_and_etcd(workers, etcd_server):
+    async with replicas(workers, etcd_server, 2) as (r1, _):
+        out = io.StringIO()
+        code = await asyncio.to_thread(admin_client.status, ["--router", r1.url], out)
+    assert code == 0, out.getvalue()
+    first = out.getvalue().splitlines()[0]
+    assert first == "Cluster test: replica r1 of [r1, r2], leader r1, etcd reachable"
