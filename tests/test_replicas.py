@@ -6,6 +6,7 @@ stopped and restarted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import signal
 import time
@@ -299,3 +300,23 @@ async def test_status_of_a_replica_names_its_cluster_peers_leader_and_etcd(worke
     assert code == 0, out.getvalue()
     first = out.getvalue().splitlines()[0]
     assert first == "Cluster test: replica r1 of [r1, r2], leader r1, etcd reachable"
+
+
+async def test_a_frozen_replica_holds_a_drain_no_longer_than_its_lease(workers, etcd_server):
+    """A replica that stops answering (SIGSTOP) with a request in flight on the worker cannot
+    report; once its lease expires it is no longer a replica to wait for."""
+    async with replicas(workers, etcd_server, 2) as (r1, r2), _client(r2) as via_r2:
+        long = asyncio.create_task(via_r2.post("/generate", json=LONG, timeout=5.0))
+        busy = await wait_for_busy(workers.decode_urls)
+        r2.process.send_signal(signal.SIGSTOP)
+        try:
+            async with _client(r1) as via_r1:
+                started = time.monotonic()
+                reply = await via_r1.post("/convert_pd_role", json={"server_url": busy})
+                took = time.monotonic() - started
+        finally:
+            r2.process.send_signal(signal.SIGCONT)
+        with contextlib.suppress(httpx.HTTPError):
+            await long
+    assert reply.status_code == 200 and reply.json()["status"] == "succeeded", reply.text
+    assert took < LEASE_TTL_SECS + 5.0
