@@ -23,7 +23,7 @@ from pd_worker.kv_transfer.base import (
 
 PROTOCOL = "tcp"
 P2P_HANDSHAKE = "P2PHANDSHAKE"
-DEFAULT_PROGRESS_TIMEOUT_SECS = 5
+PROGRESS_TIMEOUT_SECS = 5
 PULL_THREADS = 2
 
 
@@ -49,12 +49,11 @@ class MooncakeTransport:
 
     kind = "mooncake"
 
-    def __init__(
-        self, host: str, *, progress_timeout_secs: int = DEFAULT_PROGRESS_TIMEOUT_SECS
-    ) -> None:
+    def __init__(self, host: str) -> None:
         engine_class = load_transfer_engine()
-        # The engine reads its timeouts from the environment only; an operator's value wins.
-        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(progress_timeout_secs))
+        # The engine reads its timeouts from the environment only, once per process: an
+        # operator's value wins, else a stalled peer fails a pull after this many seconds.
+        os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(PROGRESS_TIMEOUT_SECS))
         engine = engine_class()
         if engine.initialize(host, P2P_HANDSHAKE, PROTOCOL, "") != 0:
             raise TransportUnavailable(
