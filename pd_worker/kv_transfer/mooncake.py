@@ -5,6 +5,9 @@ is ``host:rpc_port``, the session id a peer passes to the engine's reads. Openin
 segment (its handshake) and waiting for transfers block, so pulls run on the transport's own
 threads, never on the event loop. A stalled peer is bounded by the engine's TCP progress
 timeout (``MC_TCP_PROGRESS_TIMEOUT_SEC``), a dead one fails at once with connection refused.
+
+The engine (0.3.13) binds its handshake and data listeners to every interface whatever ``host``
+is; ``host`` is only what the endpoint advertises.
 """
 
 from __future__ import annotations
