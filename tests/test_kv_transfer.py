@@ -6,6 +6,8 @@ patterned buffer, this process pulls ranges of it into its own buffer over loopb
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ctypes
 import os
 import signal
@@ -160,6 +162,30 @@ async def test_pull_between_torch_tensors_in_one_process(
     assert torch.equal(destination[:2], source[3:5])
     assert torch.equal(destination[2:52], source[100:150])
     assert not destination[52:].any()
+
+
+@pytest.mark.parametrize("kind", TRANSPORTS)
+async def test_a_cancelled_pull_no_longer_writes_into_the_destination(
+    kind: str, start_peer: Callable[[str], Peer], transports: Callable[[str], KVTransport]
+) -> None:
+    local = transports(kind)
+    peer = start_peer(kind)
+    destination = ctypes.create_string_buffer(PEER_BYTES)
+    local.register(ctypes.addressof(destination), PEER_BYTES)
+    # 64 reads of different bytes into the same place: any late write changes the buffer.
+    length = PEER_BYTES - 64
+    ranges = [(shift, 0, length) for shift in range(64)]
+    pull = asyncio.ensure_future(
+        local.pull(peer.endpoint, peer.ptr, ctypes.addressof(destination), ranges)
+    )
+    await asyncio.sleep(0.01)
+    pull.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await pull
+
+    after_cancel = destination.raw
+    await asyncio.sleep(0.5)
+    assert destination.raw == after_cancel
 
 
 @pytest.mark.parametrize("kind", TRANSPORTS)
