@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser demo test lint bench bench-worker bench-overhead bench-convert bench-kv-transfer bench-rebalance screenshot clean
+.PHONY: install browser demo test lint bench bench-worker bench-overhead bench-convert bench-rebalance screenshot clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -53,6 +53,7 @@ bench-convert: $(STAMP)
 	$(VENV)/bin/python bench/convert_under_load.py
 
 # KV bytes per second over mooncake's TransferEngine (TCP) vs the plain-TCP transport (~20 s).
+.PHONY: bench-kv-transfer
 bench-kv-transfer: $(STAMP) browser
 	$(VENV)/bin/python bench/kv_transfer.py
 
