@@ -1,6 +1,7 @@
 """``pd-worker`` command line: ``serve`` one worker, or start a whole ``cluster`` of processes.
 
     pd-worker serve --role prefill --port 30000 --bootstrap-port 8998 [--enable-pd-role-switch]
+                    [--engine timing|torch [--kv-transfer mooncake|tcp] [--model-config PATH]]
                     [--profile h100-8b] [--speed 0.1] [--prefill-secs-per-token ...] [other knobs]
                     [--etcd URL [--etcd URL ...] --cluster NAME [--cluster-prefix P]
                      [--advertise-url URL] [--etcd-lease-ttl SECS]]
@@ -24,6 +25,7 @@ from pd_protocol.cluster import DEFAULT_LEASE_TTL_SECS, DEFAULT_PREFIX
 from pd_protocol.registration import FlagNames, RegistrationSettings
 from pd_protocol.wire import ROLES
 from pd_worker.config import WorkerConfig
+from pd_worker.data_plane import ENGINES
 from pd_worker.timing import PROFILES, TimingModel, profile
 
 REGISTRATION_FLAGS = FlagNames("--etcd", "--cluster", "--advertise-url")
@@ -130,6 +132,18 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--decode-cuda-graph-memory-gb", type=float, default=0.6)
     serve.add_argument("--gpu-free-memory-gb", type=float, default=8.0)
+    serve.add_argument(
+        "--engine", choices=ENGINES, default="timing",
+        help="timing: the timing model (default); torch: a small real model over a real KV pool",
+    )  # fmt: skip
+    serve.add_argument(
+        "--kv-transfer", choices=("mooncake", "tcp"), default="mooncake",
+        help="the torch engine's KV transport (mooncake TransferEngine over TCP, or plain TCP)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--model-config", default=None, metavar="PATH",
+        help="the torch engine's model config (default: configs/torch-model.json)",
+    )  # fmt: skip
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is gone (clusters)"
@@ -177,6 +191,9 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         ssl_keyfile=args.ssl_keyfile,
         ssl_ca_certs=args.ssl_ca_certs,
         timing=profile(args.profile, **knobs),
+        engine=args.engine,
+        kv_transfer=args.kv_transfer,
+        model_config=args.model_config,
     )
 
 
