@@ -17,11 +17,15 @@ demo: $(STAMP)
 	$(VENV)/bin/pd-router demo
 
 # Tools some tests drive for real: headless Chromium (the status page), Prometheus' promtool
-# (alert rules) and etcd (the replicas' coordination store). Debian's packages, installed when
-# absent and possible; otherwise those tests skip.
+# (alert rules) and etcd (the replicas' coordination store), and the shared libraries mooncake's
+# TransferEngine links against (the KV transfer tests import it; found with ldconfig, since they
+# are libraries, not commands). Debian's packages, installed when absent and possible; otherwise
+# those tests skip.
 TEST_TOOLS := chromium:chromium promtool:prometheus etcd:etcd-server
+TEST_LIBS := libibverbs.so.1:libibverbs1 librdmacm.so.1:librdmacm1 libnuma.so.1:libnuma1
 browser:
 	@missing=""; for t in $(TEST_TOOLS); do command -v $${t%%:*} >/dev/null 2>&1 || missing="$$missing $${t#*:}"; done; \
+	for l in $(TEST_LIBS); do ldconfig -p | grep -qF "$${l%%:*} " || missing="$$missing $${l#*:}"; done; \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null \
