@@ -31,6 +31,9 @@ from pd_worker.timing import PROFILES, TimingModel, profile
 REGISTRATION_FLAGS = FlagNames("--etcd", "--cluster", "--advertise-url")
 
 USAGE_ERROR = 2
+# The torch engine's default KV pool: every slot is a real tensor row, so far fewer than the
+# timing model's modeled capacity.
+TORCH_KV_SLOTS = 4096
 
 
 class _Parser(argparse.ArgumentParser):
@@ -174,6 +177,8 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         for f in fields(TimingModel)
         if getattr(args, f.name) is not None
     }
+    if args.engine == "torch":
+        knobs.setdefault("max_total_num_tokens", TORCH_KV_SLOTS)
     return WorkerConfig(
         role=args.role,
         host=args.host,
