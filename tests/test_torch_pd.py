@@ -2,7 +2,7 @@
 KV tensors over mooncake's TransferEngine, and every disaggregated output equals, token for token,
 what one colocated TorchModel generates for the same prompt; role conversions under load keep
 the weights and the KV pool (same data_ptr); a prefill that dies after publishing a room's KV
-fails that request alone."""
+fails that request alone; the plain-TCP transport, chosen by flag, moves the same KV."""
 
 from __future__ import annotations
 
@@ -81,7 +81,10 @@ def tensor_identity(state: dict) -> tuple:
     return state["kv_pool_data_ptr"], sorted(state["weights_data_ptr"].items())
 
 
-async def test_disaggregated_batch_equals_colocated_generate_token_for_token(router, reference):
+async def test_disaggregated_batch_equals_colocated_generate_token_for_token(
+    router, cluster, reference
+):
+    assert {s["transport"] for s in (await torch_states(cluster.urls)).values()} == {"mooncake"}
     async with router.client() as http:
         outputs = await asyncio.gather(
             *(generated_ids(http, prompt, stream=n % 2 == 0) for n, prompt in enumerate(PROMPTS))
@@ -92,6 +95,7 @@ async def test_disaggregated_batch_equals_colocated_generate_token_for_token(rou
 async def test_conversions_under_load_keep_outputs_and_tensors(router, cluster, reference):
     before = await torch_states(cluster.urls)
     failures: list[str] = []
+    answered: list[str] = []
     done = asyncio.Event()
     counter = itertools.count()
 
@@ -103,6 +107,7 @@ async def test_conversions_under_load_keep_outputs_and_tensors(router, cluster, 
             except (AssertionError, httpx.HTTPError) as exc:
                 failures.append(f"{prompt}: {exc}")
                 continue
+            answered.append(prompt)
             if ids != reference(prompt):
                 failures.append(f"{prompt}: {ids} != {reference(prompt)}")
 
@@ -119,6 +124,7 @@ async def test_conversions_under_load_keep_outputs_and_tensors(router, cluster, 
             await asyncio.gather(*clients)
     after = await torch_states(cluster.urls)
     assert failures == []
+    assert len(answered) >= 8
     assert {u: tensor_identity(s) for u, s in after.items()} == {
         u: tensor_identity(s) for u, s in before.items()
     }
@@ -157,3 +163,13 @@ async def test_prefill_dying_after_publishing_kv_fails_that_request_and_decode_k
 
 async def _free_slots(url: str, expected: int) -> bool:
     return (await torch_states([url]))[url]["free_slots"] == expected
+
+
+async def test_plain_tcp_fallback_moves_the_same_kv(module_cluster_factory, reference):
+    cluster = module_cluster_factory(prefill=1, decode=1, engine="torch", kv_transfer="tcp")
+    assert {s["transport"] for s in (await torch_states(cluster.urls)).values()} == {"tcp"}
+    async with running_router(cluster) as r, r.client() as http:
+        outputs = await asyncio.gather(
+            *(generated_ids(http, prompt, stream=n % 2 == 1) for n, prompt in enumerate(PROMPTS))
+        )
+    assert outputs == [reference(prompt) for prompt in PROMPTS]
