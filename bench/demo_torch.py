@@ -24,10 +24,10 @@ sys.path.insert(0, str(REPO))
 from router_process import running_router  # noqa: E402
 
 from pd_worker.cluster import WorkerCluster  # noqa: E402
-from pd_worker.tokens import tokenize  # noqa: E402
 from pd_worker.torch_engine.config import DEFAULT_MODEL_CONFIG, ModelConfig  # noqa: E402
 from pd_worker.torch_engine.kv_pool import KVPool  # noqa: E402
 from pd_worker.torch_engine.model import TorchModel  # noqa: E402
+from pd_worker.torch_engine.tokenizer import build_tokenizer, encode  # noqa: E402
 
 PROMPTS = (
     "The prefill computes the prompt's KV cache",
@@ -42,7 +42,8 @@ def colocated(prompts: tuple[str, ...]) -> list[list[int]]:
     """What one colocated TorchModel generates for each prompt (the reference)."""
     config = ModelConfig.load(DEFAULT_MODEL_CONFIG)
     model = TorchModel(config, KVPool(config, 256, "cpu"), "cpu")
-    return [model.generate(tokenize(prompt), TOKENS) for prompt in prompts]
+    tokenizer = build_tokenizer(config)
+    return [model.generate(encode(tokenizer, prompt), TOKENS) for prompt in prompts]
 
 
 async def generate(http: httpx.AsyncClient, prompt: str) -> dict:

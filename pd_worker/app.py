@@ -342,7 +342,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await _typed_body(request)
     generate_body(body)
     try:
-        items, batch, stream = parse_generate(body)
+        items, batch, stream = parse_generate(body, state.engine.plane.tokenize)
         _validate(state.engine, items)
     except ContractError:
         raise
@@ -431,10 +431,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = state.config.model_name
     if request.path.endswith("/chat/completions"):
         chat_body(body)
-        parsed = openai_api.parse_chat(body, model)
+        parsed = openai_api.parse_chat(body, model, state.engine.plane.tokenize)
     else:
         completion_body(body)
-        parsed = openai_api.parse_completion(body, model)
+        parsed = openai_api.parse_completion(body, model, state.engine.plane.tokenize)
     _validate(state.engine, parsed.items)
     if parsed.stream:
         return await _stream_openai(request, state, parsed)

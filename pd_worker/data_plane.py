@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pd_worker.requests import GenItem, Progress
+from pd_worker.tokens import tokenize
 
 if TYPE_CHECKING:
     from pd_worker.bootstrap import Room
@@ -51,6 +52,10 @@ class DataPlane(Protocol):
         """Runs as the bootstrap server hands a room's payload to a decode."""
         ...
 
+    def tokenize(self, text: str) -> list[int]:
+        """A text prompt's token ids for this plane's model."""
+        ...
+
     def state(self) -> dict[str, Any] | None:
         """``GET /torch_state`` (None: this plane has no tensors to report)."""
         ...
@@ -72,6 +77,10 @@ class TimingPlane:
     async def before_send(self, room: Room) -> None:
         """The modeled time the KV of the room's tokens takes over the wire."""
         await self._timing.wait(self._timing.transfer_secs(room.num_tokens))
+
+    def tokenize(self, text: str) -> list[int]:
+        """The toy tokenizer: one token per UTF-8 byte."""
+        return tokenize(text)
 
     def state(self) -> dict[str, Any] | None:
         return None

@@ -20,7 +20,7 @@ from pd_worker.kv_transfer import KVTransport, make_transport
 from pd_worker.torch_engine.config import DEFAULT_MODEL_CONFIG, ModelConfig
 from pd_worker.torch_engine.kv_pool import KVPool
 from pd_worker.torch_engine.model import DecodeSeq, TorchModel
-from pd_worker.torch_engine.tokenizer import build_tokenizer, decode
+from pd_worker.torch_engine.tokenizer import build_tokenizer, decode, encode
 
 if TYPE_CHECKING:
     from pd_worker.bootstrap import Room
@@ -83,6 +83,9 @@ class TorchPlane:
                 f"{positions} positions exceed the model's max_position "
                 f"{self.model.config.max_position}"
             )
+
+    def tokenize(self, text: str) -> list[int]:
+        return encode(self.tokenizer, text)
 
     def text(self, ids: list[int]) -> str:
         return decode(self.tokenizer, ids)

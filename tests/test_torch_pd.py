@@ -15,10 +15,10 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch engine needs the torch extra")
 pytest.importorskip("mooncake.engine", reason="the KV transport needs mooncake-transfer-engine")
 
-from pd_worker.tokens import tokenize  # noqa: E402
 from pd_worker.torch_engine.config import DEFAULT_MODEL_CONFIG, ModelConfig  # noqa: E402
 from pd_worker.torch_engine.kv_pool import KVPool  # noqa: E402
 from pd_worker.torch_engine.model import TorchModel  # noqa: E402
+from pd_worker.torch_engine.tokenizer import build_tokenizer, encode  # noqa: E402
 from tests.conversion_helpers import arrange, convert, live_roles, pools  # noqa: E402
 from tests.router_helpers import (  # noqa: E402
     fault,
@@ -36,11 +36,12 @@ def reference():
     """Greedy outputs of a colocated TorchModel, by prompt."""
     config = ModelConfig.load(DEFAULT_MODEL_CONFIG)
     model = TorchModel(config, KVPool(config, 512, "cpu"), "cpu")
+    tokenizer = build_tokenizer(config)
     cache: dict[str, list[int]] = {}
 
     def outputs(prompt: str) -> list[int]:
         if prompt not in cache:
-            cache[prompt] = model.generate(tokenize(prompt), TOKENS)
+            cache[prompt] = model.generate(encode(tokenizer, prompt), TOKENS)
         return cache[prompt]
 
     return outputs
