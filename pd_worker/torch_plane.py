@@ -64,7 +64,8 @@ class TorchPlane:
         }
 
     def open_transport(self) -> KVTransport:
-        """A new transport with the pool registered (one per role object)."""
+        """A new transport with the pool registered (one per role object; the role closes it
+        on a thread at teardown, since closing a mooncake engine blocks for about a second)."""
         transport = make_transport(self.transport_kind, self._host)
         transport.register(self.pool.data_ptr, self.pool.nbytes)
         return transport

@@ -53,8 +53,8 @@ class TorchPrefillRole:
 
     async def teardown(self) -> None:
         if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+            transport, self._transport = self._transport, None
+            await asyncio.to_thread(transport.close)
 
     async def run(self, item: GenItem, req: Req, emit: Emit) -> None:
         engine = self._engine
@@ -202,8 +202,8 @@ class TorchDecodeRole:
         await self._loop.stop()
         self._puller.close()
         if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+            transport, self._transport = self._transport, None
+            await asyncio.to_thread(transport.close)
 
     async def run(self, item: GenItem, req: Req, emit: Emit) -> None:
         engine = self._engine
