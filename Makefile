@@ -56,6 +56,11 @@ bench-overhead: $(STAMP)
 bench-convert: $(STAMP)
 	$(VENV)/bin/python bench/convert_under_load.py
 
+# KV bytes per second over mooncake's TransferEngine (TCP) vs the plain-TCP transport (~20 s).
+.PHONY: bench-kv-transfer
+bench-kv-transfer: $(STAMP) browser
+	$(VENV)/bin/python bench/kv_transfer.py
+
 # The autopilot against static P:D splits on a phase-shifting trace (~13 min; plots with matplotlib).
 bench-rebalance: $(STAMP)
 	$(VENV)/bin/python -c "import matplotlib" 2>/dev/null || $(VENV)/bin/python -m pip install --quiet -e '.[bench]'
