@@ -23,7 +23,7 @@ pytest.importorskip("tokenizers", reason="the torch engine's tokenizer needs the
 
 from pd_worker.torch_engine.config import DEFAULT_MODEL_CONFIG, ModelConfig, ModelConfigError
 from pd_worker.torch_engine.kv_pool import KVPool, PoolExhausted, SlotError
-from pd_worker.torch_engine.model import DecodeSeq, TorchModel
+from pd_worker.torch_engine.model import DecodeSeq, ModelInputError, TorchModel
 from pd_worker.torch_engine.tokenizer import build_tokenizer, decode, encode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,6 +200,19 @@ def test_generate_frees_the_slots_it_used(model, prompts):
     free = model.pool.free_slots
     model.generate(prompts[-1], NEW_TOKENS)
     assert model.pool.free_slots == free
+
+
+def test_prefill_refuses_token_ids_outside_the_vocabulary(model, config):
+    slots = model.pool.alloc(2)
+    with pytest.raises(ModelInputError):
+        model.prefill([1, config.vocab_size], slots)
+    model.pool.free(slots)
+
+
+def test_decode_step_refuses_a_position_past_max_position(model, config):
+    past_end = list(range(config.max_position))
+    with pytest.raises(ModelInputError):
+        model.decode_step([DecodeSeq(past_end, 1, config.max_position)])
 
 
 def test_pool_allocates_distinct_slots_lowest_first_and_takes_them_back(config):

@@ -18,6 +18,7 @@ after a KV transfer.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from pd_worker.torch_engine.config import ModelConfig
 from pd_worker.torch_engine.kv_pool import KVPool
 
 K, V = 0, 1
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ModelInputError(ValueError):
@@ -119,6 +121,14 @@ class TorchModel:
             name: tensor.to(device=self.device, dtype=dtype)
             for name, tensor in _init_weights(config).items()
         }
+        self._layers = [
+            {
+                name.removeprefix(f"layers.{layer}."): tensor
+                for name, tensor in self.weights.items()
+                if name.startswith(f"layers.{layer}.")
+            }
+            for layer in range(config.num_layers)
+        ]
         cos, sin = _rope_tables(config)
         self._cos = cos.to(device=self.device, dtype=dtype)
         self._sin = sin.to(device=self.device, dtype=dtype)
@@ -146,7 +156,7 @@ class TorchModel:
         causal = torch.ones(tokens, tokens, dtype=torch.bool, device=self.device).tril()
         x = self.weights["embed"][torch.tensor(ids, device=self.device)]
         for layer in range(cfg.num_layers):
-            w = self._layer(layer)
+            w = self._layers[layer]
             h = self._norm(x, w["attn_norm"])
             q = _rotate(F.linear(h, w["wq"]).view(tokens, cfg.num_heads, -1), cos, sin)
             k = _rotate(F.linear(h, w["wk"]).view(tokens, cfg.num_kv_heads, -1), cos, sin)
@@ -180,14 +190,13 @@ class TorchModel:
             torch.tensor([seq.last_token for seq in batch], device=self.device)
         ]
         for layer in range(cfg.num_layers):
-            w = self._layer(layer)
+            w = self._layers[layer]
             h = self._norm(x, w["attn_norm"])
             q = _rotate(_rowwise(h, w["wq"]).view(rows, cfg.num_heads, -1), cos, sin)
             k = _rotate(_rowwise(h, w["wk"]).view(rows, cfg.num_kv_heads, -1), cos, sin)
+            v = _rowwise(h, w["wv"]).view(rows, cfg.num_kv_heads, -1)
             self.pool.kv[new_slots, layer, K] = k
-            self.pool.kv[new_slots, layer, V] = _rowwise(h, w["wv"]).view(
-                rows, cfg.num_kv_heads, -1
-            )
+            self.pool.kv[new_slots, layer, V] = v
             attn = torch.stack([self._attend(q[row], contexts[row], layer) for row in range(rows)])
             x = x + _rowwise(attn, w["wo"])
             x = x + self._mlp(self._norm(x, w["mlp_norm"]), w, _rowwise)
@@ -219,9 +228,8 @@ class TorchModel:
         probs = ((q @ k.transpose(-1, -2)) * self._scale).softmax(-1)
         return (probs @ v).reshape(-1)
 
-    def _mlp(self, h: torch.Tensor, w: dict[str, torch.Tensor], linear: object) -> torch.Tensor:
-        gate, up = linear(h, w["w_gate"]), linear(h, w["w_up"])  # type: ignore[operator]
-        return linear(F.silu(gate) * up, w["w_down"])  # type: ignore[operator]
+    def _mlp(self, h: torch.Tensor, w: dict[str, torch.Tensor], linear: Linear) -> torch.Tensor:
+        return linear(F.silu(linear(h, w["w_gate"])) * linear(h, w["w_up"]), w["w_down"])
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         variance = x.pow(2).mean(-1, keepdim=True)
@@ -230,14 +238,6 @@ class TorchModel:
     def _greedy(self, x: torch.Tensor) -> list[int]:
         logits = _rowwise(self._norm(x, self.weights["final_norm"]), self._lm_head)
         return logits.argmax(-1).tolist()
-
-    def _layer(self, layer: int) -> dict[str, torch.Tensor]:
-        prefix = f"layers.{layer}."
-        return {
-            name[len(prefix) :]: tensor
-            for name, tensor in self.weights.items()
-            if name.startswith(prefix)
-        }
 
     def _slot_tensor(self, slots: list[int]) -> torch.Tensor:
         if any(not 0 <= slot < self.pool.num_slots for slot in slots):
