@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch engine needs the torch extra")
 pytest.importorskip("mooncake.engine", reason="the KV transport needs mooncake-transfer-engine")
 
+from pd_worker.cli import TORCH_KV_SLOTS  # noqa: E402
 from pd_worker.torch_engine.config import DEFAULT_MODEL_CONFIG, ModelConfig  # noqa: E402
 from pd_worker.torch_engine.kv_pool import KVPool  # noqa: E402
 from pd_worker.torch_engine.model import TorchModel  # noqa: E402
@@ -91,6 +92,19 @@ async def test_disaggregated_batch_equals_colocated_generate_token_for_token(
             *(generated_ids(http, prompt, stream=n % 2 == 0) for n, prompt in enumerate(PROMPTS))
         )
     assert outputs == [reference(prompt) for prompt in PROMPTS]
+    await wait_until(lambda: all_slots_free(cluster), what="every worker freed its slots")
+
+
+async def test_aborted_streams_free_their_slots_on_both_sides(router, cluster):
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 500}, "stream": True}
+    async with router.client() as http:
+        for _ in range(2):
+            async with http.stream("POST", "/generate", json=body) as response:
+                assert response.status_code == 200
+                async for line in response.aiter_lines():
+                    if line.startswith("data:"):
+                        break
+    await wait_until(lambda: all_slots_free(cluster), what="every worker freed its slots")
 
 
 async def test_conversions_under_load_keep_outputs_and_tensors(router, cluster, reference):
@@ -160,6 +174,11 @@ async def test_prefill_dying_after_publishing_kv_fails_that_request_and_decode_k
     await wait_until(
         lambda: _free_slots(decode, slots), within=10.0, what="the decode freed every slot"
     )
+
+
+async def all_slots_free(cluster) -> bool:
+    states = await torch_states(cluster.urls)
+    return all(state["free_slots"] == TORCH_KV_SLOTS for state in states.values())
 
 
 async def _free_slots(url: str, expected: int) -> bool:
