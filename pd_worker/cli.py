@@ -25,7 +25,8 @@ from pd_protocol.cluster import DEFAULT_LEASE_TTL_SECS, DEFAULT_PREFIX
 from pd_protocol.registration import FlagNames, RegistrationSettings
 from pd_protocol.wire import ROLES
 from pd_worker.config import WorkerConfig
-from pd_worker.data_plane import ENGINES
+from pd_worker.data_plane import ENGINES, PlaneUnavailable
+from pd_worker.kv_transfer import TRANSPORTS
 from pd_worker.timing import PROFILES, TimingModel, profile
 
 REGISTRATION_FLAGS = FlagNames("--etcd", "--cluster", "--advertise-url")
@@ -140,7 +141,7 @@ def _build_parser() -> argparse.ArgumentParser:
         help="timing: the timing model (default); torch: a small real model over a real KV pool",
     )  # fmt: skip
     serve.add_argument(
-        "--kv-transfer", choices=("mooncake", "tcp"), default="mooncake",
+        "--kv-transfer", choices=TRANSPORTS, default="mooncake",
         help="the torch engine's KV transport (mooncake TransferEngine over TCP, or plain TCP)",
     )  # fmt: skip
     serve.add_argument(
@@ -220,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
         _run(serve(config, args.parent_pid, registration))
     except OSError as exc:
         print(f"pd-worker: error: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    except PlaneUnavailable as exc:
+        print(f"pd-worker: error: {exc}", file=sys.stderr)
         return 1
     return 0
 

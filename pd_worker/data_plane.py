@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 ENGINES = ("timing", "torch")
 
 
+class PlaneUnavailable(RuntimeError):
+    """The chosen data plane cannot run here (its packages missing, its transport refusing to
+    start); the worker fails with the reason instead of serving another way."""
+
+
 class Role(Protocol):
     """One mode of a worker (prefill or decode), torn down and rebuilt on every role switch."""
 

@@ -20,7 +20,7 @@ from typing import Any
 from pd_protocol.wire import ROLES
 from pd_worker.bootstrap import BootstrapServer, Room, RoomRegistry
 from pd_worker.config import DEFAULT_DECODE_CUDA_GRAPH_BS, WorkerConfig
-from pd_worker.data_plane import DataPlane, Role, TimingPlane
+from pd_worker.data_plane import DataPlane, PlaneUnavailable, Role, TimingPlane
 from pd_worker.errors import BadRequest, WorkerError
 from pd_worker.faults import Faults
 from pd_worker.kvpool import KVPool
@@ -396,7 +396,10 @@ class Engine:
             self.role_name = new_role
             self.prefix_cache.clear()
             self.role = self.plane.make_role(self, new_role)
-            self.role.start()
+            try:
+                self.role.start()
+            except PlaneUnavailable as exc:
+                raise SwitchTeardownFailed(f"the new role cannot start: {exc}") from exc
             if new_role == "decode" and self.graphs is None:
                 batch_sizes = request.get("decode_cuda_graph_bs") or DEFAULT_DECODE_CUDA_GRAPH_BS
                 self.graphs = DecodeGraphs(
@@ -411,7 +414,11 @@ class Engine:
 def _make_plane(engine: Engine) -> DataPlane:
     """The data plane of ``--engine`` (torch is imported only when asked for)."""
     if engine.config.engine == "torch":
-        from pd_worker.torch_plane import TorchPlane
-
+        try:
+            from pd_worker.torch_plane import TorchPlane
+        except ImportError as exc:
+            raise PlaneUnavailable(
+                f"--engine torch needs the torch extra (pip install -e '.[torch]'): {exc}"
+            ) from exc
         return TorchPlane(engine)
     return TimingPlane(engine)

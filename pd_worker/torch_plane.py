@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from tokenizers import Tokenizer
 
+from pd_worker.data_plane import PlaneUnavailable
 from pd_worker.errors import BadRequest
-from pd_worker.kv_transfer import KVTransport, make_transport
+from pd_worker.kv_transfer import KVTransport, TransportUnavailable, make_transport
 from pd_worker.torch_engine.config import DEFAULT_MODEL_CONFIG, ModelConfig
 from pd_worker.torch_engine.kv_pool import KVPool
-from pd_worker.torch_engine.model import DecodeSeq, TorchModel
+from pd_worker.torch_engine.model import DecodeSeq, ModelInputError, TorchModel
 from pd_worker.torch_engine.tokenizer import build_tokenizer, decode, encode
 
 if TYPE_CHECKING:
@@ -66,8 +67,11 @@ class TorchPlane:
     def open_transport(self) -> KVTransport:
         """A new transport with the pool registered (one per role object; the role closes it
         on a thread at teardown, since closing a mooncake engine blocks for about a second)."""
-        transport = make_transport(self.transport_kind, self._host)
-        transport.register(self.pool.data_ptr, self.pool.nbytes)
+        try:
+            transport = make_transport(self.transport_kind, self._host)
+            transport.register(self.pool.data_ptr, self.pool.nbytes)
+        except TransportUnavailable as exc:
+            raise PlaneUnavailable(f"KV transport {self.transport_kind}: {exc}") from exc
         return transport
 
     def check_fits(self, ids: list[int], new_tokens: int) -> None:
@@ -93,7 +97,10 @@ class TorchPlane:
 
     async def prefill(self, ids: list[int], slots: list[int]) -> int:
         """Write the prompt's KV into ``slots``; the greedy first token."""
-        return await self._compute_call(self.model.prefill, ids, slots)
+        try:
+            return await self._compute_call(self.model.prefill, ids, slots)
+        except ModelInputError as exc:
+            raise BadRequest(str(exc)) from None
 
     async def decode_step(self, batch: list[DecodeSeq]) -> list[int]:
         """One decode step of every sequence in ``batch``; each one's next token."""

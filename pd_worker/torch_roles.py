@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pd_worker.errors import KVTransferError, RequestAborted
+from pd_worker.errors import BadRequest, KVTransferError, RequestAborted
 from pd_worker.kv_handoff import BadHandoff, KVHandoff, pair_runs
 from pd_worker.kv_pull import KVPuller
 from pd_worker.kv_transfer import KVTransferFailed, KVTransport
@@ -64,7 +64,7 @@ class TorchPrefillRole:
         room = None
         if not item.fake_transfer:
             if item.bootstrap_room in engine.rooms:
-                raise RequestAborted(f"bootstrap_room {item.bootstrap_room} is already in use", 400)
+                raise BadRequest(f"bootstrap_room {item.bootstrap_room} is already in use")
             room = engine.rooms.open(item.bootstrap_room or 0, num_tokens)
         try:
             engine.set_stage(req, "waiting")
@@ -123,6 +123,10 @@ class TorchPrefillRole:
             ) from None
 
 
+class StepFailed(RequestAborted):
+    """A decode step raised: every sequence of that step fails with it, the loop goes on."""
+
+
 @dataclass
 class Running:
     """A sequence in the decode loop: its reserved slots, how many hold KV, its last token."""
@@ -131,7 +135,8 @@ class Running:
     context: int
     last_token: int
     budget: int
-    tokens: asyncio.Queue[int] = field(default_factory=asyncio.Queue)
+    # Each step's token, or the error that ended the step.
+    tokens: asyncio.Queue[int | StepFailed] = field(default_factory=asyncio.Queue)
 
 
 class DecodeLoop:
@@ -171,7 +176,11 @@ class DecodeLoop:
                 inputs = [
                     DecodeSeq(s.slots[: s.context], s.last_token, s.slots[s.context]) for s in batch
                 ]
-                tokens = await self._plane.decode_step(inputs)
+                try:
+                    tokens = await self._plane.decode_step(inputs)
+                except (ValueError, RuntimeError) as exc:
+                    self._fail(batch, StepFailed(f"decode step failed: {exc}"))
+                    continue
                 for seq, token in zip(batch, tokens, strict=True):
                     seq.context += 1
                     seq.last_token = token
@@ -179,6 +188,12 @@ class DecodeLoop:
                     seq.tokens.put_nowait(token)
                     if seq.budget == 0 and seq in self._running:
                         self._running.remove(seq)
+
+    def _fail(self, batch: list[Running], error: StepFailed) -> None:
+        for seq in batch:
+            if seq in self._running:
+                self._running.remove(seq)
+            seq.tokens.put_nowait(error)
 
 
 class TorchDecodeRole:
@@ -273,7 +288,10 @@ class TorchDecodeRole:
         self._loop.join(seq)
         try:
             while True:
-                ids.append(await seq.tokens.get())
+                token = await seq.tokens.get()
+                if isinstance(token, StepFailed):
+                    raise token
+                ids.append(token)
                 if self._emit(item, ids, source, emit):
                     return
         finally:
