@@ -6,6 +6,7 @@
                     [--etcd URL [--etcd URL ...] --cluster NAME [--cluster-prefix P]
                      [--advertise-url URL] [--etcd-lease-ttl SECS]]
     pd-worker cluster --prefill 2 --decode 2 [--base-port 30000] [--speed 1.0] [--profile NAME]
+                      [--engine timing|torch] [--kv-transfer mooncake|tcp]
 
 Bad arguments print one line and exit with status 2.
 """
@@ -169,6 +170,8 @@ def _build_parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--no-role-switch", action="store_true", help="launch without --enable-pd-role-switch"
     )
+    cluster.add_argument("--engine", choices=ENGINES, default="timing")
+    cluster.add_argument("--kv-transfer", choices=TRANSPORTS, default=None)
     return parser
 
 
@@ -311,6 +314,8 @@ def _run_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         host=args.host,
         enable_pd_role_switch=not args.no_role_switch,
         profile=args.profile,
+        engine=args.engine,
+        kv_transfer=args.kv_transfer,
     )
     try:
         cluster.start()
