@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 Emit = Callable[[Progress], None]
 RELEASE_TIMEOUT_SECS = 5.0
+# After a failed read the prefill is often gone: do not hold the failing request long for it.
+FAILED_RELEASE_TIMEOUT_SECS = 0.5
 
 
 class TorchPrefillRole:
@@ -253,6 +255,7 @@ class TorchDecodeRole:
         room_id = room or 0
         timeout = self._engine.timing.bootstrap_timeout_secs
         started = time.monotonic()
+        pulled = None
         try:
             pulled = await self._puller.pull(host, port, room_id, timeout)
             handoff = KVHandoff.decode(pulled.payload)
@@ -261,14 +264,21 @@ class TorchDecodeRole:
             await self._read_kv(handoff, slots)
         except (KVTransferError, KVTransferFailed, BadHandoff) as exc:
             self._engine.stats.num_bootstrap_failed_reqs += 1
+            if pulled is not None:
+                await self._release(host, port, room_id, FAILED_RELEASE_TIMEOUT_SECS)
             raise RequestAborted(
                 f"KV transfer failed for request rid={item.rid!r} bootstrap_room={room}: {exc}"
             ) from None
-        with contextlib.suppress(KVTransferError):
-            await self._puller.release(host, port, room_id, RELEASE_TIMEOUT_SECS)
+        await self._release(host, port, room_id, RELEASE_TIMEOUT_SECS)
         nbytes = sum(length for _, length in handoff.ranges)
         self._engine.stats.count_transfer(nbytes, time.monotonic() - started)
         return handoff.first_token, pulled.source
+
+    async def _release(self, host: str, port: int, room_id: int, timeout_secs: float) -> None:
+        """Let the prefill free the room's slots (it frees them at its room timeout when it
+        cannot be told)."""
+        with contextlib.suppress(KVTransferError):
+            await self._puller.release(host, port, room_id, timeout_secs)
 
     async def _read_kv(self, handoff: KVHandoff, slots: list[int]) -> None:
         if self._transport is None:
