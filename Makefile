@@ -3,7 +3,7 @@ PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: install browser demo test lint bench bench-worker bench-overhead bench-convert bench-rebalance screenshot clean
+.PHONY: install browser demo demo-torch test lint bench bench-worker bench-overhead bench-convert bench-rebalance screenshot clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -15,6 +15,10 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/pd-router demo
+
+# The torch engine behind the router: outputs checked against a colocated model, one conversion.
+demo-torch: $(STAMP)
+	$(VENV)/bin/python bench/demo_torch.py
 
 # Tools some tests drive for real: headless Chromium (the status page), Prometheus' promtool
 # (alert rules) and etcd (the replicas' coordination store), and the shared libraries mooncake's

@@ -119,6 +119,7 @@ def _add_routes(app: web.Application) -> None:
     r.add_post("/v1/chat/completions", completions)
     r.add_get("/v1/loads", v1_loads)
     r.add_get("/get_load", get_load)
+    r.add_get("/torch_state", torch_state)
     r.add_get("/metrics", prometheus_metrics)
     r.add_route("*", "/flush_cache", flush_cache)
     r.add_post("/abort_request", abort_request)
@@ -207,6 +208,15 @@ async def health(request: web.Request) -> web.Response:
 async def server_info(request: web.Request) -> web.Response:
     state = request.app[WORKER]
     return _json(info.server_info(state.config, state.engine))
+
+
+async def torch_state(request: web.Request) -> web.Response:
+    """The torch engine's tensor identities (weights and KV pool data_ptr), free slots and
+    transport: what a test compares across role switches."""
+    state = request.app[WORKER].engine.plane.state()
+    if state is None:
+        raise NotFound("/torch_state needs --engine torch")
+    return _json(state)
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -332,7 +342,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await _typed_body(request)
     generate_body(body)
     try:
-        items, batch, stream = parse_generate(body)
+        items, batch, stream = parse_generate(body, state.engine.plane.tokenize)
         _validate(state.engine, items)
     except ContractError:
         raise
@@ -421,10 +431,10 @@ async def completions(request: web.Request) -> web.StreamResponse:
     model = state.config.model_name
     if request.path.endswith("/chat/completions"):
         chat_body(body)
-        parsed = openai_api.parse_chat(body, model)
+        parsed = openai_api.parse_chat(body, model, state.engine.plane.tokenize)
     else:
         completion_body(body)
-        parsed = openai_api.parse_completion(body, model)
+        parsed = openai_api.parse_completion(body, model, state.engine.plane.tokenize)
     _validate(state.engine, parsed.items)
     if parsed.stream:
         return await _stream_openai(request, state, parsed)

@@ -37,6 +37,9 @@ class Room:
     cached_tokens: int = 0
     payload: asyncio.Future[bytes] = field(default_factory=asyncio.Future)
     pulled: asyncio.Future[None] = field(default_factory=asyncio.Future)
+    # Set when the decode says it has read the KV out of the prefill's pool (the torch plane's
+    # decode pulls the bytes after the payload named them; the prefill holds them until then).
+    released: asyncio.Future[None] = field(default_factory=asyncio.Future)
 
 
 class RoomRegistry:
@@ -60,6 +63,9 @@ class RoomRegistry:
         if event is not None:
             event.set()
         return room
+
+    def get(self, room_id: int) -> Room | None:
+        return self._rooms.get(room_id)
 
     def close(self, room_id: int) -> None:
         """Forget a room (pulled, timed out or aborted)."""
@@ -96,6 +102,7 @@ class BootstrapServer:
         room_wait_secs: float,
         before_send: Callable[[Room], Awaitable[None]],
         is_hung: Callable[[], bool],
+        after_send: Callable[[Room], None] = lambda room: None,
     ) -> None:
         self._host = host
         self._port = port
@@ -103,6 +110,7 @@ class BootstrapServer:
         self._source = source
         self._room_wait_secs = room_wait_secs
         self._before_send = before_send
+        self._after_send = after_send
         self._is_hung = is_hung
         self._server: asyncio.Server | None = None
         self._connections: set[asyncio.StreamWriter] = set()
@@ -135,7 +143,10 @@ class BootstrapServer:
                     await reader.read()
                     return
                 request = orjson.loads(line)
-                await self._serve_room(int(request["room"]), writer)
+                if request.get("release"):
+                    await self._release_room(int(request["room"]), writer)
+                else:
+                    await self._serve_room(int(request["room"]), writer)
         except (OSError, ValueError, KeyError, TypeError, orjson.JSONDecodeError) as exc:
             log.debug("bootstrap connection dropped: %s", exc)
         finally:
@@ -163,8 +174,20 @@ class BootstrapServer:
         }
         writer.write(orjson.dumps(header) + b"\n" + payload)
         await writer.drain()
+        self._after_send(room)
         if not room.pulled.done():
             room.pulled.set_result(None)
+
+    async def _release_room(self, room_id: int, writer: asyncio.StreamWriter) -> None:
+        """The decode has read the room's KV: its prefill may free the slots."""
+        room = self._rooms.get(room_id)
+        if room is None:
+            await self._reply_error(writer, f"bootstrap_room {room_id} not found")
+            return
+        if not room.released.done():
+            room.released.set_result(None)
+        writer.write(orjson.dumps({"ok": True, "nbytes": 0}) + b"\n")
+        await writer.drain()
 
     @staticmethod
     async def _reply_error(writer: asyncio.StreamWriter, message: str) -> None:

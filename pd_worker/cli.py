@@ -1,10 +1,12 @@
 """``pd-worker`` command line: ``serve`` one worker, or start a whole ``cluster`` of processes.
 
     pd-worker serve --role prefill --port 30000 --bootstrap-port 8998 [--enable-pd-role-switch]
+                    [--engine timing|torch [--kv-transfer mooncake|tcp] [--model-config PATH]]
                     [--profile h100-8b] [--speed 0.1] [--prefill-secs-per-token ...] [other knobs]
                     [--etcd URL [--etcd URL ...] --cluster NAME [--cluster-prefix P]
                      [--advertise-url URL] [--etcd-lease-ttl SECS]]
     pd-worker cluster --prefill 2 --decode 2 [--base-port 30000] [--speed 1.0] [--profile NAME]
+                      [--engine timing|torch] [--kv-transfer mooncake|tcp]
 
 Bad arguments print one line and exit with status 2.
 """
@@ -24,11 +26,16 @@ from pd_protocol.cluster import DEFAULT_LEASE_TTL_SECS, DEFAULT_PREFIX
 from pd_protocol.registration import FlagNames, RegistrationSettings
 from pd_protocol.wire import ROLES
 from pd_worker.config import WorkerConfig
+from pd_worker.data_plane import ENGINES, PlaneUnavailable
+from pd_worker.kv_transfer import TRANSPORTS
 from pd_worker.timing import PROFILES, TimingModel, profile
 
 REGISTRATION_FLAGS = FlagNames("--etcd", "--cluster", "--advertise-url")
 
 USAGE_ERROR = 2
+# The torch engine's default KV pool: every slot is a real tensor row, so far fewer than the
+# timing model's modeled capacity.
+TORCH_KV_SLOTS = 4096
 
 
 class _Parser(argparse.ArgumentParser):
@@ -130,6 +137,18 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--decode-cuda-graph-memory-gb", type=float, default=0.6)
     serve.add_argument("--gpu-free-memory-gb", type=float, default=8.0)
+    serve.add_argument(
+        "--engine", choices=ENGINES, default="timing",
+        help="timing: the timing model (default); torch: a small real model over a real KV pool",
+    )  # fmt: skip
+    serve.add_argument(
+        "--kv-transfer", choices=TRANSPORTS, default="mooncake",
+        help="the torch engine's KV transport (mooncake TransferEngine over TCP, or plain TCP)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--model-config", default=None, metavar="PATH",
+        help="the torch engine's model config (default: configs/torch-model.json)",
+    )  # fmt: skip
     serve.add_argument("--log-level", default="info")
     serve.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is gone (clusters)"
@@ -151,6 +170,8 @@ def _build_parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--no-role-switch", action="store_true", help="launch without --enable-pd-role-switch"
     )
+    cluster.add_argument("--engine", choices=ENGINES, default="timing")
+    cluster.add_argument("--kv-transfer", choices=TRANSPORTS, default=None)
     return parser
 
 
@@ -160,6 +181,8 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         for f in fields(TimingModel)
         if getattr(args, f.name) is not None
     }
+    if args.engine == "torch":
+        knobs.setdefault("max_total_num_tokens", TORCH_KV_SLOTS)
     return WorkerConfig(
         role=args.role,
         host=args.host,
@@ -177,6 +200,9 @@ def _config(args: argparse.Namespace) -> WorkerConfig:
         ssl_keyfile=args.ssl_keyfile,
         ssl_ca_certs=args.ssl_ca_certs,
         timing=profile(args.profile, **knobs),
+        engine=args.engine,
+        kv_transfer=args.kv_transfer,
+        model_config=args.model_config,
     )
 
 
@@ -198,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         _run(serve(config, args.parent_pid, registration))
     except OSError as exc:
         print(f"pd-worker: error: cannot listen: {exc}", file=sys.stderr)
+        return 1
+    except PlaneUnavailable as exc:
+        print(f"pd-worker: error: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -285,6 +314,8 @@ def _run_cluster(parser: argparse.ArgumentParser, args: argparse.Namespace) -> i
         host=args.host,
         enable_pd_role_switch=not args.no_role_switch,
         profile=args.profile,
+        engine=args.engine,
+        kv_transfer=args.kv_transfer,
     )
     try:
         cluster.start()

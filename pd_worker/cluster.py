@@ -26,6 +26,8 @@ Keyword arguments besides the documented ones are timing knobs of
 ``--enable-faults`` unless told otherwise; ``admin_api_key`` guards their admin routes;
 ``profile`` names a calibrated timing model (``h100-8b``) that the knobs then override;
 ``tls`` (:class:`ClusterTLS`) makes every worker serve HTTPS (mTLS with ``ca_certs``).
+``engine`` picks the workers' data plane (``timing`` or ``torch``) and ``kv_transfer`` the torch
+engine's KV transport (``mooncake`` or ``tcp``).
 ``etcd`` (a client url) with ``cluster_name`` makes every worker register itself in that router
 cluster under a lease of ``etcd_lease_ttl`` seconds (docs/self-registration.md).
 :func:`free_port` returns a free loopback TCP port.
@@ -140,6 +142,8 @@ class WorkerCluster:
         etcd: str | None = None,
         cluster_name: str | None = None,
         etcd_lease_ttl: int | None = None,
+        engine: str = "timing",
+        kv_transfer: str | None = None,
         **knobs: Any,
     ) -> None:
         unknown = set(knobs) - _KNOBS
@@ -159,6 +163,8 @@ class WorkerCluster:
             + (("--profile", profile) if profile else ())
             + (tls.flags() if tls is not None else ())
             + _registration_flags(etcd, cluster_name, etcd_lease_ttl)
+            + ("--engine", engine)
+            + (("--kv-transfer", kv_transfer) if kv_transfer else ())
             + tuple(extra_args)
         )
         self._tls = tls

@@ -6,6 +6,7 @@ import ssl
 from dataclasses import dataclass, field
 
 from pd_protocol.wire import ROLES
+from pd_worker.data_plane import ENGINES
 from pd_worker.timing import TimingModel
 
 DEFAULT_DECODE_CUDA_GRAPH_BS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 256)
@@ -33,6 +34,10 @@ class WorkerConfig:
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None
     timing: TimingModel = field(default_factory=TimingModel)
+    # The data plane (pd_worker.data_plane.ENGINES); the torch engine's transport and model.
+    engine: str = "timing"
+    kv_transfer: str = "mooncake"
+    model_config: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError with a one-line reason for an unusable configuration."""
@@ -54,6 +59,8 @@ class WorkerConfig:
             raise ValueError(f"cannot load the TLS files: {exc}") from exc
         if self.decode_cuda_graph_memory_gb < 0 or self.gpu_free_memory_gb < 0:
             raise ValueError("memory sizes must be >= 0")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         self.timing.validate()
 
     @property

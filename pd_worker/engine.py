@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -19,17 +20,18 @@ from typing import Any
 from pd_protocol.wire import ROLES
 from pd_worker.bootstrap import BootstrapServer, Room, RoomRegistry
 from pd_worker.config import DEFAULT_DECODE_CUDA_GRAPH_BS, WorkerConfig
+from pd_worker.data_plane import DataPlane, PlaneUnavailable, Role, TimingPlane
 from pd_worker.errors import BadRequest, WorkerError
 from pd_worker.faults import Faults
 from pd_worker.kvpool import KVPool
 from pd_worker.prefix_cache import PrefixCache
 from pd_worker.requests import GenItem, Progress
-from pd_worker.roles import DecodeRole, PrefillRole
 from pd_worker.stats import EngineStats
 
 PREFILL_STAGES = ("waiting", "running", "inflight")
 DECODE_STAGES = ("prealloc", "transfer", "waiting", "running")
 ABORT_MESSAGE = "Abort request by AbortReq."
+KV_PUBLISH_EXIT_CODE = 3
 
 
 class SwitchTeardownFailed(Exception):
@@ -77,6 +79,7 @@ class Engine:
         self.kv_pool = KVPool(self.timing.max_total_num_tokens, self._changed)
         self.prefix_cache = PrefixCache(self.timing.max_total_num_tokens)
         self.rooms = RoomRegistry()
+        self.plane: DataPlane = _make_plane(self)
         self.running_slots = asyncio.Semaphore(self.timing.max_running_requests)
         self.bootstrap = BootstrapServer(
             config.host,
@@ -84,11 +87,12 @@ class Engine:
             self.rooms,
             config.url,
             room_wait_secs=self.timing.bootstrap_timeout_secs,
-            before_send=self._simulate_transfer,
+            before_send=self.plane.before_send,
             is_hung=lambda: self.faults.hang_bootstrap,
+            after_send=self._after_kv_publish,
         )
         self.role_name = config.role
-        self.role: PrefillRole | DecodeRole = self._make_role(config.role)
+        self.role: Role = self.plane.make_role(self, config.role)
         self.graphs: DecodeGraphs | None = None
         if config.role == "decode":
             self.graphs = DecodeGraphs(
@@ -135,9 +139,6 @@ class Engine:
     def _changed(self) -> None:
         for callback in self._listeners:
             callback()
-
-    def _make_role(self, role: str) -> PrefillRole | DecodeRole:
-        return PrefillRole(self) if role == "prefill" else DecodeRole(self)
 
     # ----------------------------------------------------------------- requests
 
@@ -217,8 +218,10 @@ class Engine:
                 req.task.cancel()
         return len(targets)
 
-    async def _simulate_transfer(self, room: Room) -> None:
-        await self.timing.wait(self.timing.transfer_secs(room.num_tokens))
+    def _after_kv_publish(self, room: Room) -> None:
+        """Fault ``exit_after_kv_publish``: die before any decode can read the published KV."""
+        if self.faults.exit_after_kv_publish:
+            os._exit(KV_PUBLISH_EXIT_CODE)
 
     # -------------------------------------------------------------------- loads
 
@@ -392,8 +395,11 @@ class Engine:
             await self.timing.wait(self.timing.switch_secs)
             self.role_name = new_role
             self.prefix_cache.clear()
-            self.role = self._make_role(new_role)
-            self.role.start()
+            self.role = self.plane.make_role(self, new_role)
+            try:
+                self.role.start()
+            except PlaneUnavailable as exc:
+                raise SwitchTeardownFailed(f"the new role cannot start: {exc}") from exc
             if new_role == "decode" and self.graphs is None:
                 batch_sizes = request.get("decode_cuda_graph_bs") or DEFAULT_DECODE_CUDA_GRAPH_BS
                 self.graphs = DecodeGraphs(
@@ -403,3 +409,16 @@ class Engine:
             self.switch_in_progress = False
             self._role_ready.set()
             self._changed()
+
+
+def _make_plane(engine: Engine) -> DataPlane:
+    """The data plane of ``--engine`` (torch is imported only when asked for)."""
+    if engine.config.engine == "torch":
+        try:
+            from pd_worker.torch_plane import TorchPlane
+        except ImportError as exc:
+            raise PlaneUnavailable(
+                f"--engine torch needs the torch extra (pip install -e '.[torch]'): {exc}"
+            ) from exc
+        return TorchPlane(engine)
+    return TimingPlane(engine)

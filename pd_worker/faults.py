@@ -14,6 +14,8 @@ Body fields, all optional and combinable:
   the ``X-PD-Role`` header is ignored, as on SGLang without server_patch (the router must fall
   back to the native protocol).
 - ``unhealthy``: bool -- ``/health`` and ``/health_generate`` answer 503.
+- ``exit_after_kv_publish``: bool -- the process exits right after its bootstrap server handed a
+  room's payload to a decode, before the decode can read the KV it names (a transfer failure).
 - ``exit``: int -- the process exits with this code right after replying.
 - ``clear``: bool -- reset every fault first.
 """
@@ -34,6 +36,7 @@ _FIELDS = {
     "lie_next_switch": bool,
     "native_only": bool,
     "unhealthy": bool,
+    "exit_after_kv_publish": bool,
     "exit": int,
     "clear": bool,
 }
@@ -51,6 +54,7 @@ class Faults:
     lie_next_switch: bool = False
     native_only: bool = False
     unhealthy: bool = False
+    exit_after_kv_publish: bool = False
 
     def apply(self, body: dict[str, Any]) -> int | None:
         """Update from a ``POST /fault`` body; returns the requested exit code, if any.
@@ -76,6 +80,7 @@ class Faults:
             "lie_next_switch",
             "native_only",
             "unhealthy",
+            "exit_after_kv_publish",
         ):
             if key in body:
                 setattr(self, key, body[key])

@@ -65,6 +65,15 @@ class KVPuller:
             reason = f"KV transfer from {host}:{port} failed: {exc}"
             raise KVTransferError(room_id, reason) from None
 
+    async def release(self, host: str, port: int, room_id: int, timeout_secs: float) -> None:
+        """Tell the prefill at ``host:port`` that the KV of ``room_id`` has been read (raises
+        :class:`KVTransferError` when it cannot be told: the prefill frees it at its timeout)."""
+        try:
+            async with asyncio.timeout(timeout_secs):
+                await self._pull((host, port), room_id, {"room": room_id, "release": True})
+        except (TimeoutError, OSError, asyncio.IncompleteReadError, ValueError) as exc:
+            raise KVTransferError(room_id, f"release to {host}:{port} failed: {exc!r}") from None
+
     def close(self) -> None:
         """Close every idle connection; connections in use are closed when they come back."""
         self._closed = True
@@ -73,21 +82,26 @@ class KVPuller:
                 writer.close()
         self._idle.clear()
 
-    async def _pull(self, peer: Peer, room_id: int) -> PulledKV:
+    async def _pull(
+        self, peer: Peer, room_id: int, message: dict[str, object] | None = None
+    ) -> PulledKV:
+        request = message or {"room": room_id}
         pooled = self._take_idle(peer)
         if pooled is not None:
             try:
-                return await self._exchange(peer, pooled, room_id)
+                return await self._exchange(peer, pooled, room_id, request)
             except PeerClosed:
                 pass
-        return await self._exchange(peer, await _connect(*peer), room_id)
+        return await self._exchange(peer, await _connect(*peer), room_id, request)
 
-    async def _exchange(self, peer: Peer, connection: Connection, room_id: int) -> PulledKV:
+    async def _exchange(
+        self, peer: Peer, connection: Connection, room_id: int, request: dict[str, object]
+    ) -> PulledKV:
         """One request/reply on ``connection``; it goes back to the pool only after a full reply."""
         reader, writer = connection
         reusable = False
         try:
-            header = await _request(connection, room_id)
+            header = await _request(connection, request)
             if not header.get("ok"):
                 reusable = True
                 raise KVTransferError(room_id, str(header.get("error")))
@@ -119,11 +133,11 @@ class KVPuller:
         connections.append(connection)
 
 
-async def _request(connection: Connection, room_id: int) -> dict[str, object]:
-    """Name the room and read the reply header; a connection closed before it is PeerClosed."""
+async def _request(connection: Connection, request: dict[str, object]) -> dict[str, object]:
+    """Send one request and read the reply header; a connection closed before it is PeerClosed."""
     reader, writer = connection
     try:
-        writer.write(orjson.dumps({"room": room_id}) + b"\n")
+        writer.write(orjson.dumps(request) + b"\n")
         await writer.drain()
         line = await reader.readline()
     except ConnectionError as exc:

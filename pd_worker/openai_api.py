@@ -8,7 +8,7 @@ from typing import Any
 
 from pd_worker import logprobs
 from pd_worker.errors import BadRequest
-from pd_worker.protocol import Prompt, build_items, is_token_id, item_rids
+from pd_worker.protocol import Prompt, Tokenize, build_items, is_token_id, item_rids
 from pd_worker.requests import GenItem, Progress
 from pd_worker.tokens import chat_prompt, tokenize
 
@@ -32,12 +32,14 @@ class OpenAIRequest:
     created: int
 
 
-def parse_completion(body: dict[str, Any], model: str) -> OpenAIRequest:
+def parse_completion(
+    body: dict[str, Any], model: str, tokenizer: Tokenize = tokenize
+) -> OpenAIRequest:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        ids_list, batch = [tokenize(prompt)], False
+        ids_list, batch = [tokenizer(prompt)], False
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        ids_list, batch = [tokenize(p) for p in prompt], True
+        ids_list, batch = [tokenizer(p) for p in prompt], True
     elif isinstance(prompt, list) and prompt and all(is_token_id(t) for t in prompt):
         ids_list, batch = [list(prompt)], False
     elif isinstance(prompt, list) and prompt and all(_is_int_list(p) for p in prompt):
@@ -53,7 +55,7 @@ def parse_completion(body: dict[str, Any], model: str) -> OpenAIRequest:
     )
 
 
-def parse_chat(body: dict[str, Any], model: str) -> OpenAIRequest:
+def parse_chat(body: dict[str, Any], model: str, tokenizer: Tokenize = tokenize) -> OpenAIRequest:
     messages = body.get("messages")
     if (
         not isinstance(messages, list)
@@ -61,7 +63,7 @@ def parse_chat(body: dict[str, Any], model: str) -> OpenAIRequest:
         or not all(isinstance(m, dict) for m in messages)
     ):
         raise BadRequest("messages must be a non-empty list of message objects")
-    ids_list = [tokenize(chat_prompt(messages))]
+    ids_list = [tokenizer(chat_prompt(messages))]
     top = body.get("top_logprobs")
     if top is not None and not _is_int(top):
         raise BadRequest("top_logprobs must be a non-negative integer")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -10,6 +11,8 @@ from pd_worker import logprobs
 from pd_worker.errors import BadRequest, ContractError
 from pd_worker.requests import GenItem, Progress
 from pd_worker.tokens import tokenize
+
+Tokenize = Callable[[str], list[int]]
 
 DEFAULT_MAX_NEW_TOKENS = 128
 MAX_TOKEN_ID = 2**31 - 1
@@ -30,10 +33,12 @@ def new_rid() -> str:
     return uuid.uuid4().hex
 
 
-def parse_generate(body: dict[str, Any]) -> tuple[list[GenItem], bool, bool]:
+def parse_generate(
+    body: dict[str, Any], tokenizer: Tokenize = tokenize
+) -> tuple[list[GenItem], bool, bool]:
     """Items of a ``/generate`` body (an object, as its validation ensured), whether it is a
-    batch, and whether it streams."""
-    prompts, batch = _prompts(body)
+    batch, and whether it streams; ``tokenizer`` turns a text prompt into the engine's ids."""
+    prompts, batch = _prompts(body, tokenizer)
     n = _sampling_n(prompts)
     batch = batch or n > 1
     rids = item_rids(body.get("rid"), len(prompts), n, batch)
@@ -188,7 +193,7 @@ def _max_new_tokens(sampling: dict[str, Any]) -> int:
     return value
 
 
-def _prompts(body: dict[str, Any]) -> tuple[list[Prompt], bool]:
+def _prompts(body: dict[str, Any], tokenizer: Tokenize) -> tuple[list[Prompt], bool]:
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise BadRequest("Either text or input_ids should be provided.")
@@ -197,7 +202,7 @@ def _prompts(body: dict[str, Any]) -> tuple[list[Prompt], bool]:
         texts = text if batch else [text]
         if not texts or not all(isinstance(t, str) for t in texts):
             raise ContractError("text must be a string or a non-empty list of strings")
-        ids_list = [tokenize(t) for t in texts]
+        ids_list = [tokenizer(t) for t in texts]
     else:
         batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
         ids_list = input_ids if batch else [input_ids]

@@ -260,7 +260,7 @@ class DecodeRole:
                 finish = {"type": "stop", "matched": token_id}
             else:
                 text += " " + WORDS[token_id % len(WORDS)]
-                text, finish = _apply_stop(text, item.stop)
+                text, finish = apply_stop(text, item.stop)
             if finish is None and len(ids) == item.max_new_tokens:
                 finish = {"type": "length", "length": item.max_new_tokens}
             progress = Progress(list(ids), text, finish, pulled.source, pulled.cached_tokens)
@@ -272,7 +272,7 @@ class DecodeRole:
                 return
 
 
-def _apply_stop(text: str, stop: tuple[str, ...]) -> tuple[str, dict[str, object] | None]:
+def apply_stop(text: str, stop: tuple[str, ...]) -> tuple[str, dict[str, object] | None]:
     """Cut the text before the first stop string it contains (SGLang trims the stop string)."""
     for stop_str in stop:
         index = text.find(stop_str)

@@ -1,0 +1,124 @@
+"""The torch data plane: a small real model over one preallocated KV pool, with a KV transport.
+
+The model's weights and the pool tensor are built once per process and outlive every role
+switch (the same ``data_ptr`` before and after, as SGLang keeps them under
+``--enable-pd-role-switch``); the transport registration belongs to the role object and is torn
+down and rebuilt with it, as ``role_switch.py`` rebuilds the transfer engine's registrations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from tokenizers import Tokenizer
+
+from pd_worker.data_plane import PlaneUnavailable
+from pd_worker.errors import BadRequest
+from pd_worker.kv_transfer import KVTransport, TransportUnavailable, make_transport
+from pd_worker.torch_engine.config import DEFAULT_MODEL_CONFIG, ModelConfig
+from pd_worker.torch_engine.kv_pool import KVPool
+from pd_worker.torch_engine.model import DecodeSeq, ModelInputError, TorchModel
+from pd_worker.torch_engine.tokenizer import build_tokenizer, decode, encode
+
+if TYPE_CHECKING:
+    from pd_worker.bootstrap import Room
+    from pd_worker.data_plane import Role
+    from pd_worker.engine import Engine
+
+T = TypeVar("T")
+
+
+class TorchPlane:
+    """Model, KV pool and tokenizer of one worker process, and the role objects that use them."""
+
+    kind = "torch"
+
+    def __init__(self, engine: Engine) -> None:
+        config = ModelConfig.load(engine.config.model_config or DEFAULT_MODEL_CONFIG)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.pool = KVPool(config, engine.kv_pool.capacity, device)
+        self.model = TorchModel(config, self.pool, device)
+        self.tokenizer: Tokenizer = build_tokenizer(config)
+        self.transport_kind = engine.config.kv_transfer
+        self._host = engine.config.host
+        self._compute = asyncio.Lock()
+
+    def make_role(self, engine: Engine, role: str) -> Role:
+        from pd_worker.torch_roles import TorchDecodeRole, TorchPrefillRole
+
+        return (
+            TorchPrefillRole(engine, self) if role == "prefill" else TorchDecodeRole(engine, self)
+        )
+
+    async def before_send(self, room: Room) -> None:
+        """Nothing to model: the decode reads the bytes itself after the payload names them."""
+
+    def state(self) -> dict[str, Any]:
+        return {
+            "weights_data_ptr": self.model.weight_ptrs(),
+            "kv_pool_data_ptr": self.pool.data_ptr,
+            "free_slots": self.pool.free_slots,
+            "transport": self.transport_kind,
+        }
+
+    def open_transport(self) -> KVTransport:
+        """A new transport with the pool registered (one per role object; the role closes it
+        on a thread at teardown, since closing a mooncake engine blocks for about a second)."""
+        try:
+            transport = make_transport(self.transport_kind, self._host)
+            transport.register(self.pool.data_ptr, self.pool.nbytes)
+        except TransportUnavailable as exc:
+            raise PlaneUnavailable(f"KV transport {self.transport_kind}: {exc}") from exc
+        return transport
+
+    def check_fits(self, ids: list[int], new_tokens: int) -> None:
+        """Refuse a prompt the model cannot run: ids outside its vocabulary, or more positions
+        than it has (``new_tokens`` generated after the prompt)."""
+        vocab = self.model.config.vocab_size
+        if not ids:
+            raise BadRequest("the torch engine needs a non-empty prompt")
+        if any(not 0 <= token < vocab for token in ids):
+            raise BadRequest(f"token ids must lie in [0, {vocab}) for this model")
+        positions = len(ids) + max(new_tokens - 1, 0)
+        if positions > self.model.config.max_position:
+            raise BadRequest(
+                f"{positions} positions exceed the model's max_position "
+                f"{self.model.config.max_position}"
+            )
+
+    def tokenize(self, text: str) -> list[int]:
+        return encode(self.tokenizer, text)
+
+    def text(self, ids: list[int]) -> str:
+        return decode(self.tokenizer, ids)
+
+    async def prefill(self, ids: list[int], slots: list[int]) -> int:
+        """Write the prompt's KV into ``slots``; the greedy first token."""
+        try:
+            return await self._compute_call(self.model.prefill, ids, slots)
+        except ModelInputError as exc:
+            raise BadRequest(str(exc)) from None
+
+    async def decode_step(self, batch: list[DecodeSeq]) -> list[int]:
+        """One decode step of every sequence in ``batch``; each one's next token."""
+        return await self._compute_call(self.model.decode_step, batch)
+
+    async def settled(self) -> None:
+        """Wait until no forward is running (before freeing slots a forward may write)."""
+        async with self._compute:
+            return
+
+    async def _compute_call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run one forward in a thread (the event loop keeps serving transfers meanwhile), one
+        at a time; a cancelled caller still waits for its forward to end, so the slots it
+        writes are never freed under it."""
+        async with self._compute:
+            forward = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+            try:
+                return await asyncio.shield(forward)
+            except asyncio.CancelledError:
+                await asyncio.wait([forward])
+                raise
