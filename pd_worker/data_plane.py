@@ -63,6 +63,9 @@ class DataPlane(Protocol):
 
     def state(self) -> dict[str, Any] | None:
         """``GET /torch_state`` (None: this plane has no tensors to report)."""
+
+    async def close(self) -> None:
+        """The worker stops: release what outlives the role objects."""
         ...
 
 
@@ -88,4 +91,7 @@ class TimingPlane:
         return tokenize(text)
 
     def state(self) -> dict[str, Any] | None:
+        return None
+
+    async def close(self) -> None:
         return None

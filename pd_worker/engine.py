@@ -130,6 +130,7 @@ class Engine:
             if req.task is not None:
                 req.task.cancel()
         await self.role.teardown()
+        await self.plane.close()
         await self.bootstrap.stop()
 
     def add_listener(self, callback: Callable[[], None]) -> None:

@@ -44,6 +44,7 @@ class TorchPlane:
         self.tokenizer: Tokenizer = build_tokenizer(config)
         self.transport_kind = engine.config.kv_transfer
         self._host = engine.config.host
+        self._transport: KVTransport | None = None
         self._compute = asyncio.Lock()
 
     def make_role(self, engine: Engine, role: str) -> Role:
@@ -64,15 +65,30 @@ class TorchPlane:
             "transport": self.transport_kind,
         }
 
-    def open_transport(self) -> KVTransport:
-        """A new transport with the pool registered (one per role object; the role closes it
-        on a thread at teardown, since closing a mooncake engine blocks for about a second)."""
+    def attach_transport(self) -> KVTransport:
+        """The worker's transport with the pool registered on it, for a new role object. The
+        transport itself lives as long as the process (created on first use): a role switch
+        re-registers the pool, as SGLang's role switch rebuilds its transfer engine's
+        registrations, but does not close the engine, which blocks a mooncake process for
+        about a second."""
         try:
-            transport = make_transport(self.transport_kind, self._host)
-            transport.register(self.pool.data_ptr, self.pool.nbytes)
+            if self._transport is None:
+                self._transport = make_transport(self.transport_kind, self._host)
+            self._transport.register(self.pool.data_ptr, self.pool.nbytes)
         except TransportUnavailable as exc:
             raise PlaneUnavailable(f"KV transport {self.transport_kind}: {exc}") from exc
-        return transport
+        return self._transport
+
+    def detach_transport(self) -> None:
+        """The role object is torn down: peers can no longer read the pool through it."""
+        if self._transport is not None:
+            self._transport.unregister(self.pool.data_ptr)
+
+    async def close(self) -> None:
+        """The worker stops: close the transport (on a thread: a mooncake close blocks)."""
+        transport, self._transport = self._transport, None
+        if transport is not None:
+            await asyncio.to_thread(transport.close)
 
     def check_fits(self, ids: list[int], new_tokens: int) -> None:
         """Refuse a prompt the model cannot run: ids outside its vocabulary, or more positions

@@ -51,12 +51,12 @@ class TorchPrefillRole:
         return sum(self._queued.values())
 
     def start(self) -> None:
-        self._transport = self._plane.open_transport()
+        self._transport = self._plane.attach_transport()
 
     async def teardown(self) -> None:
         if self._transport is not None:
-            transport, self._transport = self._transport, None
-            await asyncio.to_thread(transport.close)
+            self._transport = None
+            self._plane.detach_transport()
 
     async def run(self, item: GenItem, req: Req, emit: Emit) -> None:
         engine = self._engine
@@ -212,15 +212,15 @@ class TorchDecodeRole:
         self._transport: KVTransport | None = None
 
     def start(self) -> None:
-        self._transport = self._plane.open_transport()
+        self._transport = self._plane.attach_transport()
         self._loop.start()
 
     async def teardown(self) -> None:
         await self._loop.stop()
         self._puller.close()
         if self._transport is not None:
-            transport, self._transport = self._transport, None
-            await asyncio.to_thread(transport.close)
+            self._transport = None
+            self._plane.detach_transport()
 
     async def run(self, item: GenItem, req: Req, emit: Emit) -> None:
         engine = self._engine
