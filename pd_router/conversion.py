@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pd_router.cluster.local import Cluster, LocalCluster
@@ -100,6 +100,7 @@ class ConversionManager:
         registry: WorkerRegistry,
         metrics: RouterMetrics,
         control: WorkerControl,
+        report_down: Callable[[Worker, str], None],
         *,
         min_prefill: int = 1,
         min_decode: int = 1,
@@ -110,6 +111,8 @@ class ConversionManager:
     ) -> None:
         self._registry = registry
         self._cluster = cluster or LocalCluster()
+        # Where a worker found not answering is reported (the health monitor's report_down).
+        self._report_down = report_down
         self._control = control
         self._minimum = {Role.PREFILL: min_prefill, Role.DECODE: min_decode}
         self._max_concurrent = max_concurrent
@@ -458,7 +461,7 @@ class ConversionManager:
             await protocol.reopen_admission(conv)
         except ControlError as exc:
             logger.warning("conversion %s: could not reopen admission: %s", conv.id, exc)
-            self._registry.set_health(conv.worker, False, f"reopening admission failed: {exc}")
+            self._report_down(conv.worker, f"reopening admission failed: {exc}")
 
     async def _stop(self, conv: Conversion, protocol: ControlProtocol, stop: Stop) -> None:
         conv.status = stop.status
@@ -471,7 +474,7 @@ class ConversionManager:
             if stop.healthy:
                 await self._reopen(conv, protocol)
             else:
-                self._registry.set_health(worker, False, stop.message)
+                self._report_down(worker, stop.message)
             await self._cluster.release(worker, conv.id, WorkerState.ACTIVE, worker.role, None)
             self._registry.end_conversion(worker, conv.id, WorkerState.ACTIVE)
             logger.warning("conversion %s: %s; back in the %s pool", conv.id, stop, worker.role)

@@ -79,6 +79,7 @@ async def _conversions(app: web.Application) -> AsyncIterator[None]:
             router.registry,
             router.metrics,
             WorkerControl(session, router.registry, headers=router.worker_headers),
+            router.health.report_down,
             min_prefill=settings.min_prefill,
             min_decode=settings.min_decode,
             max_concurrent=settings.max_concurrent,

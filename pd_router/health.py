@@ -202,6 +202,16 @@ class HealthMonitor:
             record = self._records.setdefault(worker.id, ProbeRecord())
             self._reconcile(worker, record, reading, detected)
 
+    def report_down(self, worker: Worker, error: str) -> None:
+        """Something other than a probe found ``worker`` not answering (a conversion's control
+        call). With probes on it is out of selection until they see it recover; with probes
+        off nothing would ever bring it back, so only the error is kept and its requests
+        decide, as for any failure the probes would have seen (the circuit breaker)."""
+        if self._config.enabled:
+            self._registry.set_health(worker, False, error)
+        else:
+            self._registry.note_error(worker, error)
+
     async def check(self, worker: Worker) -> bool:
         """Probe ``worker`` once (health, then live role when ACTIVE), apply the thresholds and
         bring the registry in line with the reading; returns the worker's health. With probes

@@ -22,7 +22,7 @@ from tests.conversion_helpers import (
     worker_entry,
     worker_role,
 )
-from tests.router_helpers import fault, running_router, wait_until
+from tests.router_helpers import fault, generate_body, running_router, wait_until
 
 SPEED = 0.05
 
@@ -180,14 +180,14 @@ async def test_unsafe_switch_failure_is_failed_out_of_every_pool(http, cluster):
 
 
 @contextlib.asynccontextmanager
-async def router_over_a_busy_spare_decode(cluster):
+async def router_over_a_busy_spare_decode(cluster, **overrides):
     """A router over one prefill and a fresh decode busy with an endless generation; yields
     (client, the decode's process, the request's task) for a test that kills the decode."""
     spare = await asyncio.to_thread(cluster.add, "decode")
     prefill, _ = await live_roles(cluster)
     async with (
         running_router(
-            prefill=prefill[:1], decode=[spare.url], conversion={"min_decode": 0}
+            prefill=prefill[:1], decode=[spare.url], conversion={"min_decode": 0}, **overrides
         ) as router,
         router.client() as http,
     ):
@@ -213,6 +213,28 @@ async def test_worker_killed_during_the_drain_goes_back_unhealthy(cluster):
         entry = await worker_entry(http, spare.url)
         assert (entry["role"], entry["state"], entry["healthy"]) == ("decode", "active", False)
         await request
+
+
+async def test_with_probes_off_a_worker_killed_during_the_drain_serves_again_once_back(cluster):
+    """No probe would ever see it recover: it is not marked unhealthy, its requests decide."""
+    async with router_over_a_busy_spare_decode(cluster, health={"enabled": False}) as (
+        http, spare, request,
+    ):  # fmt: skip
+        started = await convert(http, server_url=spare.url, wait=False)
+        conversion_id = started.json()["id"]
+        await asyncio.to_thread(cluster.kill, spare.url)
+
+        async def ended() -> bool:
+            return await conversion_status(http, conversion_id) != "draining"
+
+        await wait_until(ended, within=10.0, what="conversion ends after the worker died")
+        await request
+        entry = await worker_entry(http, spare.url)
+        assert (entry["state"], entry["healthy"]) == ("active", True)
+        assert "unreachable" in entry["last_error"]
+        await asyncio.to_thread(cluster.restart, spare.url)
+        reply = await http.post("/generate", json=generate_body("back", 2))
+        assert reply.status_code == 200, reply.text
 
 
 async def test_mini_lb_switch_of_a_worker_that_dies_is_400_safe_to_restore(cluster):
