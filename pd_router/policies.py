@@ -45,6 +45,11 @@ class Policy(Protocol):
         :attr:`needs_prompt`, else empty."""
         ...
 
+    def forget(self, url: str) -> None:
+        """The worker at ``url`` left this pool (removed, or moved to the other role): drop
+        what the policy keeps about it."""
+        ...
+
 
 class RandomPolicy:
     """Uniformly random, as SGLang's mini_lb does."""
@@ -57,6 +62,9 @@ class RandomPolicy:
 
     def select(self, workers: Sequence[Worker], prompt: str = "") -> Worker:
         return workers[int(self._rng.random() * len(workers))]
+
+    def forget(self, url: str) -> None:
+        return None
 
 
 class RoundRobinPolicy:
@@ -72,6 +80,9 @@ class RoundRobinPolicy:
         worker = workers[self._next % len(workers)]
         self._next = (self._next + 1) % (1 << 30)
         return worker
+
+    def forget(self, url: str) -> None:
+        return None
 
 
 class LeastInflightPolicy:
@@ -96,6 +107,9 @@ class LeastInflightPolicy:
             second += 1
         a, b = workers[first], workers[second]
         return b if b.inflight < a.inflight else a
+
+    def forget(self, url: str) -> None:
+        return None
 
 
 class PowerOfTwoPolicy(LeastInflightPolicy):
@@ -137,6 +151,9 @@ class CacheAwarePolicy:
         chosen = self._choose(workers, prompt)
         self._tree.insert(prompt, chosen.url, now)
         return chosen
+
+    def forget(self, url: str) -> None:
+        self._tree.remove_tenant(url)
 
     def _choose(self, workers: Sequence[Worker], prompt: str) -> Worker:
         if len(workers) == 1:

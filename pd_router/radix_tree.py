@@ -86,6 +86,14 @@ class ApproxRadixTree:
         present = [(when, t) for t, when in node.tenants.items() if t in tenants]
         return max(present)[1], pos
 
+    def remove_tenant(self, tenant: str) -> None:
+        """Forget every prefix ``tenant`` served (a worker that left the pool)."""
+        for node in reversed(self._nodes()):  # children before their parents
+            held = node.tenants.pop(tenant, None) is not None
+            if held and not node.tenants and node.parent is not None:
+                del node.parent.children[node.text[0]]
+        self._sizes.pop(tenant, None)
+
     def evict(self, max_size: int) -> None:
         """Drop least recently used tenant leaves until :attr:`size` is at most ``max_size``."""
         total = self.size

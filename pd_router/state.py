@@ -93,6 +93,7 @@ class Router:
             for role in Role
         }
         self.registry.on_unavailable(self._end_legs)
+        self.registry.on_left_pool(lambda worker, role: self.policies[role].forget(worker.url))
         self._background: set[asyncio.Task] = set()
         self._request_children: dict[tuple[str, int], Any] = {}
         self._duration_children: dict[str, Any] = {}

@@ -224,6 +224,7 @@ class WorkerRegistry:
         self._ids = itertools.count(1)
         self._unavailable_callbacks: list[UnavailableCallback] = []
         self._adopted_callbacks: list[Callable[[Worker], None]] = []
+        self._left_pool_callbacks: list[Callable[[Worker, Role], None]] = []
         for role in Role:
             self._metrics.pool_size.labels(role.value).set(0)
 
@@ -302,6 +303,7 @@ class WorkerRegistry:
         self._metrics.forget_worker(worker.url, worker.role.value, [s.value for s in WorkerState])
         self._export_pools()
         self._tell_unavailable(worker, Unavailability.REMOVED)
+        self._tell_left_pool(worker, worker.role)
 
     def get(self, key: str) -> Worker:
         """Look a worker up by id (``w3``) or url (with or without a trailing slash)."""
@@ -547,6 +549,16 @@ class WorkerRegistry:
         code that changed it: a callback must not block."""
         self._unavailable_callbacks.append(callback)
 
+    def on_left_pool(self, callback: Callable[[Worker, Role], None]) -> None:
+        """Call ``callback(worker, role)`` when a worker leaves the pool of ``role`` for good
+        (forgotten after a removal, or moved to the other role), so what was kept about it
+        for that pool (a cache-aware policy's prefixes) goes too."""
+        self._left_pool_callbacks.append(callback)
+
+    def _tell_left_pool(self, worker: Worker, role: Role) -> None:
+        for callback in list(self._left_pool_callbacks):
+            callback(worker, role)
+
     def _tell_unavailable(self, worker: Worker, why: Unavailability) -> None:
         for callback in list(self._unavailable_callbacks):
             try:
@@ -588,8 +600,10 @@ class WorkerRegistry:
         when the cluster's shared record says which)."""
         if state is not worker.state and state not in TRANSITIONS[worker.state]:
             raise InvalidTransition(worker, state)
+        left = None
         if role is not None and role is not worker.role:
             self._metrics.worker_inflight.remove(worker.url, worker.role.value)
+            left = worker.role
             worker.role = role
             worker.epoch += 1
             # Failures seen under the old role (e.g. 503s from its closed admission while it
@@ -606,6 +620,8 @@ class WorkerRegistry:
         self._export_pools()
         if state is WorkerState.FAILED:
             self._tell_unavailable(worker, Unavailability.FAILED)
+        if left is not None:
+            self._tell_left_pool(worker, left)
 
     # --- metrics ----------------------------------------------------------------------------
 

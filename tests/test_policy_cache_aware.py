@@ -118,6 +118,17 @@ def test_evict_trims_a_prompts_tail_before_the_head_it_shares():
     assert tree.size == len("common head, tail two")
 
 
+def test_removing_a_tenant_forgets_its_prefixes_and_keeps_the_others():
+    tree = ApproxRadixTree()
+    tree.insert("shared head, tail of A", A, 1.0)
+    tree.insert("shared head, tail of B", B, 2.0)
+    tree.insert("only A here", A, 3.0)
+    tree.remove_tenant(A)
+    assert tree.match("shared head, tail of A", {A, B}) == (B, len("shared head, tail of "))
+    assert tree.match("only A here", {A, B}) == (None, 0)
+    assert (tree.tenant_size(A), tree.size) == (0, len("shared head, tail of B"))
+
+
 # --- the policy -----------------------------------------------------------------------------
 
 
@@ -266,6 +277,20 @@ async def test_requests_sharing_a_prefix_hit_one_prefills_cache(cluster):
     assert [len(urls) for urls in served.values()] == [1, 1]
     assert served["alpha"] != served["beta"]
     assert min(cached) >= len(SYSTEM) - 16
+
+
+def test_a_worker_that_leaves_a_pool_leaves_that_pools_cache_aware_tree():
+    registry = WorkerRegistry(RouterMetrics())
+    policies = {role: CacheAwarePolicy(CacheAwareConfig(), Clock()) for role in Role}
+    registry.on_left_pool(lambda worker, role: policies[role].forget(worker.url))
+    moved, removed, kept = (registry.add(url, Role.PREFILL) for url in (A, B, C))
+    for worker in (moved, removed, kept):
+        policies[Role.PREFILL].select([worker], f"{worker.url} prompt")
+    registry.adopt_role(moved, Role.DECODE)
+    registry.begin_removal(removed)
+    registry.forget(removed)
+    tree = policies[Role.PREFILL].tree
+    assert [tree.tenant_size(url) for url in (A, B, C)] == [0, 0, len(f"{C} prompt")]
 
 
 # --- configuration --------------------------------------------------------------------------
