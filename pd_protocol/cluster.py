@@ -70,6 +70,16 @@ class WorkerRecord:
     def evolve(self, **changes: Any) -> WorkerRecord:
         return replace(self, **changes)
 
+    def in_role(self, role: str, bootstrap_port: int | None) -> WorkerRecord:
+        """This record with ``role`` and ``bootstrap_port``; the epoch counts role changes."""
+        epoch = self.epoch if role == self.role else self.epoch + 1
+        return replace(self, role=role, bootstrap_port=bootstrap_port, epoch=epoch)
+
+    def released(self, state: str, role: str, bootstrap_port: int | None) -> WorkerRecord:
+        """Let go by the conversion that held it: ``state`` under ``role``."""
+        moved = self.in_role(role, bootstrap_port)
+        return replace(moved, state=state, conversion=None, owner=None, to_role=None)
+
 
 @dataclass(frozen=True)
 class ClusterKeys:

@@ -80,8 +80,7 @@ def registered_record(
     """
     if stored is None:
         return WorkerRecord(url=url, role=role, bootstrap_port=bootstrap_port, source="self")
-    epoch = stored.epoch if stored.role == role else stored.epoch + 1
-    return stored.evolve(role=role, bootstrap_port=bootstrap_port, epoch=epoch, source="self")
+    return stored.in_role(role, bootstrap_port).evolve(source="self")
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,7 @@ class ConversionManager:
         cluster: Cluster | None = None,
     ) -> None:
         self._registry = registry
-        self._cluster = cluster or LocalCluster()
+        self._cluster = cluster or LocalCluster(registry)
         # Where a worker found not answering is reported (the health monitor's report_down).
         self._report_down = report_down
         self._control = control

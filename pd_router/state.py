@@ -63,7 +63,9 @@ class Router:
         self.conversions: ConversionManager | None = None
         self.latency = LatencyRecorder()
         self.autopilot = Autopilot(self)
-        self.cluster: Cluster = EtcdCluster(self) if config.cluster.enabled else LocalCluster()
+        self.cluster: Cluster = (
+            EtcdCluster(self) if config.cluster.enabled else LocalCluster(self.registry)
+        )
         # Sent on every call to a worker (legs, probes, fan-outs, aborts, control).
         self.worker_headers: dict[str, str] = (
             {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else {}

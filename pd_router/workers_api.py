@@ -22,11 +22,9 @@ from pd_router.requests import is_int, parse_body
 from pd_router.state import Router, router_of
 from pd_router.workers import (
     Role,
-    UnknownWorker,
     Worker,
     WorkerConverting,
     WorkerRemoving,
-    WorkerState,
     normalize_url,
 )
 
@@ -71,21 +69,9 @@ async def handle_add_worker(request: web.Request) -> web.Response:
     """Register a worker, probe it once, answer with its record (409 if already known)."""
     router = router_of(request)
     url, role, port = parse_new_worker(parse_body(await request.read()))
-    router.registry.check_addable(url)
-    await router.cluster.add_worker(url, role, port)
-    worker = joined_meanwhile(router, url) or router.registry.add(url, role, port, healthy=False)
+    worker = await router.cluster.add_worker(url, role, port)
     await router.health.check(worker)
     return json_response(worker.as_dict(), 201)
-
-
-def joined_meanwhile(router: Router, url: str) -> Worker | None:
-    """The worker, if this replica already took it in from the cluster's record that adding it
-    published (the record's echo may arrive before the publication's answer)."""
-    try:
-        worker = router.registry.get(url)
-    except UnknownWorker:
-        return None
-    return worker if worker.state is not WorkerState.FAILED else None
 
 
 async def handle_remove_worker(request: web.Request) -> web.Response:
@@ -95,11 +81,7 @@ async def handle_remove_worker(request: web.Request) -> web.Response:
         raise BadRequest("name the worker: DELETE /workers/{id-or-url} or ?url=")
     worker = router.registry.get(key)
     try:
-        router.registry.check_removable(worker)
         await router.cluster.begin_removal(worker)
-        # With replicas, this one may already have applied its own published removal.
-        if worker.state is not WorkerState.REMOVING:
-            router.registry.begin_removal(worker)
     except (WorkerConverting, WorkerRemoving) as exc:
         raise Conflict(str(exc), details={"reason": exc.reason}) from exc
     forced = await asyncio.shield(router.spawn(remove(router, worker)))

@@ -36,6 +36,7 @@ from pd_protocol.etcd_client import (
     EtcdUnavailable,
     EventType,
     LeaseNotFound,
+    Operation,
     WatchCompacted,
     delete_op,
     delete_prefix_op,
@@ -49,7 +50,7 @@ from pd_router.cluster.mirror import Mirror
 from pd_router.cluster.view import ClusterView, StoredRecord
 from pd_router.conversion import ConversionRefused
 from pd_router.errors import ClusterUnavailable
-from pd_router.workers import DuplicateWorker, Role, Worker, WorkerState
+from pd_router.workers import DuplicateWorker, Role, UnknownWorker, Worker, WorkerState
 
 if TYPE_CHECKING:
     from pd_router.state import Router
@@ -441,21 +442,12 @@ class EtcdCluster:
         url, stored = own
         record = stored.record
         port = (bootstrap_port or record.bootstrap_port) if role is Role.PREFILL else None
-        released = record.evolve(
-            state=state.value,
-            role=role.value,
-            bootstrap_port=port,
-            epoch=record.epoch + (1 if role.value != record.role else 0),
-            conversion=None,
-            owner=None,
-            to_role=None,
-        )
         key = self._keys.worker(url)
-        ops = [put_op(key, released.encode(), lease=stored.lease), delete_op(self._keys.lock(url))]
+        released = record.released(state.value, role.value, port)
+        ops = self._ending(url, stored, released, conversion_id)
         slot = self._slots.pop(conversion_id, None)
         if slot is not None:
             ops.append(delete_op(slot))
-        ops.append(delete_prefix_op(self._keys.drained(conversion_id)))
         compares = [if_unchanged(key, stored.mod_revision)]
         try:
             result = await self._etcd("release", lambda c: c.txn(compares, ops))
@@ -543,18 +535,9 @@ class EtcdCluster:
             if manager is None:
                 return
             role, port = await manager.settle_orphan(worker, Role(record.role))
-            settled = record.evolve(
-                state=WorkerState.ACTIVE.value,
-                role=role.value,
-                bootstrap_port=port if role is Role.PREFILL else None,
-                epoch=record.epoch + (1 if role.value != record.role else 0),
-                conversion=None, owner=None, to_role=None,
-            )  # fmt: skip
-            ops = [
-                put_op(key, settled.encode(), lease=stored.lease),
-                delete_op(lock),
-                delete_prefix_op(self._keys.drained(record.conversion or "")),
-            ]
+            port = port if role is Role.PREFILL else None
+            settled = record.released(WorkerState.ACTIVE.value, role.value, port)
+            ops = self._ending(url, stored, settled, record.conversion or "")
             await self._etcd(
                 "settle", lambda c: c.txn([if_unchanged(key, stored.mod_revision)], ops)
             )
@@ -569,9 +552,20 @@ class EtcdCluster:
 
     # --- workers added and removed through this replica --------------------------------------
 
-    async def add_worker(self, url: str, role: Role, bootstrap_port: int | None) -> None:
+    async def add_worker(self, url: str, role: Role, bootstrap_port: int | None) -> Worker:
+        """Published first; the record's echo may have brought the worker into this replica's
+        registry before the publication answered, else it is added here."""
+        registry = self._router.registry
+        registry.check_addable(url)
         with self._agreement("adding workers"):
             await self._add_worker(url, role, bootstrap_port)
+        try:
+            worker = registry.get(url)
+        except UnknownWorker:
+            return registry.add(url, role, bootstrap_port, healthy=False)
+        if worker.state is WorkerState.FAILED:
+            return registry.add(url, role, bootstrap_port, healthy=False)
+        return worker
 
     async def _add_worker(self, url: str, role: Role, bootstrap_port: int | None) -> None:
         record = WorkerRecord(url, role.value, bootstrap_port, source="api")
@@ -588,8 +582,14 @@ class EtcdCluster:
             raise DuplicateWorker(url)
 
     async def begin_removal(self, worker: Worker) -> None:
+        """Published first, if this replica allows it; the echo may have begun the removal
+        here already."""
+        registry = self._router.registry
+        registry.check_removable(worker)
         with self._agreement("removing workers"):
             await self._begin_removal(worker)
+        if worker.state is not WorkerState.REMOVING:
+            registry.begin_removal(worker)
 
     async def _begin_removal(self, worker: Worker) -> None:
         url, stored = self._stored(worker)
@@ -621,9 +621,7 @@ class EtcdCluster:
         record = stored.record
         if record.conversion is not None or record.role == worker.role.value:
             return
-        adopted = record.evolve(
-            role=worker.role.value, bootstrap_port=worker.bootstrap_port, epoch=record.epoch + 1
-        )
+        adopted = record.in_role(worker.role.value, worker.bootstrap_port)
         key = self._keys.worker(url)
         try:
             await self._etcd(
@@ -636,6 +634,17 @@ class EtcdCluster:
             log.info("role change of %s not shared: %s", worker.url, exc)
 
     # --- helpers ----------------------------------------------------------------------------
+
+    def _ending(
+        self, url: str, stored: StoredRecord, record: WorkerRecord, conversion_id: str
+    ) -> list[Operation]:
+        """The operations that end a conversion: its outcome in the record (under the
+        record's own lease), its lock and its drain reports gone."""
+        return [
+            put_op(self._keys.worker(url), record.encode(), lease=stored.lease),
+            delete_op(self._keys.lock(url)),
+            delete_prefix_op(self._keys.drained(conversion_id)),
+        ]
 
     def _stored(self, worker: Worker) -> tuple[str, StoredRecord]:
         stored = self.view.records.get(worker.url)

@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from pd_router.workers import Role, Worker, WorkerState
+from pd_router.workers import Role, Worker, WorkerRegistry, WorkerState
 
 
 class Cluster(Protocol):
@@ -67,11 +67,13 @@ class Cluster(Protocol):
     def finished(self, worker: Worker, conversion_id: str) -> None:
         """The conversion let the worker go in this replica's registry too."""
 
-    async def add_worker(self, url: str, role: Role, bootstrap_port: int | None) -> None:
-        """Make a new worker known to every replica; DuplicateWorker, ClusterUnavailable."""
+    async def add_worker(self, url: str, role: Role, bootstrap_port: int | None) -> Worker:
+        """Register a new worker (unhealthy until probed) on every replica; this replica's
+        Worker. DuplicateWorker, WorkerRemoving, ClusterUnavailable."""
 
     async def begin_removal(self, worker: Worker) -> None:
-        """Every replica stops routing to ``worker`` (this one already has)."""
+        """Every replica stops routing to ``worker`` (REMOVING); WorkerConverting,
+        WorkerRemoving, ClusterUnavailable with nothing changed."""
 
     async def end_removal(self, worker: Worker) -> None:
         """This replica's removal is over: the worker leaves the shared record."""
@@ -85,6 +87,9 @@ class LocalCluster:
 
     enabled = False
     replica_id = ""
+
+    def __init__(self, registry: WorkerRegistry) -> None:
+        self._registry = registry
 
     async def start(self) -> None:
         return None
@@ -127,11 +132,11 @@ class LocalCluster:
     def finished(self, worker: Worker, conversion_id: str) -> None:
         return None
 
-    async def add_worker(self, url: str, role: Role, bootstrap_port: int | None) -> None:
-        return None
+    async def add_worker(self, url: str, role: Role, bootstrap_port: int | None) -> Worker:
+        return self._registry.add(url, role, bootstrap_port, healthy=False)
 
     async def begin_removal(self, worker: Worker) -> None:
-        return None
+        self._registry.begin_removal(worker)
 
     async def end_removal(self, worker: Worker) -> None:
         return None
