@@ -309,8 +309,8 @@ class EtcdCluster:
         value = orjson.dumps({"conversion": conversion_id, "replica": self.replica_id})
         index = catch_ups = 0
         while index < self._router.config.conversion.max_concurrent:
-            url, stored = self._claimable(worker)
-            lock, slot, key = self._keys.lock(url), self._keys.slot(index), self._keys.worker(url)
+            url, stored = worker.url, self._claimable(worker)
+            lock, slot, key = self._keys.lock(url), self._keys.slot(index), stored.key
             claimed = stored.record.evolve(
                 state=WorkerState.DRAINING.value,
                 conversion=conversion_id,
@@ -333,7 +333,7 @@ class EtcdCluster:
             if result.succeeded:
                 self._own[conversion_id] = (
                     url,
-                    StoredRecord(claimed, result.revision, stored.lease),
+                    StoredRecord(claimed, key, result.revision, stored.lease),
                 )
                 self._slots[conversion_id] = slot
                 return
@@ -360,14 +360,14 @@ class EtcdCluster:
             "conversion(s)",
         )
 
-    def _claimable(self, worker: Worker) -> tuple[str, StoredRecord]:
-        url, stored = self._stored(worker)
+    def _claimable(self, worker: Worker) -> StoredRecord:
+        stored = self._stored(worker)
         record = stored.record
         if record.conversion is not None or record.state != WorkerState.ACTIVE:
             raise ConversionRefused(
                 "already_converting", f"worker {worker.url} is {record.state} in the cluster"
             )
-        return url, stored
+        return stored
 
     async def catch_up(self) -> None:
         try:
@@ -389,7 +389,7 @@ class EtcdCluster:
             return
         url, stored = own
         switching = stored.record.evolve(state=WorkerState.SWITCHING.value)
-        key = self._keys.worker(url)
+        key = stored.key
         try:
             result = await self._etcd(
                 "switching",
@@ -402,7 +402,9 @@ class EtcdCluster:
             log.info("conversion %s: switching not shown to peers: %s", conversion_id, exc)
             return
         if result.succeeded:
-            self._own[conversion_id] = (url, StoredRecord(switching, result.revision, stored.lease))
+            self._own[conversion_id] = (
+                url, StoredRecord(switching, key, result.revision, stored.lease)
+            )  # fmt: skip
 
     async def wait_peers_drained(
         self, worker: Worker, conversion_id: str, abort: asyncio.Event, deadline: float
@@ -442,7 +444,7 @@ class EtcdCluster:
         url, stored = own
         record = stored.record
         port = (bootstrap_port or record.bootstrap_port) if role is Role.PREFILL else None
-        key = self._keys.worker(url)
+        key = stored.key
         released = record.released(state.value, role.value, port)
         ops = self._ending(url, stored, released, conversion_id)
         slot = self._slots.pop(conversion_id, None)
@@ -518,7 +520,7 @@ class EtcdCluster:
         """Lock an orphaned worker, read its live role and publish it, ending the conversion
         its dead replica started (finished if the switch took effect, else rolled back)."""
         record = stored.record
-        key, lock = self._keys.worker(url), self._keys.lock(url)
+        key, lock = stored.key, self._keys.lock(url)
         value = orjson.dumps({"conversion": record.conversion, "replica": self.replica_id})
         try:
             locked = await self._etcd(
@@ -592,9 +594,9 @@ class EtcdCluster:
             registry.begin_removal(worker)
 
     async def _begin_removal(self, worker: Worker) -> None:
-        url, stored = self._stored(worker)
+        stored = self._stored(worker)
         removing = stored.record.evolve(state=WorkerState.REMOVING.value)
-        key = self._keys.worker(url)
+        key = stored.key
         await self._etcd(
             "remove",
             lambda c: c.put_if_unchanged(
@@ -604,8 +606,8 @@ class EtcdCluster:
 
     async def end_removal(self, worker: Worker) -> None:
         try:
-            url, _ = self._stored(worker)
-            await self._etcd("remove", lambda c: c.delete(self._keys.worker(url)))
+            key = self._stored(worker).key
+            await self._etcd("remove", lambda c: c.delete(key))
         except (EtcdError, ConversionRefused) as exc:
             log.warning("worker %s: removal not published: %s", worker.url, exc)
 
@@ -615,14 +617,14 @@ class EtcdCluster:
 
     async def _publish_role(self, worker: Worker) -> None:
         try:
-            url, stored = self._stored(worker)
+            stored = self._stored(worker)
         except ConversionRefused:
             return
         record = stored.record
         if record.conversion is not None or record.role == worker.role.value:
             return
         adopted = record.in_role(worker.role.value, worker.bootstrap_port)
-        key = self._keys.worker(url)
+        key = stored.key
         try:
             await self._etcd(
                 "adopt",
@@ -641,18 +643,15 @@ class EtcdCluster:
         """The operations that end a conversion: its outcome in the record (under the
         record's own lease), its lock and its drain reports gone."""
         return [
-            put_op(self._keys.worker(url), record.encode(), lease=stored.lease),
+            put_op(stored.key, record.encode(), lease=stored.lease),
             delete_op(self._keys.lock(url)),
             delete_prefix_op(self._keys.drained(conversion_id)),
         ]
 
-    def _stored(self, worker: Worker) -> tuple[str, StoredRecord]:
+    def _stored(self, worker: Worker) -> StoredRecord:
         stored = self.view.records.get(worker.url)
         if stored is not None:
-            return worker.url, stored
-        for url, candidate in self.view.records.items():
-            if candidate.record.url == worker.url:
-                return url, candidate
+            return stored
         raise ConversionRefused("unknown_worker", f"worker {worker.url} has no cluster record")
 
     @contextlib.contextmanager

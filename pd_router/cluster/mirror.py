@@ -59,7 +59,7 @@ class Mirror:
         for url in list(view.records):
             self.changed(url, view)
         for worker in self._registry:
-            if self._key_of(worker, view) is None:
+            if worker.url not in view.records:
                 self._remove(worker)
 
     def changed(self, url: str, view: ClusterView) -> None:
@@ -166,11 +166,3 @@ class Mirror:
             return self._registry.get(url)
         except UnknownWorker:
             return None
-
-    def _key_of(self, worker: Worker, view: ClusterView) -> str | None:
-        if worker.url in view.records:
-            return worker.url
-        for url in view.records:
-            if self._lookup(url) is worker:
-                return url
-        return None

@@ -15,6 +15,7 @@ from typing import Any
 
 from pd_protocol.cluster import BadRecord, ClusterKeys, WorkerRecord
 from pd_protocol.etcd_client import EventType, KeyValue, WatchEvent
+from pd_router.workers import normalize_url
 
 log = logging.getLogger("pd_router.cluster")
 
@@ -24,6 +25,7 @@ class StoredRecord:
     """A worker record and where etcd has it (to compare-and-swap, to keep its lease)."""
 
     record: WorkerRecord
+    key: str
     mod_revision: int
     lease: int
 
@@ -31,8 +33,7 @@ class StoredRecord:
 @dataclass
 class ClusterView:
     keys: ClusterKeys
-    # By the url in the record's key (the same as the record's own url when a replica or a
-    # worker wrote it).
+    # By the worker's url as the registry spells it (normalized from the url in the key).
     records: dict[str, StoredRecord] = field(default_factory=dict)
     replicas: set[str] = field(default_factory=set)
     locks: dict[str, str] = field(default_factory=dict)
@@ -84,8 +85,10 @@ class ClusterView:
             except BadRecord as exc:
                 log.warning("ignoring %s: %s", kv.key, exc)
                 return None
-            self.records[parts[0]] = StoredRecord(record, kv.mod_revision, kv.lease)
-            return parts[0]
+            url = _worker_url(kv.key, parts[0])
+            if url is not None:
+                self.records[url] = StoredRecord(record, kv.key, kv.mod_revision, kv.lease)
+            return url
         if kind == "replicas" and parts:
             self.replicas.add(parts[0])
         elif kind == "locks" and parts:
@@ -99,8 +102,8 @@ class ClusterView:
     def _drop(self, key: str) -> str | None:
         kind, parts = self._part(key)
         if kind == "workers" and parts:
-            url = parts[0]
-            return url if self.records.pop(url, None) is not None else None
+            url = _worker_url(key, parts[0])
+            return url if url is not None and self.records.pop(url, None) is not None else None
         if kind == "replicas" and parts:
             self.replicas.discard(parts[0])
         elif kind == "locks" and parts:
@@ -113,4 +116,12 @@ class ClusterView:
                     del self.drained[parts[0]]
         elif kind == "leader":
             self.leader = None
+        return None
+
+
+def _worker_url(key: str, url: str) -> str | None:
+    try:
+        return normalize_url(url)
+    except ValueError:
+        log.warning("ignoring %s: not a worker url", key)
         return None
