@@ -455,16 +455,7 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
     parser.add_argument(
         "--peers", default=",".join(PEERS), help="comma-separated subset of %(default)s"
     )
-    parser.add_argument(
-        "--modes", default=",".join(MODES), help="comma-separated subset of %(default)s"
-    )
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--warmup", type=float, default=2.0, help="seconds per segment")
-    parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per segment")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--prefill", type=int, default=2)
-    parser.add_argument("--decode", type=int, default=2)
+    add_load_options(parser)
     parser.add_argument("--profile", type=float, default=0.0, help="py-spy pd-router for N seconds")
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="default: %(default)s")
     parser.add_argument(
@@ -498,6 +489,20 @@ def parse_args(argv: Sequence[str] | None) -> BenchConfig:
         backend=args.backend,
         results_dir=args.results_dir,
     )
+
+
+def add_load_options(parser: argparse.ArgumentParser) -> None:
+    """The load every router-throughput benchmark runs (this one and replica_throughput.py)."""
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help="comma-separated subset of %(default)s"
+    )
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds per segment")
+    parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per segment")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--prefill", type=int, default=2)
+    parser.add_argument("--decode", type=int, default=2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -45,6 +45,7 @@ from overhead import (
     Figures,
     RouterProcess,
     RouterStartError,
+    add_load_options,
     backend_topology,
     ratio,
     repo_revision,
@@ -229,16 +230,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, tuple[Configura
         help="router counts, default %(default)s; N as replicas on etcd, Ni: N independent "
         "routers without etcd (the same split of the load, no cluster)",
     )
-    parser.add_argument(
-        "--modes", default=",".join(MODES), help="comma-separated subset of %(default)s"
-    )
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--warmup", type=float, default=2.0, help="seconds per segment")
-    parser.add_argument("--duration", type=float, default=8.0, help="measured seconds per segment")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--prefill", type=int, default=2)
-    parser.add_argument("--decode", type=int, default=2)
+    add_load_options(parser)
     parser.add_argument("--backend", choices=tuple(BACKENDS), default="pd_worker")
     parser.add_argument("--etcd-binary", default="etcd", help="etcd for the replicas")
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="default: %(default)s")
