@@ -22,6 +22,9 @@ from pd_router.workers import Worker
 
 IDLE_POLL_FIRST_SECS = 0.002
 IDLE_POLL_MAX_SECS = 0.05
+# How long a worker whose load reads idle may still refuse a switch as busy before the refusal
+# is taken for another reason.
+IDLE_AGREEMENT_SECS = 0.5
 
 
 class Stop(Exception):
@@ -89,6 +92,7 @@ class ControlProtocol(ABC):
         the last reply and, when the deadline passed with the worker busy, its load."""
         delay = IDLE_POLL_FIRST_SECS
         conv.timings["worker_switch_s"] = 0.0
+        idle_since: float | None = None
         while True:
             reply, took = await self._timed_call(conv, body)
             conv.timings["worker_switch_s"] += took
@@ -97,9 +101,16 @@ class ControlProtocol(ABC):
             if not conv.request.drain:
                 return reply, None
             load = await self.read_load(conv)
+            now = time.monotonic()
             if load.idle:
-                return reply, None
-            if time.monotonic() + delay > deadline:
+                # The load reading may turn idle a moment before the switch's own idleness
+                # check does (a request's last bookkeeping); past that, the refusal is another.
+                idle_since = now if idle_since is None else idle_since
+                if now - idle_since > IDLE_AGREEMENT_SECS:
+                    return reply, None
+            else:
+                idle_since = None
+            if now + delay > deadline:
                 return reply, load
             await asyncio.sleep(delay)
             delay = min(delay * 2, IDLE_POLL_MAX_SECS)
