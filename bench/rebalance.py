@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 from router_process import router_toml, running_router  # noqa: E402
 
 from pd_router.config import ConfigError, build_config  # noqa: E402
-from pd_router.conversion_history import FINAL  # noqa: E402
+from pd_router.control.conversion.history import FINAL  # noqa: E402
 from pd_worker.cluster import WorkerCluster  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"

@@ -20,7 +20,7 @@ import httpx
 from pd_worker.cluster import WorkerCluster, free_port
 
 REPO = Path(__file__).resolve().parent.parent
-ROUTER_MAIN = "import sys; from pd_router.cli import main; sys.exit(main())"
+ROUTER_MAIN = "import sys; from pd_router.cli.main import main; sys.exit(main())"
 ROUTER_START_TIMEOUT_S = 30.0
 REPLICAS_READY_TIMEOUT_S = 30.0
 

@@ -18,15 +18,20 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pd_router.autopilot.policy import MODES, AutopilotConfig
-from pd_router.circuit import CircuitConfig
-from pd_router.cluster.config import ClusterConfig
-from pd_router.concurrency import AdmissionConfig
-from pd_router.http1 import LegLimits
-from pd_router.policies import POLICIES, POLICY_ALIASES, CacheAwareConfig, canonical_policy_name
-from pd_router.retry import RetryConfig
+from pd_router.control.autopilot.policy import MODES, AutopilotConfig
+from pd_router.control.circuit import CircuitConfig
+from pd_router.control.cluster.config import ClusterConfig
+from pd_router.control.workers import normalize_url
+from pd_router.dataplane.concurrency import AdmissionConfig
+from pd_router.dataplane.http1 import LegLimits
+from pd_router.dataplane.policies import (
+    POLICIES,
+    POLICY_ALIASES,
+    CacheAwareConfig,
+    canonical_policy_name,
+)
+from pd_router.dataplane.retry import RetryConfig
 from pd_router.tls import TLSConfig, server_context, worker_context
-from pd_router.workers import normalize_url
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
 LOG_FORMATS = ("json", "text")

@@ -7,14 +7,9 @@ SGLang clients already parse), so a client never sees a stack trace or an HTML p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from types import MappingProxyType
-
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-
-from pd_router.workers import DuplicateWorker, InvalidTransition, RegistryError, UnknownWorker
 
 
 class RouterError(Exception):
@@ -146,15 +141,7 @@ class UpstreamTimeout(RouterError):
 
 
 # Errors the middleware turns into responses with error_response(); anything else is a 500.
-MAPPED_ERRORS = (RouterError, RegistryError, web.HTTPException, web.RequestPayloadError)
-
-REGISTRY_STATUS: Mapping[type[RegistryError], tuple[int, str]] = MappingProxyType(
-    {
-        UnknownWorker: (404, "not_found"),
-        DuplicateWorker: (409, "conflict"),
-        InvalidTransition: (409, "conflict"),
-    }
-)
+MAPPED_ERRORS = (RouterError, web.HTTPException, web.RequestPayloadError)
 
 
 def error_body(
@@ -185,9 +172,6 @@ def error_response(exc: Exception) -> web.Response:
     """The HTTP response for any error a handler may raise (the one mapping)."""
     if isinstance(exc, RouterError):
         return json_error(exc.status, exc.error_type, exc.message, exc.headers, exc.details)
-    if isinstance(exc, RegistryError):
-        status, error_type = REGISTRY_STATUS.get(type(exc), (409, "conflict"))
-        return json_error(status, error_type, str(exc))
     if isinstance(exc, web.HTTPException):
         return json_error(exc.status, http_error_type(exc.status), exc.reason or exc.text or "")
     if isinstance(exc, web.RequestPayloadError):

@@ -19,6 +19,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 
+from pd_protocol.extension import ExtensionError, PDExtension
 from pd_protocol.wire import (
     CONVERT_PATH,
     DRAIN_PATH,
@@ -55,7 +56,6 @@ from pd_worker.validation import (
     parse_json,
     pd_role_switch_body,
 )
-from server_patch.extension import ExtensionError, PDExtension
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The engine's role switch as SGLang's HTTP layer serves it, and the engine seen through the
-extension's ``RoleBackend`` protocol (server_patch.extension).
+extension's ``RoleBackend`` protocol (pd_protocol.extension).
 
 On SGLang, ``POST /pd_role_switch`` goes through FastAPI's validation of
 ``PdRoleSwitchReqInput`` (:func:`pd_worker.validation.pd_role_switch_body`) and then
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pd_protocol.extension import Load
 from pd_worker.engine import Engine
-from server_patch.extension import Load
 
 
 async def tokenizer_switch(engine: Engine, request: dict[str, Any]) -> dict[str, Any]:

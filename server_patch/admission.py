@@ -19,8 +19,8 @@ from typing import Any
 
 import orjson
 
+from pd_protocol.extension import PDExtension
 from pd_protocol.wire import MISDIRECTED_STATUS, RETRY_AFTER_SECS, ROLE_HEADER
-from server_patch.extension import PDExtension
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -15,9 +15,9 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
+from pd_protocol.extension import ExtensionError, PDExtension
 from pd_protocol.wire import CONVERT_PATH, DRAIN_PATH, ROLE_PATH, SWITCH_PATH
 from server_patch.admission import AdmissionMiddleware, InFlight
-from server_patch.extension import ExtensionError, PDExtension
 
 Handler = Callable[[Request], Awaitable[Response]]
 

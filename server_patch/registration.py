@@ -19,8 +19,8 @@ from typing import Any, NoReturn
 import aiohttp
 
 from pd_protocol.cluster import DEFAULT_LEASE_TTL_SECS, DEFAULT_PREFIX
+from pd_protocol.extension import PDExtension
 from pd_protocol.registration import FlagNames, RegistrationSettings
-from server_patch.extension import PDExtension
 from server_patch.preflight import LaunchError
 
 logger = logging.getLogger("server_patch")

@@ -23,8 +23,8 @@ from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.managers.io_struct import PdRoleSwitchReqInput
 from sglang.srt.utils.common import msgspec_to_builtins
 
+from pd_protocol.extension import Load, PDExtension
 from server_patch.admission import InFlight
-from server_patch.extension import Load, PDExtension
 
 logger = logging.getLogger(__name__)
 

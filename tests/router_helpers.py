@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import orjson
 
+from pd_router.api.server import RunningServer, build_app, start_server
 from pd_router.config import load_config, merge
-from pd_router.server import RunningServer, build_app, start_server
 from pd_worker.cluster import WorkerCluster
 from pd_worker.tokens import expected_text
 

@@ -29,8 +29,8 @@ STOP_TIMEOUT_SECS = 10.0
 ENTRY = (
     "import sys, orjson\n"
     "from pd_router.config import load_config\n"
-    "from pd_router.logs import configure_logging\n"
-    "from pd_router.server import run_server\n"
+    "from pd_router.cli.logs import configure_logging\n"
+    "from pd_router.api.server import run_server\n"
     "config = load_config(None, orjson.loads(sys.argv[1]))\n"
     "configure_logging(config.log_level, config.log_format)\n"
     "run_server(config)\n"

@@ -9,7 +9,7 @@ import io
 
 import pytest
 
-from pd_router.admin_client import autopilot
+from pd_router.cli.admin_client import autopilot
 from tests.conversion_helpers import CheckedLoad, pools, sample
 from tests.router_helpers import running_router, wait_until
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator
 
-from pd_router.autopilot.policy import (
+from pd_router.control.autopilot.policy import (
     DECODE_TO_PREFILL,
     HOLD,
     PREFILL_TO_DECODE,
@@ -13,7 +13,7 @@ from pd_router.autopilot.policy import (
     AutopilotPolicy,
     Decision,
 )
-from pd_router.autopilot.signals import Sample, WorkerSignals, worker_from_loads
+from pd_router.control.autopilot.signals import Sample, WorkerSignals, worker_from_loads
 
 CONFIG = AutopilotConfig(
     mode="auto",

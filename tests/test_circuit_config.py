@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pd_router.circuit import CircuitBreaker, CircuitConfig, CircuitState
 from pd_router.config import ConfigError, load_config
+from pd_router.control.circuit import CircuitBreaker, CircuitConfig, CircuitState
 
 
 class Clock:

@@ -1,5 +1,5 @@
 """Drop-in compatibility with sglang-router 0.3.2 and smg 1.13: their PD command lines start
-pd-router unchanged, every option of theirs is in pd_router.compat's table and parses with their
+pd-router unchanged, every option of theirs is in pd_router.cli.compat's table and parses with their
 arity (checked against their recorded ``--help`` and argparse definitions in tests/data/,
 recorded with tests/data/record_peer_options.py), inapplicable options are named once in a
 start-up warning, and the client's request id is read from the configured headers."""
@@ -19,16 +19,16 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pd_router import policies
-from pd_router.cli import (
+from pd_router.cli.compat import DOC_HEADING, PEER_OPTIONS, doc_section, policy_names
+from pd_router.cli.main import (
     build_parser,
     config_from_args,
     config_from_argv,
     overrides_from_argv,
     startup_warnings,
 )
-from pd_router.compat import DOC_HEADING, PEER_OPTIONS, doc_section, policy_names
 from pd_router.config import ConfigError, load_config
+from pd_router.dataplane import policies
 from tests.router_helpers import assert_paired, generate_body, running_router
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -167,7 +167,7 @@ def test_the_doc_table_is_generated_from_the_compat_table():
     end = text.find("\n## ", start)
     section = text[start : end + 1 if end >= 0 else len(text)]
     assert section.rstrip("\n") == doc_section().rstrip("\n"), (
-        "regenerate with: python -m pd_router.compat docs/router.md"
+        "regenerate with: python -m pd_router.cli.compat docs/router.md"
     )
 
 
@@ -329,7 +329,7 @@ def alias_with_warning() -> str:
     """A policy alias whose warning is defined (skip when this branch has none)."""
     explain = getattr(policies, "alias_warning", None)
     if explain is None:
-        pytest.skip("pd_router.policies.alias_warning is not in this branch")
+        pytest.skip("pd_router.dataplane.policies.alias_warning is not in this branch")
     alias = next((name for name in policy_names() if explain(name)), None)
     if alias is None:
         pytest.skip("no policy alias with a warning in this branch")
@@ -368,7 +368,7 @@ def test_smg_launch_command_line_starts_and_warns_once_per_inapplicable_option(c
     port = free_port()
     prefill, decode = cluster.prefill_urls[0], cluster.decode_urls[0]
     process = subprocess.Popen(
-        [sys.executable, "-m", "pd_router.cli", "launch", "--pd-disaggregation",
+        [sys.executable, "-m", "pd_router.cli.main", "launch", "--pd-disaggregation",
          "--prefill", prefill, str(cluster.bootstrap_port(prefill)), "--decode", decode,
          "--prefill-policy", "cache_aware", "--decode-policy", "power_of_two",
          "--host", "127.0.0.1", "--port", str(port), "--model-path", "Qwen/Qwen3-8B",
@@ -399,7 +399,9 @@ def peer_policy_names() -> set[str]:
 
 def test_every_policy_name_of_the_peers_is_accepted():
     if getattr(policies, "alias_warning", None) is None:
-        pytest.skip("the peers' policy names arrive with pd_router.policies.alias_warning")
+        pytest.skip(
+            "the peers' policy names arrive with pd_router.dataplane.policies.alias_warning"
+        )
     assert peer_policy_names() - set(policy_names()) == set()
     for name in sorted(peer_policy_names()):
         assert config_from_argv([*WORKERS, "--policy", name]).prefill_policy == name

@@ -13,10 +13,10 @@ import pytest
 
 from pd_protocol.cluster import ClusterKeys, WorkerRecord
 from pd_protocol.etcd_client import EventType, KeyValue, WatchEvent
-from pd_router.cluster.mirror import Mirror
-from pd_router.cluster.view import ClusterView
+from pd_router.control.cluster.mirror import Mirror
+from pd_router.control.cluster.view import ClusterView
+from pd_router.control.workers import Role, Worker, WorkerRegistry, WorkerState
 from pd_router.metrics import RouterMetrics
-from pd_router.workers import Role, Worker, WorkerRegistry, WorkerState
 
 KEYS = ClusterKeys("test")
 URL = "http://10.0.0.1:30000"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pd_router import admin_client
+from pd_router.cli import admin_client
 from tests.conversion_helpers import live_roles, pools
 from tests.router_helpers import running_router
 

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from dashboard_helpers import count_expr_keys, dashboard_queries, load_dashboard
 
-from pd_router.cli import config_from_argv
+from pd_router.cli.main import config_from_argv
 
 yaml = pytest.importorskip("yaml", reason="PyYAML (test extra) parses the compose files")
 

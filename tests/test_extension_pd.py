@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
+from pd_protocol.extension import ExtensionError, Load, PDExtension
 from server_patch.admission import AdmissionMiddleware, InFlight
-from server_patch.extension import ExtensionError, Load, PDExtension
 
 BOOTSTRAP_PORT = 8998
 WAIT = 5.0  # bound on every wait in this module

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from pd_router.config import ConfigError, load_config
-from pd_router.metrics import RouterMetrics
-from pd_router.policies import (
+from pd_router.control.workers import Role, Worker, WorkerRegistry
+from pd_router.dataplane.policies import (
     POLICIES,
     POLICY_ALIASES,
     CacheAwareConfig,
@@ -20,8 +20,8 @@ from pd_router.policies import (
     make_policy,
     prompt_key,
 )
-from pd_router.radix_tree import ApproxRadixTree
-from pd_router.workers import Role, Worker, WorkerRegistry
+from pd_router.dataplane.radix_tree import ApproxRadixTree
+from pd_router.metrics import RouterMetrics
 from tests.router_helpers import assert_paired, generate_body, running_router
 
 A, B, C = "http://127.0.0.1:1001", "http://127.0.0.1:1002", "http://127.0.0.1:1003"

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from pd_router import admin_client
+from pd_router.cli import admin_client
 from tests.conversion_helpers import LONG, wait_for_busy, worker_role
 from tests.replica_helpers import (
     LEASE_TTL_SECS,

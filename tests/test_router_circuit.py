@@ -9,7 +9,7 @@ import asyncio
 
 import httpx
 
-from pd_router.workers import Role
+from pd_router.control.workers import Role
 from tests.router_helpers import fault, generate_body, running_router, wait_until
 
 TOKENS = 4

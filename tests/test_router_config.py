@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pd_router.cli import config_from_argv
+from pd_router.cli.main import config_from_argv
 from pd_router.config import ConfigError, load_config
 from tests.router_helpers import assert_paired, generate_body
 
@@ -112,7 +112,10 @@ def test_unreadable_or_invalid_toml_is_a_config_error(tmp_path):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pd_router.cli", *args], capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "pd_router.cli.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
 
 
@@ -132,7 +135,7 @@ def test_pd_router_serves_as_a_process(cluster, free_port):
     port = free_port()
     prefill, decode = cluster.prefill_urls[0], cluster.decode_urls[0]
     process = subprocess.Popen(
-        [sys.executable, "-m", "pd_router.cli", "--pd-disaggregation",
+        [sys.executable, "-m", "pd_router.cli.main", "--pd-disaggregation",
          "--prefill", prefill, str(cluster.bootstrap_port(prefill)), "--decode", decode,
          "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

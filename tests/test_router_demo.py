@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pd_router.demo import main
+from pd_router.cli.demo import main
 
 
 def test_demo_runs_its_steps_and_every_answer_is_right(capsys):

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from pd_router.server import start_server
+from pd_router.api.server import start_server
 from pd_worker.tokens import chat_prompt, expected_text, tokenize
 from tests.router_helpers import assert_paired, generate_body, running_router, sse_events
 

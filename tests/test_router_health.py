@@ -8,7 +8,7 @@ import socket
 import httpx
 import pytest
 
-from pd_router.workers import Role
+from pd_router.control.workers import Role
 from pd_worker.cluster import WorkerCluster
 from tests.router_helpers import assert_paired, fault, generate_body, running_router, wait_until
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from pd_router.http1 import Http1Pool, LegLimits, PoolTimeout
-from pd_router.http1_conn import (
+from pd_router.dataplane.http1 import Http1Pool, LegLimits, PoolTimeout
+from pd_router.dataplane.http1_conn import (
     LegTimeout,
     Phase,
     UpstreamConnectError,

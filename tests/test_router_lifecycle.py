@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from pd_router.workers import Unavailability, Worker
+from pd_router.control.workers import Unavailability, Worker
 from tests.conversion_helpers import (
     Call,
     arrange,

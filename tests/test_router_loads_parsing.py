@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import orjson
 
-from pd_router.loads import NO_LOAD, get_load_tokens, v1_loads_tokens
+from pd_router.api.loads import NO_LOAD, get_load_tokens, v1_loads_tokens
 
 GET_LOAD_TWO_RANKS = orjson.dumps(
     [

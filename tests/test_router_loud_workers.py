@@ -17,7 +17,7 @@ import tempfile
 import orjson
 import pytest
 
-from pd_router import admin_client
+from pd_router.cli import admin_client
 from pd_worker.cluster import free_port
 from tests.router_helpers import (
     fault,

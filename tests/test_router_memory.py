@@ -13,7 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from pd_router.server import RunningServer, start_server
+from pd_router.api.server import RunningServer, start_server
 from tests.router_helpers import wait_until
 from tests.router_process import router_process
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pd_router.errors import BadRequest
-from pd_router.metrics import RouterMetrics
-from pd_router.requests import (
+from pd_router.control.workers import Role, WorkerRegistry
+from pd_router.dataplane.requests import (
     CHAT,
     COMPLETIONS,
     GENERATE,
@@ -19,7 +18,8 @@ from pd_router.requests import (
     parse_body,
     router_rid,
 )
-from pd_router.workers import Role, WorkerRegistry
+from pd_router.errors import BadRequest
+from pd_router.metrics import RouterMetrics
 
 
 @pytest.mark.parametrize(

@@ -33,7 +33,7 @@ async def router_process(cluster: WorkerCluster, port: int) -> AsyncIterator[str
     failure opens a circuit, and no health probe runs during the test."""
     prefill, decode = cluster.prefill_urls[0], cluster.decode_urls[0]
     argv = [
-        sys.executable, "-m", "pd_router.cli", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "pd_router.cli.main", "--host", "127.0.0.1", "--port", str(port),
         "--prefill", prefill, str(cluster.bootstrap_port(prefill)), "--decode", decode,
         "--health-check-interval-secs", "60", "--cb-failure-threshold", "1",
         "--log-level", "warning", "--log-format", "text",

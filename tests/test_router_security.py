@@ -11,7 +11,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from pd_router.server import start_server
+from pd_router.api.server import start_server
 from tests.router_helpers import generate_body, running_router, sse_events
 
 KEY = "s3cret-admin-key-9d1e"

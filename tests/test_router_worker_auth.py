@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from pd_router.cli import config_from_argv
-from pd_router.workers import Role
+from pd_router.cli.main import config_from_argv
+from pd_router.control.workers import Role
 from pd_worker.cluster import WorkerCluster
 from tests.router_helpers import assert_paired, generate_body, running_router, sse_events
 

@@ -9,7 +9,7 @@ import asyncio
 import httpx
 import pytest
 
-from pd_router.workers import Role
+from pd_router.control.workers import Role
 from tests.conversion_helpers import converted_by_a_second_router
 from tests.router_helpers import assert_paired, generate_body, running_router, wait_until
 

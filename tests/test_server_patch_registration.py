@@ -21,9 +21,9 @@ import pytest_asyncio
 
 from pd_protocol.cluster import ClusterKeys, WorkerRecord
 from pd_protocol.etcd_client import EtcdClient
+from pd_protocol.extension import Load, PDExtension
 from pd_protocol.registration import RegistrationSettings
 from server_patch import launch_server
-from server_patch.extension import Load, PDExtension
 from server_patch.preflight import LaunchError
 from server_patch.registration import install_registration, split_registration_args
 from tests.etcd_helpers import EtcdServer

@@ -1,0 +1,153 @@
+"""The router's own status page: ``GET /dashboard`` (one self-contained HTML page) and
+``GET /status`` (the JSON it polls).
+
+For operators without Grafana: the page shows the pools, each worker's state, role, in-flight
+count and health (an unhealthy worker listed first in its pool and marked unhealthy before its
+state), the recent conversions, the autopilot's mode and last decisions (with their
+reasons), and converts a worker through the router's own ``POST /convert_pd_role``. Everything
+comes from the registry, the conversion manager and the autopilot, so the page and ``pd-router
+status`` show exactly what the router routes on.
+
+With an admin key configured, ``/status`` without the key shows no more than ``/metrics`` does
+(pools, and each worker's url, role, state, health, circuit and in-flight count): no worker
+errors, bootstrap ports, epochs, conversion records or autopilot decisions. The page itself
+holds no data and stays open; it asks for the key when an action needs it.
+"""
+
+from __future__ import annotations
+
+import time
+from importlib import resources
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from pd_router.api.auth import has_admin_key
+from pd_router.api.state import ROUTER, Router
+from pd_router.control.conversion.manager import Conversion, ConversionManager
+from pd_router.control.workers import Role, WorkerRegistry, WorkerState
+
+RECENT_CONVERSIONS = 20
+# The worker fields /metrics exposes as well (labels or values): all /status shows without the
+# admin key when one is configured.
+PUBLIC_WORKER_FIELDS = ("id", "url", "role", "state", "healthy", "inflight", "circuit")
+
+# The page loads nothing from elsewhere; the browser enforces it.
+PAGE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+        "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+        "frame-ancestors 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+}
+
+
+def add_dashboard_routes(app: web.Application) -> None:
+    """Register ``GET /dashboard`` and ``GET /status`` on the router's application."""
+    page = (resources.files("pd_router.api") / "static" / "dashboard.html").read_bytes()
+
+    async def dashboard(request: web.Request) -> web.Response:
+        return web.Response(
+            body=page, content_type="text/html", charset="utf-8", headers=PAGE_HEADERS
+        )
+
+    async def status(request: web.Request) -> web.Response:
+        router = request.app[ROUTER]
+        snapshot = status_snapshot(router)
+        if not has_admin_key(request):
+            snapshot = public_snapshot(snapshot)
+        body = orjson.dumps(snapshot)
+        return web.Response(
+            body=body, content_type="application/json", headers={"Cache-Control": "no-store"}
+        )
+
+    app.router.add_get("/dashboard", dashboard)
+    app.router.add_get("/status", status)
+
+
+def status_snapshot(router: Router) -> dict[str, Any]:
+    """Pools, workers and recent conversions as the router sees them right now."""
+    registry = router.registry
+    conversions = recent_conversions(router.conversions)
+    return {
+        "pools": {role.value: pool_summary(registry, role) for role in Role},
+        "workers": unhealthy_first([worker.as_dict() for worker in registry]),
+        "conversions": conversions if conversions is not None else [],
+        "conversions_available": conversions is not None,
+        "autopilot": autopilot_summary(router),
+        "admin_key_required": router.config.admin_api_key is not None,
+        "redacted": False,
+        "time": time.time(),
+    }
+
+
+def unhealthy_first(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The workers failing their probes first, whatever their state: a worker that does not
+    answer is what an operator must see, not a green ACTIVE further down (stable: the
+    registry's order otherwise)."""
+    return sorted(workers, key=lambda worker: bool(worker.get("healthy")))
+
+
+def public_snapshot(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """What a snapshot shows a caller without the admin key: what /metrics shows."""
+    return {
+        **snapshot,
+        "workers": [
+            {key: worker[key] for key in PUBLIC_WORKER_FIELDS} for worker in snapshot["workers"]
+        ],
+        "conversions": [],
+        "autopilot": {**snapshot["autopilot"], "last_decision": None, "decisions": []},
+        "redacted": True,
+    }
+
+
+def autopilot_summary(router: Router) -> dict[str, Any]:
+    """The autopilot's mode, latest decision and recent conversion decisions (newest first)."""
+    state = router.autopilot.to_json()
+    return {
+        "mode": state["mode"],
+        "last_decision": state["last_decision"],
+        "decisions": state["decisions"][:RECENT_CONVERSIONS],
+    }
+
+
+def pool_summary(registry: WorkerRegistry, role: Role) -> dict[str, Any]:
+    members = registry.in_role(role)
+    return {
+        "active": sum(1 for w in members if w.state is WorkerState.ACTIVE),
+        "healthy": registry.active_healthy_count(role),
+        "selectable": len(registry.selectable(role)),
+        "workers": [w.id for w in members],
+    }
+
+
+def recent_conversions(manager: ConversionManager | None) -> list[dict[str, Any]] | None:
+    """The newest conversions first, or None when no conversion manager is installed."""
+    if manager is None:
+        return None
+    now = time.time()
+    return [
+        conversion_summary(conversion, now)
+        for _, conversion in zip(range(RECENT_CONVERSIONS), manager.history(), strict=False)
+    ]
+
+
+def conversion_summary(conversion: Conversion, now: float) -> dict[str, Any]:
+    """One row of the page's table (the full record is at ``GET /conversions/{id}``)."""
+    ended = conversion.finished_at if conversion.finished_at is not None else now
+    return {
+        "id": conversion.id,
+        "worker": conversion.worker.url,
+        "worker_id": conversion.worker.id,
+        "from_role": conversion.from_role.value,
+        "to_role": conversion.to_role.value,
+        "status": conversion.status.value,
+        "finished": conversion.finished,
+        "success": conversion.succeeded,
+        "message": conversion.message,
+        "started_at": conversion.created_at,
+        "duration_s": round(ended - conversion.created_at, 4),
+    }

@@ -1,0 +1,299 @@
+"""The aiohttp application: routes, the middleware (request id, admin auth, body size, error
+mapping, request metrics; CORS in front when configured) and the lifecycle of the shared state.
+
+``build_app(config)`` returns an Application holding one :class:`~pd_router.api.state.Router` under
+:data:`ROUTER`; other modules add their routes to that app (``add_conversion_routes(app)``,
+``add_dashboard_routes(app)``). Run it with :func:`start_server` (tests, demo) or :func:`run_server`
+(the CLI); both listen through :mod:`pd_router.dataplane.listener` (header and body timeouts, the
+client connection cap; HTTPS with ``[tls]`` cert and key) and enable handler cancellation so a
+client that goes away cancels its request and the workers get ``/abort_request``."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from pd_router.api import engine_metrics, info, loads
+from pd_router.api import workers as workers_api
+from pd_router.api.auth import is_admin_path, require_admin
+from pd_router.api.autopilot import add_autopilot_routes
+from pd_router.api.conversions import add_conversion_routes
+from pd_router.api.cors import add_cors
+from pd_router.api.dashboard import add_dashboard_routes
+from pd_router.api.state import DELIVERED, REQUEST_ID, ROUTER, UPSTREAM_ID, Router
+from pd_router.config import RouterConfig
+from pd_router.control.health import WorkersUnreachable
+from pd_router.dataplane import proxy
+from pd_router.dataplane.admission import BodyAdmission
+from pd_router.dataplane.listener import (
+    ClientLimits,
+    ClientSite,
+    default_max_connections,
+    fd_limit,
+    raise_fd_limit,
+    release_body,
+)
+from pd_router.errors import MAPPED_ERRORS, ClientClosedRequest, RouterError, error_response
+from pd_router.metrics import RouterMetrics
+from pd_router.tls import server_context
+
+log = logging.getLogger("pd_router.api.server")
+
+MAX_REQUEST_ID_LENGTH = 128
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+__all__ = ["ROUTER", "Router", "RunningServer", "build_app", "run_server", "start_server"]
+
+
+class RequestIds:
+    """Request ids: the client's, read from the first of ``client_headers`` it sent, or fresh
+    ones: 96 random bits from the operating system's CSPRNG, as 24 hex digits.
+
+    A router-made id is also the ``rid`` workers know the request by, and a rid is all
+    ``/abort_request`` needs, so an id must not be guessable from the ids a client has seen
+    (``X-Request-Id``). The random bytes are drawn in blocks, one ``os.urandom`` call per
+    :data:`BLOCK_IDS` ids, which keeps an id as cheap as a formatted counter.
+    """
+
+    ID_BYTES = 12
+    BLOCK_IDS = 170
+
+    def __init__(self, client_headers: Sequence[str] = ()) -> None:
+        self.client_headers = (*client_headers, "X-Request-Id")
+        self._block = ""
+        self._next = 0
+
+    def next(self) -> str:
+        start = self._next
+        if start >= len(self._block):
+            self._block = os.urandom(self.ID_BYTES * self.BLOCK_IDS).hex()
+            start = 0
+        self._next = end = start + 2 * self.ID_BYTES
+        return self._block[start:end]
+
+
+REQUEST_IDS = web.AppKey("request_ids", RequestIds)
+BODY_ADMISSION = web.AppKey("body_admission", BodyAdmission)
+
+
+def request_ids(request: web.Request, ids: RequestIds) -> tuple[str, str]:
+    """(request id, upstream id): the client's id (the first of ``ids.client_headers`` it sent)
+    when it is sane, else a fresh one. A client's id gets a fresh suffix upstream, so its rid is
+    no easier to guess than ours."""
+    headers = request.headers
+    given = next((headers[name] for name in ids.client_headers if name in headers), None)
+    if given and len(given) <= MAX_REQUEST_ID_LENGTH and given.isascii() and given.isprintable():
+        return given, f"{given}-{ids.next()}"
+    fresh = ids.next()
+    return fresh, fresh
+
+
+def endpoint_label(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def core_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Request id in and out, admin auth, body admission (size limit and in-flight budget,
+    before any of the body is read), one mapping from errors to JSON responses, and the
+    request metrics for every endpoint. A handler cancelled because its client went away
+    counts as 499, unless the client already had its whole answer (:data:`DELIVERED`)."""
+    app = request.app
+    router = app[ROUTER]
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    request_id, upstream_id = request_ids(request, app[REQUEST_IDS])
+    request[REQUEST_ID] = request_id
+    request[UPSTREAM_ID] = upstream_id
+    admission = app[BODY_ADMISSION]
+    admitted = 0
+    try:
+        if router.config.admin_api_key is not None and is_admin_path(request.path):
+            require_admin(request)
+        length = request.content_length
+        if length:
+            admission.admit(length)
+            admitted = length
+        response = await handler(request)
+    except asyncio.CancelledError:
+        status = request.get(DELIVERED, ClientClosedRequest.status)
+        router.observe_request(endpoint_label(request), status, loop.time() - started)
+        raise
+    except MAPPED_ERRORS as exc:
+        response = error_response(exc)
+    except Exception:
+        log.exception("unhandled error", extra={"request_id": request_id, "path": request.path})
+        response = error_response(RouterError("internal router error"))
+    finally:
+        release_body(request)
+        if admitted:
+            admission.release(admitted)
+    if not response.prepared:
+        response.headers["X-Request-Id"] = request_id
+    router.observe_request(endpoint_label(request), response.status, loop.time() - started)
+    return response
+
+
+def add_routes(app: web.Application) -> None:
+    r = app.router
+    r.add_post("/generate", proxy.handle_generate)
+    r.add_post("/v1/completions", proxy.handle_completions)
+    r.add_post("/v1/chat/completions", proxy.handle_chat)
+    r.add_get("/health", info.handle_health)
+    r.add_get("/liveness", info.handle_health)
+    r.add_get("/readiness", info.handle_readiness)
+    r.add_get("/health_generate", info.handle_health_generate)
+    r.add_get("/metrics", info.handle_metrics)
+    r.add_get("/cluster", info.handle_cluster)
+    r.add_get("/engine_metrics", engine_metrics.handle_engine_metrics)
+    r.add_get("/v1/models", info.handle_models)
+    r.add_get("/v1/models/{model_id:.+}", info.handle_model)
+    r.add_get("/get_loads", loads.handle_get_loads)
+    for path in ("/model_info", "/get_model_info"):
+        r.add_get(path, info.handle_model_info)
+    for path in ("/server_info", "/get_server_info"):
+        r.add_get(path, info.handle_server_info)
+    r.add_route("GET", "/flush_cache", info.handle_flush_cache)
+    r.add_post("/flush_cache", info.handle_flush_cache)
+    r.add_post("/abort_request", info.handle_abort_request)
+    r.add_get("/workers", workers_api.handle_list_workers)
+    r.add_post("/workers", workers_api.handle_add_worker)
+    r.add_delete("/workers", workers_api.handle_remove_worker)
+    r.add_get("/workers/{key:.+}", workers_api.handle_get_worker)
+    r.add_delete("/workers/{key:.+}", workers_api.handle_remove_worker)
+
+
+async def _on_startup(app: web.Application) -> None:
+    await app[ROUTER].start()
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    await app[ROUTER].stop()
+
+
+def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web.Application:
+    """The router application for ``config`` (workers registered, not yet probed)."""
+    app = web.Application(middlewares=[core_middleware], client_max_size=config.max_payload_size)
+    app[ROUTER] = Router(config, metrics)
+    app[REQUEST_IDS] = RequestIds(config.request_id_headers)
+    app[BODY_ADMISSION] = BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes)
+    add_cors(app, config.cors_allowed_origins)
+    add_routes(app)
+    add_dashboard_routes(app)
+    app.on_startup.append(_on_startup)
+    app.on_cleanup.append(_on_cleanup)
+    add_conversion_routes(app)
+    add_autopilot_routes(app)
+    return app
+
+
+@dataclass
+class RunningServer:
+    """An application serving on a port; ``url`` is where to reach it."""
+
+    app: web.Application
+    runner: web.AppRunner
+    host: str
+    port: int
+    scheme: str = "http"
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+    @property
+    def router(self) -> Router:
+        return self.app[ROUTER]
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+def client_limits(config: RouterConfig) -> ClientLimits:
+    """The client side's timeouts and connection cap (the cap sized from the open file limit
+    unless configured)."""
+    return ClientLimits(
+        header_timeout=config.client_header_timeout_secs,
+        body_timeout=config.client_body_timeout_secs,
+        keepalive_timeout=config.client_keepalive_timeout_secs,
+        max_connections=config.max_client_connections or default_max_connections(fd_limit()),
+    )
+
+
+async def start_server(
+    app: web.Application, host: str = "127.0.0.1", port: int = 0
+) -> RunningServer:
+    """Serve ``app`` in the running loop (port 0: a free port); stop with ``.stop()``. A router
+    application's client limits and TLS come from its config, any other application gets the
+    defaults (plain HTTP)."""
+    config = app[ROUTER].config if ROUTER in app else RouterConfig()
+    ssl_context = server_context(config.tls)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = ClientSite(runner, host, port, client_limits(config), ssl_context)
+    await site.start()
+    server = runner.addresses[0]
+    scheme = "https" if ssl_context is not None else "http"
+    return RunningServer(app, runner, host, server[1], scheme)
+
+
+def tune_gc() -> None:
+    """Every request leaves short-lived cycles (tasks, futures, responses); with the default
+    thresholds the collector ran often enough to take a fifth of the router's CPU. Freeze what
+    start-up allocated and collect the young generation less often."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20000, 50, 100)
+
+
+async def serve_until_signalled(app: web.Application, config: RouterConfig) -> None:
+    """Serve until SIGINT or SIGTERM, then stop gracefully (in-flight requests may finish)."""
+    server = await start_server(app, config.host, config.port)
+    limits = client_limits(config)
+    log.info(
+        "serving on %s (client connections up to %d, open file limit %d)",
+        server.url, limits.max_connections, fd_limit(),
+    )  # fmt: skip
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
+def run_server(config: RouterConfig) -> None:
+    """Serve until interrupted (the CLI's ``serve``), on uvloop when available, with the open
+    file limit raised as far as allowed. Exits 1 when workers do not come up within
+    ``health.startup_wait_secs``."""
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    nofile = raise_fd_limit()
+    safe = default_max_connections(nofile)
+    if config.max_client_connections > safe:
+        log.warning(
+            "max_client_connections %d leaves too few of the %d open files for worker "
+            "connections (%d would)", config.max_client_connections, nofile, safe,
+        )  # fmt: skip
+    app = build_app(config)
+    tune_gc()
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop if uvloop is not None else None) as r:
+        try:
+            r.run(serve_until_signalled(app, config))
+        except WorkersUnreachable as exc:
+            log.error("%s; not serving", exc, extra={"workers": exc.urls})
+            raise SystemExit(1) from None

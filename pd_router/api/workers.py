@@ -1,0 +1,105 @@
+"""Admin API for the pools: list, read, add and remove workers.
+
+With router replicas (``[cluster]``) an addition or a removal is published to the others first
+(503 while etcd cannot be reached), so it shows on every replica.
+
+Removal stops routing to the worker at once (REMOVING), waits for the router's in-flight
+requests on it to end (an event, bounded by ``worker_removal_timeout_secs``), then forgets it. The
+registry refuses it (409) while a conversion holds the worker, and refuses a conversion of a
+worker being removed. The removal runs to the end even if the admin client disconnects, so a
+worker is never left half-removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from pd_router.api.info import json_response
+from pd_router.api.state import Router, router_of
+from pd_router.control.workers import (
+    Role,
+    Worker,
+    WorkerConverting,
+    WorkerRemoving,
+    normalize_url,
+)
+from pd_router.dataplane.requests import is_int, parse_body
+from pd_router.errors import BadRequest, Conflict
+
+
+async def handle_list_workers(request: web.Request) -> web.Response:
+    router = router_of(request)
+    return json_response(
+        {
+            "workers": [w.as_dict() for w in router.registry],
+            "selectable": {role.value: len(router.registry.selectable(role)) for role in Role},
+        }
+    )
+
+
+async def handle_get_worker(request: web.Request) -> web.Response:
+    """One worker's record by id or url (sglang-router's and smg's ``GET /workers/{id}``);
+    404 for an unknown worker."""
+    worker = router_of(request).registry.get(request.match_info["key"])
+    return json_response(worker.as_dict())
+
+
+def parse_new_worker(body: dict) -> tuple[str, Role, int | None]:
+    url = body.get("url")
+    if not isinstance(url, str):
+        raise BadRequest("'url' (string) is required")
+    try:
+        url = normalize_url(url)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    role_name = body.get("role")
+    try:
+        role = Role(role_name)
+    except ValueError:
+        raise BadRequest(f"'role' must be 'prefill' or 'decode', got {role_name!r}") from None
+    port = body.get("bootstrap_port")
+    if port is not None and not (is_int(port) and 0 < port < 65536):
+        raise BadRequest(f"'bootstrap_port' must be a port number 1..65535, got {port!r}")
+    return url, role, port
+
+
+async def handle_add_worker(request: web.Request) -> web.Response:
+    """Register a worker, probe it once, answer with its record (409 if already known)."""
+    router = router_of(request)
+    url, role, port = parse_new_worker(parse_body(await request.read()))
+    worker = await router.cluster.add_worker(url, role, port)
+    await router.health.check(worker)
+    return json_response(worker.as_dict(), 201)
+
+
+async def handle_remove_worker(request: web.Request) -> web.Response:
+    router = router_of(request)
+    key = request.match_info.get("key") or request.query.get("url")
+    if not key:
+        raise BadRequest("name the worker: DELETE /workers/{id-or-url} or ?url=")
+    worker = router.registry.get(key)
+    try:
+        await router.cluster.begin_removal(worker)
+    except (WorkerConverting, WorkerRemoving) as exc:
+        raise Conflict(str(exc), details={"reason": exc.reason}) from exc
+    forced = await asyncio.shield(router.spawn(remove(router, worker)))
+    return json_response({"removed": worker.as_dict(), "forced": forced})
+
+
+async def remove(router: Router, worker: Worker) -> bool:
+    """Wait for the in-flight requests of a REMOVING worker, then forget it; returns whether
+    the wait timed out (requests still running are then left to the registry's
+    ``on_unavailable`` listeners)."""
+    try:
+        await asyncio.wait_for(
+            worker.wait_until_no_inflight(), router.config.worker_removal_timeout_secs
+        )
+        forced = False
+    except TimeoutError:
+        forced = True
+    if router.registry.registered(worker):
+        router.registry.forget(worker)
+    await router.cluster.end_removal(worker)
+    return forced

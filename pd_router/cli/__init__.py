@@ -1,0 +1,1 @@
+"""The ``pd-router`` command: serving, the admin client, the demo, peer-compatible flags."""

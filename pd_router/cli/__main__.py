@@ -1,0 +1,5 @@
+import sys
+
+from pd_router.cli.main import main
+
+sys.exit(main())

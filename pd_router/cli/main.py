@@ -1,0 +1,196 @@
+"""The ``pd-router`` command: ``serve`` (the default; also ``launch``), ``demo``, ``status``,
+``convert`` and ``autopilot``.
+
+``serve`` takes every option of sglang-router's ``python -m sglang_router.launch_router`` and
+of ``smg launch`` (pd_router/cli/compat.py says what each does), so their PD command lines start
+pd-router unchanged:
+
+    pd-router --pd-disaggregation --prefill http://p1:30000 8998 --decode http://d1:30001 \\
+        --host 0.0.0.0 --port 8000 --policy random
+
+``--config router.toml`` supplies everything else; flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from pd_router.cli.compat import FLOAT, INT, PEER_OPTIONS, REPEAT, STR, Arity, Option, option
+from pd_router.config import LOG_FORMATS, ConfigError, RouterConfig, load_config, merge
+from pd_router.dataplane import policies
+
+SUBCOMMANDS = ("serve", "launch", "demo", "status", "convert", "autopilot")
+WORKER_API_KEY_ENV = "PD_ROUTER_WORKER_API_KEY"
+log = logging.getLogger("pd_router.cli.main")
+
+# pd-router's own options (the peers' are in pd_router.cli.compat.PEER_OPTIONS).
+NATIVE_OPTIONS: tuple[Option, ...] = (
+    option("--wait-for-workers", (), FLOAT, "health.startup_wait_secs",
+           help="at start-up, wait up to SECS for every worker to answer its probe"),
+    option("--connect-timeout-secs", (), FLOAT, "connect_timeout_secs",
+           help="TCP connect to a worker"),
+    option("--first-byte-timeout-secs", (), FLOAT, "legs.first_byte_timeout_secs",
+           help="per leg, until the first byte of the body (a stream's first event; a "
+           "prefill's answer); not on a non-streaming decode, whose answer comes whole"),
+    option("--stream-idle-timeout-secs", (), FLOAT, "legs.stream_idle_timeout_secs",
+           help="per leg, between two bytes of the body"),
+    option("--max-connections-per-worker", (), INT, "legs.max_connections_per_worker",
+           help="connection cap of the legs per worker"),
+    option("--pool-timeout-secs", (), FLOAT, "legs.pool_timeout_secs",
+           help="how long a leg waits for a connection when its worker is at the cap"),
+    option("--pool-idle-timeout-secs", (), FLOAT, "legs.idle_timeout_secs",
+           help="idle connections to workers are closed after this (below the workers' 5 s)"),
+    option("--max-inflight-body-bytes", (), INT, "max_inflight_body_bytes",
+           help="request body bytes in flight at once; more: 503 (0: no budget)"),
+    option("--client-header-timeout-secs", (), FLOAT, "client_header_timeout_secs",
+           help="a request's head must arrive within this long of its first byte"),
+    option("--client-body-timeout-secs", (), FLOAT, "client_body_timeout_secs",
+           help="longest pause between two reads of a request body (then 408)"),
+    option("--client-keepalive-timeout-secs", (), FLOAT, "client_keepalive_timeout_secs",
+           help="an idle client connection is closed after this long"),
+    option("--max-client-connections", (), INT, "max_client_connections",
+           help="open client connections at most (0: from the open file limit)"),
+    option("--log-format", (), Arity(type=str, choices=lambda: LOG_FORMATS), "log_format"),
+    option("--admin-api-key", (), STR, "admin_api_key",
+           help="key guarding the admin API (Authorization: Bearer)"),
+    option("--worker-api-key", (), STR, "worker_api_key",
+           help="key of workers launched with --api-key, sent as Authorization: Bearer on "
+           f"every call to a worker (default: ${WORKER_API_KEY_ENV}; the peers' --api-key)"),
+    option("--etcd", (), REPEAT, "cluster.etcd",
+           help="etcd endpoint (repeatable) shared by the router replicas of --cluster"),
+    option("--cluster", (), STR, "cluster.name",
+           help="name of the cluster this replica serves with its peers on --etcd"),
+    option("--replica-id", (), STR, "cluster.replica_id",
+           help="this replica's name in the cluster (default: HOSTNAME-PID)"),
+)  # fmt: skip
+
+
+def all_options() -> tuple[Option, ...]:
+    """The peers' options, then pd-router's own: a later option wins for the same key."""
+    return (*PEER_OPTIONS.values(), *NATIVE_OPTIONS)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pd-router",
+        description="Router for SGLang prefill/decode disaggregation "
+        "(subcommands: serve [default; also 'launch'], demo, status, convert, autopilot). "
+        "Takes every option of sglang-router's launch_router and smg's 'smg launch' "
+        "(see docs/router.md, Compatibility with sglang-router and smg).",
+    )
+    p.add_argument("--config", help="TOML config file (see configs/router.toml)")
+    for opt in all_options():
+        p.add_argument(
+            *opt.names, dest=opt.dest, help=option_help(opt), **opt.arity.add_kwargs(opt.names[0])
+        )
+    return p
+
+
+def option_help(opt: Option) -> str:
+    return opt.help or opt.effect().replace("%", "%%")
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The config keys set on the command line (unset flags leave the file's values alone)."""
+    given = vars(args)
+    out: dict[str, Any] = {}
+    for opt in all_options():
+        if opt.dest in given:
+            out = merge(out, opt.overrides(given[opt.dest]))
+    env_key = os.environ.get(WORKER_API_KEY_ENV)
+    if env_key is not None and "worker_api_key" not in out:
+        out["worker_api_key"] = env_key
+    return out
+
+
+def overrides_from_argv(argv: Sequence[str]) -> dict[str, Any]:
+    """The config dict a ``serve`` command line sets (ConfigError on a bad value)."""
+    return overrides_from_args(build_parser().parse_args(list(argv)))
+
+
+def startup_warnings(args: argparse.Namespace, config: RouterConfig) -> list[str]:
+    """One line per inapplicable option given (naming it and why), then one per policy alias
+    the config names, from a flag or the file (what pd-router runs instead and why)."""
+    given = vars(args)
+    lines = [
+        f"{opt.label} is accepted for compatibility but does not apply: {opt.why}"
+        for opt in all_options()
+        if opt.why and opt.dest in given
+    ]
+    explain = getattr(policies, "alias_warning", None)
+    if explain is None:
+        return lines
+    roles = {"prefill_policy": config.prefill_policy, "decode_policy": config.decode_policy}
+    for name in dict.fromkeys(roles.values()):
+        why = explain(name)
+        if why:
+            keys = " and ".join(key for key, value in roles.items() if value == name)
+            lines.append(f"{keys} {name}: {why}")
+    return lines
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """A validated config from parsed ``serve`` arguments (ConfigError on a bad value)."""
+    config = load_config(args.config, overrides_from_args(args))
+    if not config.cluster.enabled and (not config.prefill or not config.decode):
+        raise ConfigError(
+            "prefill/decode",
+            "at least one --prefill and one --decode (or [[prefill]]/[[decode]]), unless the "
+            "workers come from a cluster (--etcd URL --cluster NAME)",
+        )
+    return config
+
+
+def config_from_argv(argv: Sequence[str]) -> RouterConfig:
+    """Parse ``serve`` arguments into a validated config (ConfigError on a bad value)."""
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def serve(argv: Sequence[str]) -> int:
+    from pd_router.api.server import run_server
+    from pd_router.cli.logs import configure_logging
+
+    args = build_parser().parse_args(list(argv))
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"pd-router: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level, config.log_format)
+    for line in startup_warnings(args, config):
+        log.warning("%s", line)
+    run_server(config)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv and argv[0] in SUBCOMMANDS else "serve"
+    command = "serve" if command == "launch" else command
+    rest = argv[1:] if argv and argv[0] in SUBCOMMANDS else argv
+    if command == "demo":
+        from pd_router.cli.demo import main as demo_main
+
+        return demo_main(rest)
+    if command == "status":
+        from pd_router.cli.admin_client import status
+
+        return status(rest)
+    if command == "convert":
+        from pd_router.cli.admin_client import convert
+
+        return convert(rest)
+    if command == "autopilot":
+        from pd_router.cli.admin_client import autopilot
+
+        return autopilot(rest)
+    return serve(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

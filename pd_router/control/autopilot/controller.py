@@ -1,0 +1,236 @@
+"""The autopilot's controller: samples the router and the workers on an interval, feeds the
+policy, keeps its last decisions, and in ``auto`` mode starts the conversions it decides.
+
+A sample reads the registry (ACTIVE, healthy workers of each pool and the router's in-flight
+count on each), every one of those workers' ``GET /v1/loads`` over the router's shared session
+(a worker that does not answer within the health timeout counts with its router-side figures
+only), and the request path's latency rings. Conversions go through the ConversionManager like
+an operator's, so its invariants (one per worker, the global cap, minimum pools) hold here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+import orjson
+
+from pd_router.config import build_autopilot
+from pd_router.control.autopilot.policy import (
+    ACTIONS,
+    AutopilotConfig,
+    AutopilotPolicy,
+    Decision,
+)
+from pd_router.control.autopilot.signals import ROLES, Sample, WorkerSignals, worker_from_loads
+from pd_router.control.conversion.history import ConversionRequest
+from pd_router.control.latency import percentile_ms
+from pd_router.control.worker_calls import call
+from pd_router.control.workers import Role, Worker, WorkerState
+from pd_router.errors import RouterError
+
+if TYPE_CHECKING:
+    from pd_router.config import RouterConfig
+    from pd_router.control.conversion.manager import ConversionManager
+    from pd_router.control.latency import LatencyRecorder
+    from pd_router.control.workers import WorkerRegistry
+    from pd_router.metrics import RouterMetrics
+
+log = logging.getLogger("pd_router.autopilot")
+
+LOADS_PATH = "/v1/loads"
+
+
+def conversion_for(decision: Decision) -> ConversionRequest | None:
+    """The conversion a decision asks for, or None when it holds or its mode only
+    recommends."""
+    if not decision.applied or decision.worker is None or decision.to_role is None:
+        return None
+    return ConversionRequest(worker=decision.worker, new_role=Role(decision.to_role))
+
+
+class Autopilot:
+    """One per router; runs from ``Router.start`` to ``Router.stop``."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        latency: LatencyRecorder,
+        metrics: RouterMetrics,
+        *,
+        session: Callable[[], aiohttp.ClientSession],
+        conversions: Callable[[], ConversionManager | None],
+        is_leader: Callable[[], bool],
+    ) -> None:
+        """``session`` and ``conversions`` give the router's shared session and conversion
+        manager, which exist only while the router runs; ``is_leader`` says whether this
+        replica runs the autopilot of its cluster."""
+        self._registry = registry
+        self._latency = latency
+        self._metrics = metrics
+        self._session = session
+        self._conversions = conversions
+        self._is_leader = is_leader
+        self._probe_timeout = aiohttp.ClientTimeout(total=config.health.timeout_secs)
+        conversion = config.conversion
+        self.policy = AutopilotPolicy(
+            config.autopilot, conversion.min_prefill, conversion.min_decode
+        )
+        # Conversions decided (applied or recommended), oldest first; holds are only kept as
+        # the latest decision, or the history would be a column of "within target".
+        self.decisions: deque[Decision] = deque(maxlen=config.autopilot.history)
+        self.last_decision: Decision | None = None
+        self.last_sample: Sample | None = None
+        self.last_error: str | None = None
+        self._refused_seen: dict[str, int] = {}
+        self._task: asyncio.Task | None = None
+        # Every action's series exists at 0 from the start: a counter series that first
+        # appears at 1 is invisible to increase(), so the first conversion would not show.
+        for action in ACTIONS:
+            metrics.autopilot_decisions_total.labels(action)
+
+    @property
+    def config(self) -> AutopilotConfig:
+        return self.policy.config
+
+    def configure(self, changes: dict[str, Any]) -> AutopilotConfig:
+        """Apply ``PUT /autopilot`` changes (mode, targets, ...), validated like the config
+        file; ConfigError names the offending key."""
+        config = build_autopilot({**dataclasses.asdict(self.config), **changes})
+        self.policy.reconfigure(config)
+        if config.history != self.decisions.maxlen:
+            self.decisions = deque(self.decisions, maxlen=config.history)
+        log.info("autopilot configured", extra={"mode": config.mode})
+        return config
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def run_in_background(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        """One tick per interval, on the cluster's leader only: replicas that each rebalanced
+        would convert the same pools several times over."""
+        while True:
+            await asyncio.sleep(self.config.interval_secs)
+            if self.config.mode != "off" and self._is_leader():
+                await self.tick()
+
+    # --- one interval -----------------------------------------------------------------------
+
+    async def tick(self) -> Decision:
+        """Sample, decide, record, and act when the mode says so."""
+        sample = await self.sample()
+        decision = self.policy.step(sample)
+        self.last_sample = sample
+        self._record(decision)
+        request = conversion_for(decision)
+        if request is not None:
+            await self._start(request)
+        return decision
+
+    async def sample(self) -> Sample:
+        pools = [
+            w
+            for role in Role
+            for w in self._registry.in_role(role, (WorkerState.ACTIVE,))
+            if w.healthy and w.admitting
+        ]
+        workers = await asyncio.gather(*(self._worker_signals(w) for w in pools))
+        since = time.monotonic() - self.config.window_secs
+        latency = self._latency
+        manager = self._conversions()
+        return Sample(
+            at=time.monotonic(),
+            workers=tuple(workers),
+            prefill_p90_ms=percentile_ms(latency.prefill, since),
+            decode_wait_p90_ms=percentile_ms(latency.decode_wait, since),
+            tpot_p90_ms=percentile_ms(latency.tpot, since),
+            no_worker_503s=self._new_refusals(),
+            converting=bool(self._registry.converting()) or bool(manager and manager.active()),
+        )
+
+    async def _worker_signals(self, worker: Worker) -> WorkerSignals:
+        role, inflight = worker.role.value, worker.inflight
+        reply = await call(self._session(), worker, "GET", LOADS_PATH, limit=self._probe_timeout)
+        try:
+            body = orjson.loads(reply.body) if reply.status == 200 else None
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict):
+            return WorkerSignals(worker.url, role, inflight=inflight)
+        return worker_from_loads(worker.url, role, inflight, body)
+
+    def _new_refusals(self) -> dict[str, int]:
+        counts = dict(self._latency.refused)
+        new = {role: counts.get(role, 0) - self._refused_seen.get(role, 0) for role in ROLES}
+        self._refused_seen = counts
+        return {role: n for role, n in new.items() if n > 0}
+
+    def _record(self, decision: Decision) -> None:
+        self.last_decision = decision
+        if decision.converts:
+            self.decisions.append(decision)
+        metrics = self._metrics
+        metrics.autopilot_decisions_total.labels(decision.action).inc()
+        for role, count in decision.desired.items():
+            metrics.autopilot_desired_workers.labels(role).set(count)
+        if decision.converts:
+            log.info(
+                "autopilot decision",
+                extra={
+                    "action": decision.action,
+                    "worker": decision.worker,
+                    "mode": decision.mode,
+                    "reason": decision.reason,
+                },
+            )
+
+    async def _start(self, request: ConversionRequest) -> None:
+        manager = self._conversions()
+        if manager is None:
+            self.last_error = "no conversion manager (the application is not running)"
+            return
+        try:
+            conversion = await manager.start(request)
+        except RouterError as exc:
+            self.last_error = f"conversion of {request.worker} refused: {exc}"
+            log.warning("autopilot conversion refused", extra={"error": self.last_error})
+            return
+        self.last_error = None
+        log.info("autopilot started conversion", extra={"conversion": conversion.id})
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``GET /autopilot`` answers: mode, targets, the loads and the last sample it
+        saw, its latest decision and the conversions it decided (newest first)."""
+        last = self.last_decision
+        return {
+            "mode": self.config.mode,
+            "config": dataclasses.asdict(self.config),
+            "loads": {role: load.to_json() for role, load in self.policy.loads.items()},
+            "last_sample": self.last_sample.to_json() if self.last_sample else None,
+            "last_error": self.last_error,
+            "last_decision": decision_json(last) if last else None,
+            "decisions": [decision_json(d) for d in reversed(self.decisions)],
+        }
+
+
+def decision_json(decision: Decision) -> dict[str, Any]:
+    """A decision with its wall-clock ``time`` (the policy runs on the monotonic clock)."""
+    wall = time.time() - (time.monotonic() - decision.at)
+    return {**decision.to_json(), "time": round(wall, 3)}

@@ -1,0 +1,447 @@
+"""The autopilot's decision policy: pure code over a window of samples.
+
+It decides the way Dynamo's load planner does (docs.nvidia.com/dynamo, "Planner Guide" and the
+v0.8 "Load-based Planner"): every adjustment interval it averages each pool's load over a
+window and never goes below a minimum number of workers per pool. Each pool has several
+measures, and its load is the one furthest over its target:
+
+- prefill: prompt tokens queued per prefill (``prefill_queue_tokens``) and, with a TTFT SLO,
+  the p90 time until the prefill answered;
+- decode: KV usage of the requests it runs or could run (``decode_kv_usage``), requests
+  running or waiting per batch slot (100%: full) and, with SLOs, TPOT p90 and the p90 wait
+  from the prefill's answer to the first token.
+
+Splitting TTFT where the prefill answered tells whose queue a slow first token waited in, so
+a decode pool short of batch slots is not mistaken for a slow prefill. Utilisation is always
+measured because it leads: a queue grows before finished requests show it in their latency.
+
+Dynamo acts by starting and killing workers (minutes of weight loading); here a server changes
+role in place, which makes a wrong move cheaper but not free, so the policy is more careful
+than a scaler:
+
+- a pool counts as over target only after its smoothed load rose above ``1 + hysteresis`` times
+  the target, and stays over until it falls back to the target (a band, so a load sitting at
+  the target neither starts nor resets the clock);
+- it converts only after that lasted ``sustain_secs`` (a short spike does nothing), and only if
+  the other pool could lose a server and stay under ``margin`` times its target: utilisation
+  scaled by N/(N-1) (each remaining server takes its share of the lost one's load), latency
+  as measured;
+- one conversion at a time, then ``cooldown_secs`` of holding counted from its end, and never
+  below the minimum pool sizes; when the needy pool is still over target after a conversion,
+  the next one needs fresh samples and the cooldown but no new sustain period, so a phase that
+  wants two servers moved gets them one after the other, unless its load is falling across
+  the window (the backlog of the old split draining: the new one suffices);
+- the direction has a cost: a prefill turns into a decode as soon as the decodes pulled its
+  last KV, a decode into a prefill only after every running answer ended, so the decode with
+  the least remaining work is chosen and its drain is stated in the decision.
+
+Each decision carries its reason in words with the numbers it was made on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pd_router.control.autopilot.signals import DECODE, PREFILL, ROLES, Sample, WorkerSignals
+
+MODES = ("off", "recommend", "auto")
+HOLD = "hold"
+PREFILL_TO_DECODE = "prefill_to_decode"
+DECODE_TO_PREFILL = "decode_to_prefill"
+ACTIONS = (HOLD, PREFILL_TO_DECODE, DECODE_TO_PREFILL)
+# A pool that made the router refuse requests within the window counts as at least twice over
+# its target: above any hysteresis band (< 1), whatever its measured load says.
+REFUSED_RATIO = 2.0
+
+
+@dataclass(frozen=True)
+class AutopilotConfig:
+    """The ``[autopilot]`` section. The utilisation thresholds always apply; latency SLOs,
+    when set, add targets to their pools."""
+
+    mode: str = "off"
+    interval_secs: float = 5.0
+    window_secs: float = 30.0
+    sustain_secs: float = 30.0
+    cooldown_secs: float = 120.0
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    prefill_queue_tokens: float = 8192.0
+    decode_kv_usage: float = 0.85
+    margin: float = 0.8
+    hysteresis: float = 0.1
+    history: int = 50
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One smoothed measure of a pool against its target. A utilisation (queued tokens, KV,
+    batch slots) ``scales``: spread over one server fewer it grows by N/(N-1). A latency does
+    not: a decode step takes about as long with one decode fewer until the slots run out."""
+
+    name: str
+    value: float
+    target: float
+    unit: str
+    scales: bool
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.target
+
+    def projected(self, size: int) -> float:
+        """This measure's value with one server fewer; infinite for a pool of one."""
+        if size <= 1:
+            return float("inf")
+        return self.value * size / (size - 1) if self.scales else self.value
+
+    def fmt(self, value: float) -> str:
+        return f"{value:.0f}{self.unit}" if self.unit == "%" else f"{value:.0f} {self.unit}"
+
+
+@dataclass(frozen=True)
+class PoolLoad:
+    """One pool's smoothed load: its measures, the one furthest over its target (``measure``)
+    and that ratio (1.0 is exactly on target; refusals raise it to ``REFUSED_RATIO``)."""
+
+    role: str
+    size: int
+    measures: tuple[Measure, ...]
+    ratio: float
+    refused: int
+    over_for: float
+    falling: bool = False
+
+    @property
+    def measure(self) -> Measure:
+        return max(self.measures, key=lambda m: m.ratio)
+
+    def projected_ratio(self) -> float:
+        """The load ratio with one server fewer, over every measure."""
+        return max(m.projected(self.size) / m.target for m in self.measures)
+
+    def describe(self, measure: Measure | None = None) -> str:
+        m = measure or self.measure
+        return f"{self.role} {m.name} {m.fmt(m.value)}"
+
+    def over_text(self) -> str:
+        m = self.measure
+        text = f"{self.describe()} > {m.fmt(m.target)} for {self.over_for:.0f} s"
+        if self.refused:
+            text += f", {self.refused} requests refused for lack of a {self.role}"
+        return text
+
+    def donor_text(self) -> str:
+        m = max(self.measures, key=lambda m: m.projected(self.size) / m.target)
+        return f"{self.describe(m)} would be {m.fmt(m.projected(self.size))} with one fewer"
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.measure
+        return {
+            "role": self.role,
+            "size": self.size,
+            "measure": m.name,
+            "value": round(m.value, 2),
+            "target": round(m.target, 2),
+            "unit": m.unit.strip(),
+            "ratio": round(self.ratio, 3),
+            "refused": self.refused,
+            "over_for_secs": round(self.over_for, 1),
+            "falling": self.falling,
+            "measures": [
+                {"measure": x.name, "value": round(x.value, 2), "target": round(x.target, 2),
+                 "unit": x.unit.strip(), "ratio": round(x.ratio, 3)}
+                for x in self.measures
+            ],
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the policy decided at ``at``. ``applied`` is true when the mode lets the
+    controller act on it (``auto`` and a conversion)."""
+
+    at: float
+    action: str
+    reason: str
+    mode: str
+    prefill: int
+    decode: int
+    worker: str | None = None
+    from_role: str | None = None
+    to_role: str | None = None
+    cost: str | None = None
+
+    @property
+    def converts(self) -> bool:
+        return self.action != HOLD
+
+    @property
+    def applied(self) -> bool:
+        return self.converts and self.mode == "auto"
+
+    @property
+    def desired(self) -> dict[str, int]:
+        """The split this decision aims for."""
+        shift = {HOLD: 0, PREFILL_TO_DECODE: -1, DECODE_TO_PREFILL: 1}[self.action]
+        return {PREFILL: self.prefill + shift, DECODE: self.decode - shift}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "at": round(self.at, 3),
+            "action": self.action,
+            "reason": self.reason,
+            "mode": self.mode,
+            "applied": self.applied,
+            "worker": self.worker,
+            "from_role": self.from_role,
+            "to_role": self.to_role,
+            "cost": self.cost,
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "desired": self.desired,
+        }
+
+
+class AutopilotPolicy:
+    """Feeds on samples (:meth:`step`) and returns one decision per sample."""
+
+    def __init__(self, config: AutopilotConfig, min_prefill: int, min_decode: int) -> None:
+        self.config = config
+        self.minimum = {PREFILL: min_prefill, DECODE: min_decode}
+        self._window: deque[Sample] = deque()
+        self._over_since: dict[str, float | None] = dict.fromkeys(ROLES)
+        self._last_conversion: float | None = None
+        self.loads: dict[str, PoolLoad] = {}
+
+    def reconfigure(self, config: AutopilotConfig) -> None:
+        """New targets or mode; the window and the cooldown carry over."""
+        self.config = config
+
+    def step(self, sample: Sample) -> Decision:
+        if sample.converting:
+            # The pools are mid-change: what they show now says nothing about either split.
+            # The cooldown runs from the end of the conversion.
+            self._last_conversion = sample.at
+            return self._hold(sample, "a conversion is running")
+        self._remember(sample)
+        self.loads = {role: self._pool_load(role, sample) for role in ROLES}
+        return self._decide(sample)
+
+    # --- smoothing -----------------------------------------------------------------------
+
+    def _remember(self, sample: Sample) -> None:
+        self._window.append(sample)
+        horizon = sample.at - self.config.window_secs
+        while len(self._window) > 1 and self._window[0].at < horizon:
+            self._window.popleft()
+
+    def _pool_load(self, role: str, now: Sample) -> PoolLoad:
+        specs = self._specs(role)
+        series = {spec.name: self._series(role, spec) for spec in specs}
+        measures = tuple(
+            Measure(spec.name, _mean(series[spec.name]), spec.target, spec.unit, spec.scales)
+            for spec in specs
+        )
+        refused = sum(s.no_worker_503s.get(role, 0) for s in self._window)
+        ratio = max(m.ratio for m in measures)
+        if refused:
+            ratio = max(ratio, REFUSED_RATIO)
+        over_for = self._track_over(role, ratio, now.at)
+        falling = not refused and self._falling(measures, series)
+        return PoolLoad(role, len(now.pool(role)), measures, ratio, refused, over_for, falling)
+
+    def _falling(self, measures: tuple[Measure, ...], series: dict[str, list[float]]) -> bool:
+        """Whether the pool's fullest queue or cache (its utilisation measure furthest over
+        target) fell by more than the hysteresis across the window. Latency percentiles lag:
+        they still rise while the backlog behind them drains, so they do not say."""
+        utilisation = [m for m in measures if m.scales]
+        if not utilisation:
+            return False
+        values = series[max(utilisation, key=lambda m: m.ratio).name]
+        return len(values) >= 2 and values[-1] < values[0] * (1.0 - self.config.hysteresis)
+
+    def _specs(self, role: str) -> list[_Spec]:
+        """What each pool is measured by. Utilisation always (it leads: a queue grows before
+        the latencies of finished requests show it); latency SLOs when set. TTFT is split at
+        the prefill's answer, so a decode that keeps requests waiting for a batch slot is
+        blamed for its part instead of the prefill."""
+        c = self.config
+        if role == PREFILL:
+            specs = [_Spec("queued tokens per worker", "tokens", c.prefill_queue_tokens, True,
+                           _queued_prefill_tokens)]  # fmt: skip
+            if c.ttft_slo_ms is not None:
+                specs.append(_Spec("time to prefill p90", "ms", c.ttft_slo_ms, False,
+                                   lambda s: s.prefill_p90_ms))  # fmt: skip
+            return specs
+        specs = [
+            _Spec("KV", "%", c.decode_kv_usage * 100, True, _decode_kv_percent),
+            _Spec("batch slots in demand", "%", 100.0, True, _decode_slots_percent),
+        ]
+        if c.tpot_slo_ms is not None:
+            specs.append(_Spec("TPOT p90", "ms", c.tpot_slo_ms, False, lambda s: s.tpot_p90_ms))
+        if c.ttft_slo_ms is not None:
+            specs.append(_Spec("wait after prefill p90", "ms", c.ttft_slo_ms, False,
+                               lambda s: s.decode_wait_p90_ms))  # fmt: skip
+        return specs
+
+    def _series(self, role: str, spec: _Spec) -> list[float]:
+        """The measure's values over the window, oldest first."""
+        return [v for v in (spec.read(s) for s in self._window if s.pool(role)) if v is not None]
+
+    def _track_over(self, role: str, ratio: float, now: float) -> float:
+        """Seconds the pool has been over target: the clock starts above the band and stops
+        only when the load is back at the target."""
+        since = self._over_since[role]
+        if since is None and ratio > 1.0 + self.config.hysteresis:
+            self._over_since[role] = since = now
+        elif since is not None and ratio <= 1.0:
+            self._over_since[role] = since = None
+        return 0.0 if since is None else now - since
+
+    # --- deciding ------------------------------------------------------------------------
+
+    def _decide(self, sample: Sample) -> Decision:
+        prefill, decode = self.loads[PREFILL], self.loads[DECODE]
+        if self._last_conversion is not None:
+            elapsed = sample.at - self._last_conversion
+            if elapsed < self.config.cooldown_secs:
+                return self._hold(
+                    sample,
+                    f"cooldown: last conversion ended {elapsed:.0f} s ago "
+                    f"(cooldown {self.config.cooldown_secs:.0f} s)",
+                )
+        over = [p for p in (prefill, decode) if self._persistently_over(p)]
+        if not over:
+            return self._hold(sample, self._steady_text(prefill, decode))
+        if len(over) == 2:
+            return self._hold(
+                sample, f"both pools over target ({prefill.over_text()}; {decode.over_text()})"
+            )
+        needy = over[0]
+        donor = decode if needy is prefill else prefill
+        if donor.size - 1 < self.minimum[donor.role]:
+            return self._hold(
+                sample,
+                f"{needy.over_text()}; {donor.role} pool at its minimum "
+                f"({donor.size}, min {self.minimum[donor.role]})",
+            )
+        if donor.projected_ratio() >= self.config.margin:
+            return self._hold(
+                sample,
+                f"{needy.over_text()}; but {donor.donor_text()}, not under "
+                f"{self.config.margin:.0%} of its target",
+            )
+        return self._convert(sample, needy, donor)
+
+    def _persistently_over(self, pool: PoolLoad) -> bool:
+        """Over target for ``sustain_secs`` and not already recovering: a pool whose load
+        falls across the window (a backlog draining after a conversion) needs no server."""
+        return (
+            self._over_since[pool.role] is not None
+            and pool.over_for >= self.config.sustain_secs
+            and pool.ratio > 1.0
+            and not pool.falling
+        )
+
+    def _convert(self, sample: Sample, needy: PoolLoad, donor: PoolLoad) -> Decision:
+        worker, cost = pick_donor(sample.pool(donor.role), donor.role)
+        self._last_conversion = sample.at
+        # Samples of the old split say nothing about the new one. The needy pool's clock keeps
+        # running: if it is still over target once the converted server serves, the next step
+        # toward it needs no new sustain period, only the cooldown and fresh samples.
+        self._window.clear()
+        self._over_since[donor.role] = None
+        action = PREFILL_TO_DECODE if donor.role == PREFILL else DECODE_TO_PREFILL
+        return Decision(
+            at=sample.at,
+            action=action,
+            reason=f"{needy.over_text()}; {donor.donor_text()}; convert {worker.url}: {cost}",
+            mode=self.config.mode,
+            prefill=len(sample.pool(PREFILL)),
+            decode=len(sample.pool(DECODE)),
+            worker=worker.url,
+            from_role=donor.role,
+            to_role=needy.role,
+            cost=cost,
+        )
+
+    def _hold(self, sample: Sample, reason: str) -> Decision:
+        return Decision(
+            at=sample.at,
+            action=HOLD,
+            reason=reason,
+            mode=self.config.mode,
+            prefill=len(sample.pool(PREFILL)),
+            decode=len(sample.pool(DECODE)),
+        )
+
+    @staticmethod
+    def _steady_text(prefill: PoolLoad, decode: PoolLoad) -> str:
+        parts = []
+        for pool in (prefill, decode):
+            state = "within"
+            if pool.over_for:
+                state = "over, falling," if pool.falling else "over"
+            m = pool.measure
+            parts.append(f"{pool.describe()} ({state} target {m.fmt(m.target)})")
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How to read one measure from a sample (None: nothing to read this time)."""
+
+    name: str
+    unit: str
+    target: float
+    scales: bool
+    read: Callable[[Sample], float | None]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _queued_prefill_tokens(sample: Sample) -> float | None:
+    pool = sample.pool(PREFILL)
+    return sum(w.queued_prefill_tokens for w in pool) / len(pool) if pool else None
+
+
+def _decode_kv_percent(sample: Sample) -> float | None:
+    pool = sample.pool(DECODE)
+    return 100 * sum(w.active_token_usage for w in pool) / len(pool) if pool else None
+
+
+def _decode_slots_percent(sample: Sample) -> float | None:
+    """Requests running or waiting for a batch slot per slot of the pool (over 100%: a queue),
+    from the workers that report their ``max_running_requests``. Requests still waiting for
+    their prefill's KV are the prefill pool's load, not this one's."""
+    pool = [w for w in sample.pool(DECODE) if w.max_running > 0]
+    if not pool:
+        return None
+    demand = sum(w.running + w.waiting_for_slot for w in pool)
+    return 100 * demand / sum(w.max_running for w in pool)
+
+
+def pick_donor(pool: tuple[WorkerSignals, ...], role: str) -> tuple[WorkerSignals, str]:
+    """The worker of ``pool`` that is cheapest to take out, and what its drain waits for.
+
+    A prefill is free once the decodes pulled the KV of its in-flight requests, so the one
+    with the fewest in flight (then the shortest queue) goes. A decode must finish every
+    running answer first, so the one with the least remaining work goes.
+    """
+    if role == PREFILL:
+        worker = min(pool, key=lambda w: (w.inflight, w.queued_prefill_tokens, w.url))
+        return worker, (
+            f"prefill with the fewest in flight ({worker.inflight}); free once their KV is pulled"
+        )
+    worker = min(pool, key=lambda w: (w.remaining_work, w.url))
+    held = worker.remaining_work[0]
+    return worker, (
+        f"decode with the least remaining work: waits for {held} running answers "
+        f"({worker.used_tokens} KV tokens)"
+    )

@@ -1,0 +1,152 @@
+"""Per-worker circuit breaker fed by request outcomes.
+
+Consecutive failures open the circuit; after a cool-down one trial request is let through
+(half-open); its success closes the circuit, its failure opens it again. A worker whose circuit
+is open is not selected, so a broken worker stops costing retries long before the health probe
+notices.
+
+Recovery. One trial per worker is right while other workers carry the traffic, but after an
+outage every circuit is open or half-open at once, and a burst would get one request per worker
+through and 503 for the rest. Two rules keep that from happening:
+
+- the health monitor closes (:meth:`CircuitBreaker.reset`) the circuit of a worker it saw
+  recover (unhealthy -> healthy, a drain ending, a restart): the failures were the outage the
+  probes saw, and the worker answers again;
+- when no worker of a pool is selectable although some are ACTIVE and healthy, so that only
+  their circuits keep them out, requests go to those workers anyway (Envoy's panic mode;
+  :meth:`pd_router.api.state.Router.circuit_panic_pool`): the circuit exists to steer traffic to
+  other workers, and there are none. A success then closes the circuit it went through.
+
+Half-open stays at one trial in flight: with the pool-wide rule a burst is no longer limited by
+it, and while other workers serve, one trial is enough to learn that a worker is back.
+
+The knobs the peers have (sglang-router's and smg's ``--cb-*`` flags): ``success_threshold``
+trials must succeed in a row to close a half-open circuit; ``window_secs`` > 0 opens the circuit
+on ``failure_threshold`` failures within that many seconds, successes in between or not (smg
+accepts a window but counts consecutive failures only); ``enabled = false`` keeps every circuit
+closed, so only the health probes take a worker out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class CircuitState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True)
+class CircuitConfig:
+    failure_threshold: int = 5
+    cooldown_secs: float = 10.0
+    enabled: bool = True
+    success_threshold: int = 1
+    window_secs: float = 0.0
+
+
+class CircuitBreaker:
+    """Closed -> open after ``failure_threshold`` failures (consecutive, or within
+    ``window_secs``) -> half-open after ``cooldown_secs`` -> closed after ``success_threshold``
+    successful trials, open again on one failure. Disabled: always closed."""
+
+    def __init__(
+        self,
+        config: CircuitConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[CircuitState], None] | None = None,
+    ) -> None:
+        self.config = config or CircuitConfig()
+        self._clock = clock
+        self._on_change = on_change
+        self._state = CircuitState.CLOSED
+        # When the last ``failure_threshold`` failures happened: enough to tell whether that
+        # many fell within the window, and bounded whatever the failure rate.
+        self._failures: deque[float] = deque(maxlen=self.config.failure_threshold)
+        self._trial_successes = 0
+        self._opened_at = 0.0
+        self._trial_in_flight = False
+
+    @property
+    def state(self) -> CircuitState:
+        if self._state is CircuitState.OPEN and self._cooled_down():
+            self._set(CircuitState.HALF_OPEN)
+        return self._state
+
+    def allows(self) -> bool:
+        """Whether a new request may be sent (does not reserve the half-open trial)."""
+        if self._state is CircuitState.CLOSED:
+            return True
+        state = self.state
+        if state is CircuitState.CLOSED:
+            return True
+        return state is CircuitState.HALF_OPEN and not self._trial_in_flight
+
+    def on_dispatch(self) -> None:
+        """A request was sent; in half-open it is the one trial."""
+        if self._state is CircuitState.HALF_OPEN:
+            self._trial_in_flight = True
+
+    def record_success(self) -> None:
+        """A request succeeded: consecutive counting starts over; a half-open circuit closes
+        once ``success_threshold`` trials succeeded in a row."""
+        self._trial_in_flight = False
+        if not self.config.window_secs:
+            self._failures.clear()
+        if self.state is CircuitState.CLOSED:
+            return
+        self._trial_successes += 1
+        if self._trial_successes >= self.config.success_threshold:
+            self._failures.clear()
+            self._set(CircuitState.CLOSED)
+
+    def release_trial(self) -> None:
+        """A dispatched request ended with no verdict on this worker (it was cancelled because
+        the other leg failed or the client left): a half-open circuit may try again."""
+        self._trial_in_flight = False
+
+    def record_failure(self) -> None:
+        self._trial_in_flight = False
+        if not self.config.enabled:
+            return
+        now = self._clock()
+        self._failures.append(now)
+        state = self.state
+        if state is CircuitState.HALF_OPEN or (
+            state is CircuitState.CLOSED and self._threshold_reached(now)
+        ):
+            self._opened_at = now
+            self._set(CircuitState.OPEN)
+
+    def reset(self) -> None:
+        """Forget past failures (a worker re-added by an operator starts closed)."""
+        self._failures.clear()
+        self._trial_in_flight = False
+        self._set(CircuitState.CLOSED)
+
+    def _threshold_reached(self, now: float) -> bool:
+        """``failure_threshold`` failures recorded, all within the window when there is one."""
+        if len(self._failures) < self.config.failure_threshold:
+            return False
+        window = self.config.window_secs
+        return not window or now - self._failures[0] <= window
+
+    def _cooled_down(self) -> bool:
+        return self._clock() - self._opened_at >= self.config.cooldown_secs
+
+    def _set(self, state: CircuitState) -> None:
+        if state is self._state:
+            return
+        self._state = state
+        self._trial_successes = 0
+        if self._on_change is not None:
+            self._on_change(state)
+
+
+CIRCUIT_STATE_VALUES = {CircuitState.CLOSED: 0, CircuitState.OPEN: 1, CircuitState.HALF_OPEN: 2}

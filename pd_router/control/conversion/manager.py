@@ -1,0 +1,533 @@
+"""Role conversion: drain a worker, switch its role in process, verify, re-register it.
+
+One conversion moves one worker ACTIVE -> DRAINING -> SWITCHING -> ACTIVE under its new role
+(epoch + 1). Everything that can be refused is refused before the worker's state changes (409),
+and every later failure ends in a defined place: back in the old pool (abort, drain timeout, a
+failure the worker calls ``safe_to_restore``, the worker gone during the drain) or FAILED, out of
+every pool (a failed switch without ``safe_to_restore``, no answer to the switch, a worker that
+reports another role than the one it claims to have switched to). The drain waits on the
+router's own in-flight count through the registry's event, so the switch is called as soon as the
+last request ends, not at the next tick of a poll.
+
+This module is the runner (the state machine). The registry holds the worker for the conversion
+from the claim to the end, so nothing else (a removal, another conversion) can change it
+meanwhile; how each step is done over the native or the extension protocol is in
+:mod:`pd_router.control.conversion.protocols`; the records and the metrics are in
+:mod:`pd_router.control.conversion.history`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from pd_router.control.cluster.local import Cluster, LocalCluster
+from pd_router.control.conversion.history import (
+    HISTORY_SIZE,
+    Conversion,
+    ConversionHistory,
+    ConversionRequest,
+    PhaseRecord,
+    Status,
+)
+from pd_router.control.conversion.protocols import (
+    ControlProtocol,
+    Stop,
+    protocol_for,
+    refused_request,
+)
+from pd_router.control.worker_control import ControlError, SwitchReply, WorkerControl
+from pd_router.control.workers import (
+    RegistryError,
+    Role,
+    UnknownWorker,
+    Worker,
+    WorkerRegistry,
+    WorkerState,
+)
+from pd_router.errors import BadRequest, Conflict, UpstreamError
+from pd_router.metrics import RouterMetrics
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DRAIN_TIMEOUT_SECS = 300.0
+
+__all__ = [
+    "AlreadyInRole",
+    "Conversion",
+    "ConversionManager",
+    "ConversionRefused",
+    "ConversionRequest",
+    "KnobNotAccepted",
+    "Status",
+    "WorkerUnreachable",
+]
+
+
+class ConversionRefused(Conflict):
+    """Refused before anything changed; ``reason`` is a stable code for scripts."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message, details={"reason": reason})
+        self.reason = reason
+
+
+class AlreadyInRole(ConversionRefused):
+    def __init__(self, worker: Worker) -> None:
+        super().__init__("already_in_role", f"worker {worker.url} is already a {worker.role}")
+        self.worker = worker
+
+
+class KnobNotAccepted(BadRequest):
+    """A PR #9325 knob sent for a worker whose control API (native SGLang) takes none."""
+
+    def __init__(self, name: str, worker: Worker) -> None:
+        super().__init__(
+            f"{name} is not accepted by the control API of {worker.url} (native /pd_role_switch)",
+            details={"field": name},
+        )
+        self.field = name
+
+
+class WorkerUnreachable(UpstreamError):
+    def __init__(self, error: ControlError) -> None:
+        super().__init__(f"worker not reachable, nothing changed: {error}")
+
+
+class ConversionManager:
+    """Runs conversions: validation, the claim on the worker, the global cap, the steps."""
+
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        metrics: RouterMetrics,
+        control: WorkerControl,
+        report_down: Callable[[Worker, str], None],
+        *,
+        min_prefill: int = 1,
+        min_decode: int = 1,
+        max_concurrent: int = 1,
+        drain_timeout_secs: float = DEFAULT_DRAIN_TIMEOUT_SECS,
+        history_size: int = HISTORY_SIZE,
+        cluster: Cluster | None = None,
+    ) -> None:
+        self._registry = registry
+        self._cluster = cluster or LocalCluster(registry)
+        # Where a worker found not answering is reported (the health monitor's report_down).
+        self._report_down = report_down
+        self._control = control
+        self._minimum = {Role.PREFILL: min_prefill, Role.DECODE: min_decode}
+        self._max_concurrent = max_concurrent
+        self._drain_timeout = drain_timeout_secs
+        self._history = ConversionHistory(metrics, history_size)
+        self._started = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- queries ----------------------------------------------------------------------------
+
+    def get(self, conversion_id: str) -> Conversion:
+        return self._history.get(conversion_id)
+
+    def history(self) -> Iterator[Conversion]:
+        """Newest first."""
+        return self._history.newest_first()
+
+    def active(self) -> list[Conversion]:
+        """This router's conversions that hold a worker right now (the registry knows which;
+        a worker may also be held by another replica's conversion)."""
+        return [
+            self._history.get(w.conversion_id)
+            for w in self._registry.converting()
+            if w.conversion_id in self._history
+        ]
+
+    # --- commands ---------------------------------------------------------------------------
+
+    async def start(self, request: ConversionRequest) -> Conversion:
+        """Validate, claim the worker (DRAINING) and run the conversion in the background.
+
+        Every refusal (409) happens before the worker's state changes. The checks and the claim
+        are one synchronous step of the registry (after the only await, the protocol detection),
+        so two conversions, or a conversion and a removal, cannot both pass.
+        """
+        worker = self._lookup(request.worker)
+        try:
+            extensions = await self._control.detect_extensions(worker)
+        except ControlError as exc:
+            raise WorkerUnreachable(exc) from exc
+        if request.extra and not extensions:
+            raise KnobNotAccepted(sorted(request.extra)[0], worker)
+        await self._cluster.catch_up()
+        conversion_id = self._cluster.conversion_id(self._started + 1)
+        target = self._claim(worker, conversion_id, request.new_role)
+        self._started += 1
+        try:
+            await self._cluster.claim(
+                worker, conversion_id, target, lambda: self._refuse_below_minimum(worker)
+            )
+        except BaseException:
+            self._registry.end_conversion(worker, conversion_id, WorkerState.ACTIVE)
+            raise
+        protocol = protocol_for(self._control, extensions)
+        conversion = Conversion(
+            id=conversion_id,
+            worker=worker,
+            from_role=worker.role,
+            to_role=target,
+            request=request,
+            protocol=protocol.name,
+        )
+        self._history.remember(conversion)
+        conversion.phases.append(PhaseRecord("drain", time.time()))
+        logger.info(
+            "conversion %s: %s %s -> %s started (%s protocol)",
+            conversion.id, worker.url, conversion.from_role, target, conversion.protocol,
+        )  # fmt: skip
+        task = asyncio.create_task(
+            self._run(conversion, protocol), name=f"conversion-{conversion.id}"
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return conversion
+
+    def abort(self, conversion_id: str) -> Conversion:
+        """Stop a conversion that is still draining; the worker goes back to its old pool."""
+        conversion = self.get(conversion_id)
+        if conversion.status is not Status.DRAINING:
+            raise ConversionRefused(
+                "not_abortable",
+                f"conversion {conversion_id} is {conversion.status}; only a draining "
+                "conversion can be aborted",
+            )
+        conversion._abort.set()
+        logger.info("conversion %s: abort requested", conversion_id)
+        return conversion
+
+    async def close(self) -> None:
+        """Cancel running conversions (router shutdown)."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # --- validation -------------------------------------------------------------------------
+
+    def _lookup(self, key: str) -> Worker:
+        try:
+            return self._registry.get(key)
+        except UnknownWorker as exc:
+            raise ConversionRefused("unknown_worker", str(exc)) from exc
+
+    def _claim(self, worker: Worker, conversion_id: str, new_role: Role | None) -> Role:
+        """Have the registry hand ``worker`` to the conversion; returns the target role."""
+        target = new_role or worker.role.other
+
+        def check() -> None:
+            if target is worker.role:
+                raise AlreadyInRole(worker)
+            self._refuse_if_unsafe(worker)
+
+        try:
+            self._registry.claim_for_conversion(worker, conversion_id, check)
+        except RegistryError as exc:
+            raise ConversionRefused(exc.reason, str(exc)) from exc
+        return target
+
+    def _refuse_if_unsafe(self, worker: Worker) -> None:
+        running = len(self._registry.converting())
+        if running >= self._max_concurrent:
+            raise ConversionRefused(
+                "too_many_conversions",
+                f"{running} conversion(s) running; the limit is {self._max_concurrent}",
+            )
+        self._refuse_below_minimum(worker)
+
+    def _refuse_below_minimum(self, worker: Worker) -> None:
+        """The worker's pool keeps its minimum of active, healthy workers without it."""
+        remaining = self._registry.active_healthy_count(worker.role, excluding=worker)
+        minimum = self._minimum[worker.role]
+        if remaining < minimum:
+            raise ConversionRefused(
+                f"min_{worker.role.value}",
+                f"converting {worker.url} would leave {remaining} active healthy "
+                f"{worker.role} worker(s); the minimum is {minimum}",
+            )
+
+    # --- the conversion ---------------------------------------------------------------------
+
+    async def _run(self, conv: Conversion, protocol: ControlProtocol) -> None:
+        deadline = time.monotonic() + (
+            conv.request.drain_timeout_secs
+            if conv.request.drain_timeout_secs is not None
+            else self._drain_timeout
+        )
+        peer_params = asyncio.create_task(self._decode_peer_params(conv))
+        try:
+            await self._drain(conv, protocol, deadline)
+            params = await self._peer_params(conv, peer_params)
+            reply = await self._switch(conv, protocol, deadline, params)
+            await self._verify(conv, protocol, reply)
+        except Stop as stop:
+            await self._stop(conv, protocol, stop)
+        except asyncio.CancelledError:
+            await self._stop(
+                conv, protocol, Stop(Status.ABORTED, "router shutting down", restore=True)
+            )
+            raise
+        except Exception as exc:
+            # A bug must not leave the worker stuck out of every pool: before the switch call it
+            # goes back (its role did not change), after it the role is unknown.
+            logger.exception("conversion %s: unexpected error", conv.id)
+            before_switch = conv.status is Status.DRAINING
+            await self._stop(
+                conv,
+                protocol,
+                Stop(
+                    Status.RESTORED if before_switch else Status.FAILED,
+                    f"internal error: {type(exc).__name__}",
+                    restore=before_switch,
+                ),
+            )
+        finally:
+            peer_params.cancel()
+            self._finish(conv)
+
+    async def _drain(self, conv: Conversion, protocol: ControlProtocol, deadline: float) -> None:
+        """Close admission (extension), then wait for the router's in-flight count to reach zero
+        (event); abort and timeout end it. Whatever else the worker still runs (traffic from
+        another router) is waited for by the switch itself: the extension's /convert_pd_role
+        waits for idle on the server, a native "not idle" refusal is retried with a short
+        backoff. Asking the worker first would put one more round trip between the last
+        request ending and the switch."""
+        conv.progress["router_inflight_at_start"] = conv.worker.inflight
+        await protocol.close_admission(conv)
+        if conv.request.drain:
+            await self._wait_router_idle(conv, deadline)
+            await self._wait_peers_idle(conv, deadline)
+        conv.timings["router_idle_at"] = time.monotonic()
+        conv.timings["drain_s"] = conv.phases[-1].end()
+        logger.info("conversion %s: drained in %.3fs", conv.id, conv.timings["drain_s"])
+
+    async def _wait_router_idle(self, conv: Conversion, deadline: float) -> None:
+        idle = asyncio.ensure_future(conv.worker.wait_until_no_inflight())
+        abort = asyncio.ensure_future(conv._abort.wait())
+        try:
+            await asyncio.wait(
+                {idle, abort},
+                timeout=max(0.0, deadline - time.monotonic()),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            idle.cancel()
+            abort.cancel()
+        self._check_abort(conv)
+        if not idle.done() or idle.cancelled():
+            raise Stop(
+                Status.DRAIN_TIMEOUT,
+                f"drain timed out with {conv.worker.inflight} request(s) still in flight "
+                "through this router",
+                restore=True,
+            )
+
+    async def _wait_peers_idle(self, conv: Conversion, deadline: float) -> None:
+        """Every other router replica stopped routing to the worker and has nothing left in
+        flight on it (at once for a router alone)."""
+        missing = await self._cluster.wait_peers_drained(
+            conv.worker, conv.id, conv._abort, deadline
+        )
+        self._check_abort(conv)
+        if missing:
+            raise Stop(
+                Status.DRAIN_TIMEOUT,
+                f"drain timed out: router replica(s) {', '.join(missing)} still have requests "
+                "in flight on it",
+                restore=True,
+            )
+
+    async def _peer_params(
+        self, conv: Conversion, fetch: asyncio.Task[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """The decode peer's graph parameters once fetched; the conversion is still DRAINING
+        (abortable) until the switch call, so an abort meanwhile ends it at once."""
+        abort = asyncio.ensure_future(conv._abort.wait())
+        try:
+            await asyncio.wait({fetch, abort}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            abort.cancel()
+        self._check_abort(conv)
+        return fetch.result()
+
+    def _check_abort(self, conv: Conversion) -> None:
+        if conv._abort.is_set():
+            raise Stop(Status.ABORTED, "aborted by the operator while draining", restore=True)
+
+    async def _switch(
+        self,
+        conv: Conversion,
+        protocol: ControlProtocol,
+        deadline: float,
+        peer_params: dict[str, Any],
+    ) -> SwitchReply:
+        phase = PhaseRecord("switch", time.time())
+        conv.phases.append(phase)
+        conv.status = Status.SWITCHING
+        self._registry.advance_conversion(conv.worker, conv.id, WorkerState.SWITCHING)
+        await self._cluster.mark_switching(conv.worker, conv.id)
+        body = self._switch_body(conv, peer_params)
+        body.update(protocol.switch_fields(conv, deadline))
+        conv.timings["idle_to_switch_s"] = time.monotonic() - conv.timings.pop("router_idle_at")
+        reply, busy = await protocol.switch_until_idle(conv, body, deadline)
+        conv.timings["switch_s"] = phase.end()
+        if busy is not None:
+            raise Stop(
+                Status.DRAIN_TIMEOUT,
+                f"drain timed out: the worker still has {busy.num_running} running and "
+                f"{busy.num_waiting} waiting request(s)",
+                restore=True,
+            )
+        if reply.success:
+            logger.info("conversion %s: switched in %.3fs", conv.id, conv.timings["switch_s"])
+            return reply
+        if reply.safe_to_restore or refused_request(reply):
+            raise Stop(
+                Status.RESTORED,
+                f"switch failed, worker unchanged: {reply.message}",
+                restore=True,
+            )
+        raise Stop(
+            Status.FAILED,
+            f"switch failed without safe_to_restore: {reply.message}",
+            restore=False,
+        )
+
+    def _switch_body(self, conv: Conversion, peer_params: dict[str, Any]) -> dict[str, Any]:
+        """The role and the decode graph parameters: the caller's, else a decode peer's."""
+        request = conv.request
+        body: dict[str, Any] = {"new_role": conv.to_role.value}
+        if conv.to_role is Role.DECODE:
+            body.update(peer_params)
+        if request.decode_cuda_graph_bs is not None:
+            body["decode_cuda_graph_bs"] = request.decode_cuda_graph_bs
+        if request.decode_cuda_graph_memory_gb is not None:
+            body["decode_cuda_graph_memory_gb"] = request.decode_cuda_graph_memory_gb
+        return body
+
+    async def _verify(
+        self, conv: Conversion, protocol: ControlProtocol, reply: SwitchReply
+    ) -> None:
+        phase = PhaseRecord("verify", time.time())
+        conv.phases.append(phase)
+        conv.status = Status.VERIFYING
+        try:
+            reading = await self._control.read_role(conv.worker)
+        except ControlError as exc:
+            raise Stop(
+                Status.FAILED, f"could not read the role back: {exc.reason}", restore=False
+            ) from exc
+        conv.reply(
+            "verify",
+            200,
+            {
+                "role": reading.role.value if reading.role else None,
+                "bootstrap_port": reading.bootstrap_port,
+            },
+        )
+        if reading.role is not conv.to_role:
+            raise Stop(
+                Status.FAILED,
+                f"worker claimed a switch to {conv.to_role} but reports "
+                f"{reading.role or 'no role'}",
+                restore=False,
+            )
+        port = None
+        if conv.to_role is Role.PREFILL:
+            port = (
+                conv.request.bootstrap_port
+                or _port(reply.body.get("bootstrap_port"))
+                or reading.bootstrap_port
+                or conv.worker.bootstrap_port
+            )
+        await self._reopen(conv, protocol)
+        conv.timings["verify_s"] = phase.end()
+        await self._cluster.release(conv.worker, conv.id, WorkerState.ACTIVE, conv.to_role, port)
+        self._registry.end_conversion(
+            conv.worker, conv.id, WorkerState.ACTIVE, role=conv.to_role, bootstrap_port=port
+        )
+        conv.epoch = conv.worker.epoch
+        conv.bootstrap_port = conv.worker.bootstrap_port if port is not None else None
+        conv.status = Status.SUCCEEDED
+        conv.message = f"now a {conv.to_role} (epoch {conv.epoch})"
+
+    async def _reopen(self, conv: Conversion, protocol: ControlProtocol) -> None:
+        try:
+            await protocol.reopen_admission(conv)
+        except ControlError as exc:
+            logger.warning("conversion %s: could not reopen admission: %s", conv.id, exc)
+            self._report_down(conv.worker, f"reopening admission failed: {exc}")
+
+    async def _stop(self, conv: Conversion, protocol: ControlProtocol, stop: Stop) -> None:
+        conv.status = stop.status
+        conv.message = stop.message
+        for phase in conv.phases:
+            if phase.ended_at is None:
+                phase.end()
+        worker = conv.worker
+        if stop.restore:
+            if stop.healthy:
+                await self._reopen(conv, protocol)
+            else:
+                self._report_down(worker, stop.message)
+            await self._cluster.release(worker, conv.id, WorkerState.ACTIVE, worker.role, None)
+            self._registry.end_conversion(worker, conv.id, WorkerState.ACTIVE)
+            logger.warning("conversion %s: %s; back in the %s pool", conv.id, stop, worker.role)
+        else:
+            await self._cluster.release(worker, conv.id, WorkerState.FAILED, worker.role, None)
+            self._registry.end_conversion(worker, conv.id, WorkerState.FAILED, error=stop.message)
+            logger.error("conversion %s: %s; worker %s FAILED", conv.id, stop, worker.url)
+
+    def _finish(self, conv: Conversion) -> None:
+        conv.finished_at = time.time()
+        total = time.monotonic() - conv._t0
+        conv.timings["total_s"] = total
+        conv.timings.pop("router_idle_at", None)
+        if conv.succeeded:
+            conv.timings["router_overhead_s"] = (
+                total - conv.timings["drain_s"] - conv.timings["worker_switch_s"]
+            )
+        self._history.record_finished(conv, total)
+        self._cluster.finished(conv.worker, conv.id)
+        conv._done.set()
+        logger.info("conversion %s: %s in %.3fs (%s)", conv.id, conv.status, total, conv.message)
+
+    async def settle_orphan(self, worker: Worker, role: Role) -> tuple[Role, int | None]:
+        """The role a worker serves now, for a conversion whose router replica went before it
+        ended: its live role (the switch took effect or not), admission reopened; ``role``, the
+        one it had, if it cannot be read (the health probes find out when it answers)."""
+        try:
+            reading = await self._control.read_role(worker)
+            if reading.draining:
+                await self._control.set_admission(worker, open_=True)
+        except ControlError as exc:
+            logger.warning("settling %s: %s; keeping it as a %s", worker.url, exc, role)
+            return role, None
+        return reading.role or role, reading.bootstrap_port
+
+    async def _decode_peer_params(self, conv: Conversion) -> dict[str, Any]:
+        """Decode graph parameters of a decode peer, fetched while the drain runs, for the ones
+        the caller did not give (it may give one and take the other from the peer)."""
+        given = (conv.request.decode_cuda_graph_bs, conv.request.decode_cuda_graph_memory_gb)
+        if conv.to_role is not Role.DECODE or None not in given:
+            return {}
+        for peer in self._registry.selectable(Role.DECODE):
+            try:
+                return await self._control.decode_graph_params(peer.url)
+            except ControlError as exc:
+                logger.info("conversion %s: decode peer %s: %s", conv.id, peer.url, exc)
+        return {}
+
+
+def _port(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None

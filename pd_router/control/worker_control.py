@@ -1,0 +1,298 @@
+"""Worker control adapters: how the router asks a worker about its role and makes it switch.
+
+Two protocols exist. Native SGLang (>= 0.5.21 with ``--enable-pd-role-switch``) offers
+``POST /pd_role_switch`` (refused unless the server is fully idle), ``GET /server_info`` (the live
+role in ``internal_states[0].disaggregation_mode``) and ``GET /v1/loads``. Workers with the
+extension endpoints (server_patch on SGLang, pd_worker) add ``GET /pd_role``, ``POST /pd_drain``
+(close admission so a second router cannot slip traffic in) and ``POST /convert_pd_role`` (drain
+on the server side, then switch). The router uses the extension when a worker has it and falls
+back to the native protocol otherwise: the readings (role, load) hide the difference here, the
+conversion's steps over each protocol are in :mod:`pd_router.control.conversion.protocols`.
+Paths come
+from :mod:`pd_protocol.wire`.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import orjson
+
+from pd_protocol.wire import CONVERT_PATH, DRAIN_PATH, ROLE_PATH, SWITCH_PATH
+from pd_router.control.workers import Role, Worker, WorkerRegistry
+
+DEFAULT_TIMEOUT_SECS = 10.0
+DEFAULT_SWITCH_TIMEOUT_SECS = 600.0
+
+
+class ControlError(Exception):
+    """The worker could not be reached or answered something that is not its protocol.
+
+    ``delivered`` is false when the connection could not even be opened: the worker never saw
+    the call, so a switch call that fails this way changed nothing. ``status`` is the HTTP
+    status when the worker answered, but not with what the call expects.
+    """
+
+    def __init__(
+        self, url: str, path: str, reason: str, *, delivered: bool = True, status: int | None = None
+    ) -> None:
+        super().__init__(f"{url}{path}: {reason}")
+        self.url = url
+        self.path = path
+        self.reason = reason
+        self.delivered = delivered
+        self.status = status
+
+
+@dataclass(frozen=True)
+class SwitchReply:
+    """A worker's answer to /pd_role_switch or /convert_pd_role, kept verbatim in ``body``."""
+
+    status: int
+    body: dict[str, Any]
+
+    @property
+    def success(self) -> bool:
+        return self.status == 200 and bool(self.body.get("success"))
+
+    @property
+    def safe_to_restore(self) -> bool:
+        return bool(self.body.get("safe_to_restore"))
+
+    @property
+    def message(self) -> str:
+        return str(self.body.get("message", ""))
+
+
+@dataclass(frozen=True)
+class RoleReading:
+    """The role a worker reports for itself and its KV bootstrap port, and what tells one
+    server process from the next: ``instance``, its start signature (``started_at`` of
+    ``/pd_role``, else the ``startup_time`` durations of ``internal_states[0]``, which differ
+    from one start to the next), and ``epoch`` (extension: role changes since it started).
+    ``draining`` (extension) is true while its admission is closed."""
+
+    role: Role | None
+    bootstrap_port: int | None
+    epoch: int | None = None
+    instance: str | None = None
+    draining: bool = False
+
+
+@dataclass(frozen=True)
+class LoadReading:
+    """A worker's load; ``idle`` is what the native switch accepts."""
+
+    idle: bool
+    num_running: int
+    num_waiting: int
+
+
+def open_control_session(ssl_context: ssl.SSLContext | None = None) -> aiohttp.ClientSession:
+    """The control plane's client session: a new connection for every call (``force_close``).
+
+    Control calls are a handful per conversion, so the handshake costs nothing that matters;
+    in exchange a call to a dead worker fails to connect (never delivered: nothing changed)
+    instead of failing on a kept-alive connection the worker's death left behind, where
+    nobody can tell whether the worker saw the call. ``ssl_context`` verifies https://
+    workers (None: aiohttp's defaults).
+    """
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(
+            force_close=True, limit=0, ssl=ssl_context if ssl_context is not None else True
+        ),
+        timeout=aiohttp.ClientTimeout(total=DEFAULT_SWITCH_TIMEOUT_SECS),
+    )
+
+
+class WorkerControl:
+    """Control calls on a session from :func:`open_control_session`; what they learn about a
+    worker's protocol is kept in ``registry``."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        registry: WorkerRegistry,
+        *,
+        timeout_secs: float = DEFAULT_TIMEOUT_SECS,
+        switch_timeout_secs: float = DEFAULT_SWITCH_TIMEOUT_SECS,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self._session = session
+        self._registry = registry
+        self._timeout = aiohttp.ClientTimeout(total=timeout_secs)
+        self._switch_timeout = aiohttp.ClientTimeout(total=switch_timeout_secs)
+        self._headers = headers or {}
+
+    # --- discovery --------------------------------------------------------------------------
+
+    async def detect_extensions(self, worker: Worker) -> bool:
+        """Whether the worker serves ``GET /pd_role``; remembered on the worker (registry)."""
+        if worker.has_extensions is None:
+            status, body = await self._get(worker.url, ROLE_PATH)
+            found = status == 200 and isinstance(body, dict) and "role" in body
+            self._registry.set_extensions(worker, found)
+            return found
+        return worker.has_extensions
+
+    # --- readings ---------------------------------------------------------------------------
+
+    async def read_role(self, worker: Worker) -> RoleReading:
+        """The worker's live role (``/pd_role``, else ``internal_states[0]`` of ``/server_info``:
+        the top level of ``/server_info`` holds the launch arguments, not the live role)."""
+        if await self.detect_extensions(worker):
+            body = await self._get_ok(worker.url, ROLE_PATH)
+            epoch = body.get("epoch")
+            return RoleReading(
+                _role(body.get("role")),
+                _port(body.get("bootstrap_port")),
+                epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+                instance=_signature(body.get("started_at")),
+                draining=body.get("draining") is True,
+            )
+        info = await self.server_info(worker.url)
+        state = _live_state(info)
+        return RoleReading(
+            _role(state.get("disaggregation_mode")),
+            _port(info.get("disaggregation_bootstrap_port")),
+            instance=_signature(state.get("startup_time", info.get("startup_time"))),
+        )
+
+    async def read_load(self, worker: Worker) -> LoadReading:
+        """The worker's load (``/pd_role``, else ``/v1/loads``)."""
+        if await self.detect_extensions(worker):
+            body = await self._get_ok(worker.url, ROLE_PATH)
+            return LoadReading(
+                bool(body.get("idle")), _int(body.get("num_running")), _int(body.get("num_waiting"))
+            )
+        running, waiting = await self._native_load(worker.url)
+        return LoadReading(running == 0 and waiting == 0, running, waiting)
+
+    async def server_info(self, url: str) -> dict[str, Any]:
+        return await self._get_ok(url, "/server_info")
+
+    async def decode_graph_params(self, url: str) -> dict[str, Any]:
+        """``decode_cuda_graph_bs`` / ``decode_cuda_graph_memory_gb`` of a decode peer, for a
+        native switch to decode (SGLang captures its decode graphs to fit the peer's)."""
+        state = _live_state(await self.server_info(url))
+        return {
+            name: state[name]
+            for name in ("decode_cuda_graph_bs", "decode_cuda_graph_memory_gb")
+            if state.get(name) is not None
+        }
+
+    # --- actions ----------------------------------------------------------------------------
+
+    async def set_admission(self, worker: Worker, *, open_: bool) -> None:
+        """``POST /pd_drain``: close (``open_`` false) or reopen the worker's admission."""
+        status, body = await self._post(worker.url, DRAIN_PATH, {"drain": not open_}, self._timeout)
+        if status != 200:
+            raise ControlError(
+                worker.url, DRAIN_PATH, f"HTTP {status}: {_short(body)}", status=status
+            )
+
+    async def switch(self, worker: Worker, body: dict[str, Any]) -> SwitchReply:
+        """Native ``POST /pd_role_switch`` (HTTP 200 on success, 400 on any failure)."""
+        return await self._switch_call(worker, SWITCH_PATH, body)
+
+    async def convert(self, worker: Worker, body: dict[str, Any]) -> SwitchReply:
+        """Extension ``POST /convert_pd_role``: the worker drains itself, then switches."""
+        return await self._switch_call(worker, CONVERT_PATH, body)
+
+    async def _switch_call(self, worker: Worker, path: str, body: dict[str, Any]) -> SwitchReply:
+        status, reply = await self._post(worker.url, path, body, self._switch_timeout)
+        if not isinstance(reply, dict):
+            raise ControlError(worker.url, path, f"HTTP {status}: reply is not a JSON object")
+        return SwitchReply(status=status, body=reply)
+
+    # --- HTTP -------------------------------------------------------------------------------
+
+    async def _native_load(self, url: str) -> tuple[int, int]:
+        body = await self._get_ok(url, "/v1/loads")
+        ranks = body.get("loads") if isinstance(body.get("loads"), list) else [body]
+        running = sum(_int(r.get("num_running_reqs")) for r in ranks if isinstance(r, dict))
+        waiting = sum(_int(r.get("num_waiting_reqs")) for r in ranks if isinstance(r, dict))
+        return running, waiting
+
+    async def _get_ok(self, url: str, path: str) -> dict[str, Any]:
+        status, body = await self._get(url, path)
+        if status != 200 or not isinstance(body, dict):
+            raise ControlError(url, path, f"HTTP {status}: {_short(body)}", status=status)
+        return body
+
+    async def _get(self, url: str, path: str) -> tuple[int, Any]:
+        try:
+            async with self._session.get(
+                url + path, timeout=self._timeout, headers=self._headers
+            ) as resp:
+                return resp.status, _parse(await resp.read())
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _control_error(url, path, exc) from exc
+
+    async def _post(
+        self, url: str, path: str, body: dict[str, Any], limit: aiohttp.ClientTimeout
+    ) -> tuple[int, Any]:
+        try:
+            async with self._session.post(
+                url + path,
+                data=orjson.dumps(body),
+                headers={"Content-Type": "application/json", **self._headers},
+                timeout=limit,
+            ) as resp:
+                return resp.status, _parse(await resp.read())
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _control_error(url, path, exc) from exc
+
+
+def _parse(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw) if raw else None
+    except orjson.JSONDecodeError:
+        return raw[:200].decode("utf-8", "replace")
+
+
+def _control_error(url: str, path: str, exc: BaseException) -> ControlError:
+    delivered = not isinstance(exc, aiohttp.ClientConnectorError)
+    return ControlError(url, path, _describe(exc), delivered=delivered)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _short(body: Any) -> str:
+    text = body if isinstance(body, str) else orjson.dumps(body).decode()
+    return text[:200]
+
+
+def _live_state(info: dict[str, Any]) -> dict[str, Any]:
+    """``internal_states[0]``: the live scheduler state (the top level holds launch args)."""
+    states = info.get("internal_states")
+    if isinstance(states, list) and states and isinstance(states[0], dict):
+        return states[0]
+    return {}
+
+
+def _signature(value: Any) -> str | None:
+    """A start signature as comparable text (SGLang's is a dict of startup durations)."""
+    return None if value is None else orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _role(value: Any) -> Role | None:
+    try:
+        return Role(str(value).lower())
+    except ValueError:
+        return None
+
+
+def _port(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0

@@ -1,0 +1,494 @@
+"""The PD request path: pair selection, bootstrap injection, fan-out, streaming relay, merges,
+retries.
+
+Each client request becomes one or more attempts. An attempt picks a prefill and a decode, points
+the decode at the prefill (bootstrap host, port, fresh rooms), and sends the same body to both at
+once. Each leg counts its worker in flight until that leg ended: a prefill answers once the
+decode pulled its KV (SGLang's prefill finishes a request when its transfer completed), so a
+draining prefill is free while the decodes still stream its answers. If a leg fails before the
+client got a byte, the other leg is cancelled (and told to abort) and, for transport errors and
+502/503/504, the request is retried on a new pair with new rooms. After the first byte a failure
+ends the stream with an SSE error event. A client that goes away cancels both legs and both
+workers get ``/abort_request``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+import orjson
+from aiohttp import web
+
+from pd_router.api.state import DELIVERED, REQUEST_ID, UPSTREAM_ID, Router, router_of
+from pd_router.control.workers import Role, Worker
+from pd_router.dataplane.aborts import find_abort
+from pd_router.dataplane.http1 import Response
+from pd_router.dataplane.logprobs import merge_body, merged_events, prefill_logprobs
+from pd_router.dataplane.policies import prompt_key
+from pd_router.dataplane.requests import (
+    CHAT,
+    COMPLETIONS,
+    GENERATE,
+    Endpoint,
+    inject_bootstrap,
+    item_rids,
+    logprobs_requested,
+    parse_body,
+    router_rid,
+)
+from pd_router.dataplane.retry import attempts, backoff_secs
+from pd_router.dataplane.upstream import (
+    UPSTREAM_ERRORS,
+    LegFailed,
+    LegResult,
+    abort,
+    abort_failure,
+    fetch_decode,
+    fetch_prefill,
+    open_stream,
+    record_outcome,
+    recorded,
+    transport_failure,
+)
+from pd_router.errors import (
+    ClientClosedRequest,
+    NoWorkers,
+    RouterOverloaded,
+    UpstreamError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+
+log = logging.getLogger("pd_router.dataplane.proxy")
+
+T = TypeVar("T")
+
+SSE_HEADERS: Mapping[str, str] = MappingProxyType(
+    {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+)
+# The event that ends an SGLang or OpenAI stream: once relayed, the client has its answer.
+END_EVENT = b"data: [DONE]\n\n"
+
+
+async def handle_generate(request: web.Request) -> web.StreamResponse:
+    return await serve(request, GENERATE)
+
+
+async def handle_completions(request: web.Request) -> web.StreamResponse:
+    return await serve(request, COMPLETIONS)
+
+
+async def handle_chat(request: web.Request) -> web.StreamResponse:
+    return await serve(request, CHAT)
+
+
+async def serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    router = router_of(request)
+    started = asyncio.get_running_loop().time()
+    body = parse_body(await request.read())
+    items, samples = endpoint.count_items(body)
+    async with router.admission.admitted():
+        exchange = Exchange(router, request, endpoint, body, items, samples, started)
+        return await exchange.run()
+
+
+async def guarded(main: asyncio.Task[T], guard: asyncio.Task) -> T:
+    """``main``'s result, unless ``guard`` fails first: then ``main`` is cancelled and the
+    guard's error raised (the prefill failing while the decode waits for its KV)."""
+    if not main.done() and not guard.done():
+        await asyncio.wait((main, guard), return_when=asyncio.FIRST_COMPLETED)
+    if not main.done():
+        error = guard.exception()
+        if error is not None:
+            main.cancel()
+            raise error
+        return await main
+    return main.result()
+
+
+def retrieve(task: asyncio.Task) -> None:
+    """Mark a finished task's exception as seen (it was already handled or recorded)."""
+    if task.done() and not task.cancelled():
+        task.exception()
+
+
+class Exchange:
+    """One client request across its attempts."""
+
+    def __init__(
+        self,
+        router: Router,
+        request: web.Request,
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        items: int | None,
+        samples: int,
+        started: float,
+    ) -> None:
+        self.router = router
+        self.request = request
+        self.endpoint = endpoint
+        self.body = body
+        self.items = items
+        self.samples = samples
+        self.started = started
+        self.request_id = request[REQUEST_ID]
+        self.upstream_id = request[UPSTREAM_ID]
+        self.client_rid = body.get("rid")
+        request_id = {"X-Request-Id": self.request_id}
+        self.prefill_headers = {**router.leg_headers[Role.PREFILL], **request_id}
+        self.decode_headers = {**router.leg_headers[Role.DECODE], **request_id}
+        self.stream = bool(body.get("stream"))
+        # When the current attempt's prefill answered (loop time), to split TTFT between pools.
+        self.prefilled_at: float | None = None
+        self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
+        self._prompt_key: str | None = None
+
+    async def run(self) -> web.StreamResponse:
+        retry = self.router.config.retry
+        avoid: list[Worker] = []
+        attempt = 0
+        last: LegFailed | None = None
+        while True:
+            try:
+                prefill = self.router.pick(Role.PREFILL, avoid, self.routing_prompt)
+                decode = self.router.pick(Role.DECODE, avoid, self.routing_prompt)
+            except NoWorkers:
+                if last is None:
+                    raise
+                return failure_response(last)
+            payload, rids = self.prepare(attempt, prefill)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "routing",
+                    extra={"request_id": self.request_id, "attempt": attempt,
+                           "prefill": prefill.url, "decode": decode.url, "items": self.items},
+                )  # fmt: skip
+            try:
+                if self.stream:
+                    return await self.stream_attempt(prefill, decode, payload, rids)
+                return await self.unary_attempt(prefill, decode, payload, rids)
+            except LegFailed as failure:
+                # Its traceback holds this attempt's frames, which hold the leg tasks, which
+                # hold the failure: a cycle that kept the request body alive until a full
+                # collection (tune_gc makes those rare).
+                failure.__traceback__ = None
+                # A request the worker rejected as invalid is the client's mistake, not a
+                # worker failing: no warning per bad request.
+                log.log(
+                    logging.INFO if failure.client_error else logging.WARNING,
+                    "upstream leg failed",
+                    extra={
+                        "request_id": self.request_id,
+                        "attempt": attempt,
+                        "role": failure.role.value,
+                        "worker": failure.worker.url,
+                        "kind": failure.kind,
+                        "error": failure.message,
+                    },
+                )
+                if failure.wrong_role:
+                    self.router.health.suspect(failure.worker)
+                attempt += 1
+                if not failure.retryable or attempt >= attempts(retry):
+                    return failure_response(failure)
+                avoid.append(failure.worker)
+                last = failure
+            self.router.metrics.retries_total.inc()
+            await asyncio.sleep(backoff_secs(retry, attempt))
+
+    def routing_prompt(self) -> str:
+        """The prompt a cache-aware policy keys on, computed on first use and kept for both
+        pools and every attempt."""
+        if self._prompt_key is None:
+            self._prompt_key = prompt_key(self.body)
+        return self._prompt_key
+
+    def prepare(self, attempt: int, prefill: Worker) -> tuple[bytes, list[str]]:
+        """The body for this attempt (new rooms, the rid workers know it by) and its rids."""
+        inject_bootstrap(self.body, prefill, self.items, self.samples)
+        if self.client_rid is not None:
+            rids = item_rids(self.client_rid, self.items)
+        else:
+            base = self.upstream_id if attempt == 0 else f"{self.upstream_id}-{attempt}"
+            rid, rids = router_rid(self.endpoint, base, self.items, self.samples)
+            if rid is not None:
+                self.body["rid"] = rid
+        return orjson.dumps(self.body), rids
+
+    def cleanup(
+        self,
+        legs: list[tuple[asyncio.Task, Worker, bool]],
+        rids: list[str],
+    ) -> list[asyncio.Task]:
+        """Cancel unfinished legs and send ``/abort_request`` to each worker flagged for it;
+        returns the tasks to wait for."""
+        pending = []
+        session = self.router.session
+        for task, worker, must_abort in legs:
+            if not task.done():
+                task.cancel()
+                pending.append(task)
+            else:
+                retrieve(task)
+            if must_abort or not task.done():
+                self.router.spawn(abort(session, worker, rids))
+        return pending
+
+    def observe_ttft(self) -> None:
+        seconds = asyncio.get_running_loop().time() - self.started
+        self.router.metrics.ttft_seconds.observe(seconds)
+        if self.stream:
+            prefilled = self.prefilled_at
+            self.router.latency.observe_ttft(
+                seconds, None if prefilled is None else prefilled - self.started
+            )
+
+    def prefill_ended(self, prefill: Worker, task: asyncio.Task) -> None:
+        """The prefill leg ended (answered, failed or cancelled): the prefill is no longer in
+        flight for it; an answer marks when the decode's part of TTFT began."""
+        self.router.registry.release(prefill)
+        if not task.cancelled() and task.exception() is None:
+            self.prefilled_at = asyncio.get_running_loop().time()
+
+    def start_legs(
+        self,
+        prefill: Worker,
+        decode: Worker,
+        payload: bytes,
+        decode_leg: Callable[..., Awaitable[T]],
+    ) -> tuple[asyncio.Task[LegResult], asyncio.Task[T]]:
+        """Count the request in flight on both workers and send ``payload`` to both at once;
+        the prefill's answer is always read whole, the decode's by ``decode_leg``. The prefill
+        is released when its leg ends (a done callback runs even for a task cancelled before
+        it started), the decode by the attempt once its leg ended."""
+        registry = self.router.registry
+        registry.acquire(prefill)
+        registry.acquire(decode)
+        path = self.endpoint.path
+        legs = self.router.upstream
+        p_task = asyncio.create_task(
+            fetch_prefill(legs, prefill, prefill.url + path, payload, self.prefill_headers)
+        )
+        self.prefilled_at = None
+        p_task.add_done_callback(functools.partial(self.prefill_ended, prefill))
+        d_task = asyncio.create_task(
+            decode_leg(legs, decode, decode.url + path, payload, self.decode_headers)
+        )
+        return p_task, d_task
+
+    # --- non-streaming ----------------------------------------------------------------------
+
+    async def unary_attempt(
+        self, prefill: Worker, decode: Worker, payload: bytes, rids: list[str]
+    ) -> web.Response:
+        registry = self.router.registry
+        p_task, d_task = self.start_legs(prefill, decode, payload, fetch_decode)
+        client_gone = False
+        try:
+            p_result, d_result = await join_unary(p_task, d_task)
+        except asyncio.CancelledError:
+            client_gone = True
+            raise
+        finally:
+            pending = self.cleanup(
+                [(p_task, prefill, client_gone), (d_task, decode, client_gone)], rids
+            )
+            if pending:
+                await asyncio.wait(pending)
+            registry.release(decode)
+        body = d_result.body
+        if self.merge and p_result is not None:
+            body = merge_body(body, prefill_logprobs(p_result.body))
+        self.observe_ttft()
+        return web.Response(body=body, status=d_result.status, content_type=d_result.content_type)
+
+    # --- streaming --------------------------------------------------------------------------
+
+    async def stream_attempt(
+        self, prefill: Worker, decode: Worker, payload: bytes, rids: list[str]
+    ) -> web.StreamResponse:
+        router = self.router
+        registry = router.registry
+        p_task, d_task = self.start_legs(prefill, decode, payload, open_stream)
+        first_task: asyncio.Task | None = None
+        d_resp: Response | None = None
+        decode_done = False
+        client_gone = False
+        try:
+            d_resp = await guarded(d_task, p_task)
+            pieces: AsyncIterator[bytes] = d_resp.chunks()
+            if self.merge:
+                p_result = await p_task
+                pieces = merged_events(pieces, prefill_logprobs(p_result.body))
+            first_task = asyncio.create_task(
+                first_piece(pieces, decode, d_resp.content_type, router)
+            )
+            first = await guarded(first_task, p_task)
+            try:
+                response = await self.start_stream(d_resp)
+            except ConnectionResetError:
+                client_gone = True
+                raise ClientClosedRequest("client closed the connection") from None
+            decode_done, client_gone = await self.relay(response, first, pieces, decode)
+            if not client_gone:
+                try:
+                    await response.write_eof()
+                except ConnectionResetError:
+                    client_gone = True
+            if not client_gone:
+                await asyncio.wait((p_task,))
+            return response
+        except asyncio.CancelledError:
+            client_gone = True
+            raise
+        finally:
+            pending = self.cleanup(
+                [(p_task, prefill, client_gone), (d_task, decode, not decode_done)], rids
+            )
+            if not decode_done:
+                decode.circuit.release_trial()
+            if first_task is not None and not first_task.done():
+                first_task.cancel()
+                pending.append(first_task)
+            if d_resp is not None:
+                if decode_done:
+                    d_resp.release()
+                else:
+                    d_resp.close()
+            if pending:
+                await asyncio.wait(pending)
+            registry.release(decode)
+
+    async def start_stream(self, d_resp: Response) -> web.StreamResponse:
+        response = web.StreamResponse(status=d_resp.status, headers=SSE_HEADERS)
+        response.content_type = d_resp.content_type or "text/event-stream"
+        response.headers["X-Request-Id"] = self.request_id
+        await response.prepare(self.request)
+        self.observe_ttft()
+        return response
+
+    async def relay(
+        self,
+        response: web.StreamResponse,
+        first: bytes,
+        pieces: AsyncIterator[bytes],
+        decode: Worker,
+    ) -> tuple[bool, bool]:
+        """Copy the decode's stream to the client; returns (decode finished, client gone).
+        Events are counted by their blank-line ends, for the time per output token. The answer
+        counts as delivered (:data:`DELIVERED`) from its end event on, or once the whole stream
+        was relayed."""
+        loop = asyncio.get_running_loop()
+        first_at = loop.time()
+        events = first.count(b"\n\n")
+        try:
+            await response.write(first)
+            if first.endswith(END_EVENT):
+                self.request[DELIVERED] = response.status
+            async for piece in pieces:
+                events += piece.count(b"\n\n")
+                try:
+                    await response.write(piece)
+                except ConnectionResetError:
+                    return False, True
+                if piece.endswith(END_EVENT):
+                    self.request[DELIVERED] = response.status
+        except ConnectionResetError:
+            return False, True
+        except UPSTREAM_ERRORS as exc:
+            failure = transport_failure(Role.DECODE, decode, exc)
+            record_outcome(decode, failure, self.router.count_upstream_error)
+            log.warning(
+                "decode stream broke after the first byte",
+                extra={
+                    "request_id": self.request_id,
+                    "worker": decode.url,
+                    "error": failure.message,
+                },
+            )
+            try:
+                await response.write(sse_error(failure.message, 504 if failure.timed_out else 502))
+            except ConnectionResetError:
+                return False, True
+            return False, False
+        self.request[DELIVERED] = response.status
+        record_outcome(decode, None, self.router.count_upstream_error)
+        self.router.latency.observe_stream(loop.time() - first_at, events)
+        return True, False
+
+
+async def join_unary(
+    p_task: asyncio.Task[LegResult], d_task: asyncio.Task[LegResult]
+) -> tuple[LegResult | None, LegResult]:
+    """Both legs' results. A prefill that fails while the decode still waits ends the attempt
+    at once; a prefill that fails after the decode answered does not spoil the answer."""
+    await asyncio.wait((p_task, d_task), return_when=asyncio.FIRST_COMPLETED)
+    if not d_task.done():
+        p_result = p_task.result()
+        return p_result, await d_task
+    d_result = d_task.result()
+    try:
+        p_result = await p_task
+    except LegFailed:
+        return None, d_result
+    return p_result, d_result
+
+
+async def first_piece(
+    pieces: AsyncIterator[bytes], decode: Worker, content_type: str, router: Router
+) -> bytes:
+    """The decode's first bytes; a stream that breaks or ends before them, or whose first
+    event is an abort the worker gave a 5xx status (a KV hand-off that failed), is a retryable
+    decode failure: nothing reached the client yet. Other aborts go to the client as sent."""
+    try:
+        piece = await anext(pieces)
+    except StopAsyncIteration:
+        piece = b""
+    except UPSTREAM_ERRORS as exc:
+        failure = transport_failure(Role.DECODE, decode, exc)
+        raise recorded(decode, failure, router.count_upstream_error) from exc
+    if not piece:
+        failure = LegFailed(
+            Role.DECODE, decode, "disconnect",
+            f"decode worker {decode.url} ended its stream without data", retryable=True,
+        )  # fmt: skip
+        raise recorded(decode, failure, router.count_upstream_error)
+    abort = find_abort(piece, content_type)
+    if abort is not None and abort.status is not None and abort.status >= 500:
+        failure = abort_failure(Role.DECODE, decode, abort)
+        raise recorded(decode, failure, router.count_upstream_error)
+    return piece
+
+
+def sse_error(message: str, status: int = 502) -> bytes:
+    """The event that ends a stream broken after its first byte (SGLang's error shape; the
+    type says what a JSON answer's error would have said: upstream_error or upstream_timeout)."""
+    error_type = UpstreamTimeout.error_type if status == 504 else UpstreamError.error_type
+    error = {"error": {"message": message, "type": error_type, "code": status}}
+    return b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
+
+
+def failure_response(failure: LegFailed) -> web.Response:
+    """What the client gets when the last attempt failed: a worker's own 4xx answer as is,
+    otherwise a router error naming the leg that failed (503 with Retry-After when the router
+    itself ran out of file descriptors or connections, the worker being fine)."""
+    result = failure.result
+    if failure.wrong_role:
+        raise UpstreamUnavailable(failure.message)
+    if result is not None and 400 <= result.status < 500:
+        return web.Response(
+            body=result.body, status=result.status, content_type=result.content_type
+        )
+    if failure.local:
+        raise RouterOverloaded(failure.message)
+    if failure.status == 503:
+        raise UpstreamUnavailable(failure.message)
+    if failure.status == 504 or failure.timed_out:
+        raise UpstreamTimeout(failure.message)
+    raise UpstreamError(failure.message)
