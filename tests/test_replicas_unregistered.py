@@ -1,0 +1,63 @@
+"""A worker whose record goes from etcd without a removal while the replicas reach it and it
+serves, through real replicas: the last healthy worker of its pool stays in every replica's
+pool past the grace period, ``GET /cluster`` and the log say why, and a removal through the
+API still takes it out of every replica. (The grace period itself, failed probes, records put
+back: tests/test_cluster_mirror.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import httpx
+
+from pd_protocol.cluster import ClusterKeys
+from pd_protocol.etcd_client import EtcdClient
+from tests.conftest import ClusterFactory
+from tests.etcd_helpers import EtcdServer
+from tests.replica_helpers import LEASE_TTL_SECS, cluster_view, replicas, workers_of
+from tests.router_helpers import generate_body, wait_until
+from tests.router_process import RouterProcess
+
+KEYS = ClusterKeys("test")  # the cluster tests/replica_helpers.py starts
+# A replica's grace for a worker without a record: two of its lease TTLs.
+GRACE_SECS = 2 * LEASE_TTL_SECS
+# Margin for a busy 2-core machine past a deadline the replica keeps.
+MARGIN_SECS = 4.0
+KEPT = "the last healthy prefill worker"
+
+
+async def _kept(router: RouterProcess, url: str) -> bool:
+    entry = (await cluster_view(router.url))["unregistered"].get(url)
+    return entry is not None and entry["kept"] == KEPT
+
+
+async def test_the_last_healthy_worker_of_a_pool_stays_on_every_replica_without_a_record(
+    cluster_factory: ClusterFactory, etcd_server: EtcdServer
+) -> None:
+    workers = cluster_factory(prefill=1, decode=1, speed=0.0)
+    (prefill,) = workers.prefill_urls
+    async with replicas(workers, etcd_server, 2) as routers:
+        async with aiohttp.ClientSession() as session:
+            await EtcdClient(session, etcd_server.url).delete(KEYS.worker(prefill))
+        await asyncio.sleep(GRACE_SECS)
+        for router in routers:
+            await wait_until(lambda r=router: _kept(r, prefill), MARGIN_SECS, "kept")
+            assert (await workers_of(router.url))[prefill]["state"] == "active"
+            assert f"kept: {KEPT}" in router.log_text()
+            async with router.client() as http:
+                reply = await http.post("/generate", json=generate_body("still served", 2))
+            assert reply.status_code == 200, reply.text
+        async with httpx.AsyncClient(timeout=30.0) as http:
+            removed = await http.delete(routers[0].url + "/workers", params={"url": prefill})
+        assert removed.status_code == 200, removed.text
+
+        async def gone_everywhere() -> bool:
+            for router in routers:
+                if prefill in await workers_of(router.url):
+                    return False
+            return True
+
+        await wait_until(gone_everywhere, MARGIN_SECS, "removed on every replica")
+        for router in routers:
+            assert (await cluster_view(router.url))["unregistered"] == {}
