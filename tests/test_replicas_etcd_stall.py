@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http.client
-import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 
 import httpx
 
-from pd_worker.cluster import LOOPBACK
 from tests.conftest import ClusterFactory
 from tests.conversion_helpers import wait_for_busy
 from tests.etcd_helpers import EtcdServer
@@ -47,32 +44,11 @@ def _self_registered(factory: ClusterFactory, etcd: EtcdServer, **counts: int) -
     return workers.urls
 
 
-def _answers(etcd: EtcdServer) -> bool:
-    conn = http.client.HTTPConnection(LOOPBACK, etcd.client_port, timeout=0.5)
-    try:
-        conn.request("GET", "/health")
-        return conn.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        conn.close()
-
-
-@contextlib.contextmanager
-def _stalled(etcd: EtcdServer) -> Iterator[None]:
-    assert etcd.process is not None
-    etcd.process.send_signal(signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        etcd.process.send_signal(signal.SIGCONT)
-
-
 async def _stall(etcd: EtcdServer) -> float:
     """Freeze etcd for STALL_SECS; the monotonic time it answers again."""
-    with _stalled(etcd):
+    with etcd.stalled():
         await asyncio.sleep(STALL_SECS)
-    await wait_until(lambda: asyncio.to_thread(_answers, etcd), 10.0, "etcd answers again")
+    await wait_until(lambda: asyncio.to_thread(etcd.healthy), 10.0, "etcd answers again")
     return time.monotonic()
 
 
