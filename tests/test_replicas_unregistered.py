@@ -1,12 +1,14 @@
-"""A worker whose record goes from etcd without a removal while the replicas reach it and it
-serves, through real replicas: the last healthy worker of its pool stays in every replica's
+"""Workers whose records go from etcd without a removal while the replicas reach them and they
+serve, through real replicas: the last healthy worker of its pool stays in every replica's
 pool past the grace period, ``GET /cluster`` and the log say why, and a removal through the
-API still takes it out of every replica. (The grace period itself, failed probes, records put
-back: tests/test_cluster_mirror.py.)"""
+API still takes it out of every replica; when etcd lost its data, the workers given on the
+command line are put back. (The grace period itself, failed probes, records put back:
+tests/test_cluster_mirror.py.)"""
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 
 import aiohttp
 import httpx
@@ -61,3 +63,25 @@ async def test_the_last_healthy_worker_of_a_pool_stays_on_every_replica_without_
         await wait_until(gone_everywhere, MARGIN_SECS, "removed on every replica")
         for router in routers:
             assert (await cluster_view(router.url))["unregistered"] == {}
+
+
+async def test_the_workers_of_the_command_line_are_put_back_when_etcd_lost_its_data(
+    cluster_factory: ClusterFactory, etcd_server: EtcdServer
+) -> None:
+    workers = cluster_factory(prefill=1, decode=2, speed=0.0)
+    async with replicas(workers, etcd_server, 1) as (router,):
+        await asyncio.to_thread(etcd_server.stop)
+        shutil.rmtree(etcd_server.data_dir)
+        await asyncio.to_thread(etcd_server.start)
+        async with aiohttp.ClientSession() as session:
+            etcd = EtcdClient(session, etcd_server.url)
+
+            async def put_back() -> bool:
+                records, _ = await etcd.get_prefix(KEYS.workers)
+                return len(records) == len(workers.urls)
+
+            await wait_until(put_back, MARGIN_SECS, "every configured worker's record")
+        await asyncio.sleep(GRACE_SECS + 1.0)
+        listed = await workers_of(router.url)
+        states = {url: listed.get(url, {}).get("state") for url in workers.urls}
+        assert states == dict.fromkeys(workers.urls, "active")

@@ -204,7 +204,8 @@ class EtcdCluster:
                 delay = min(delay * 2, RETRY_MAX_SECS)
 
     async def _join(self) -> None:
-        """Lease, presence, the configured workers (once), a full read, an election."""
+        """Lease, presence, the configured workers (once, and again when etcd lost its data),
+        a full read, an election."""
         if self._lease is None:
             lease = await self._etcd("grant", lambda c: c.grant_lease(self._ttl))
             self._lease = lease.id
@@ -223,6 +224,14 @@ class EtcdCluster:
             await self._seed()
             self._seeded = True
         kvs, revision = await self._etcd("read", lambda c: c.get_prefix(self._keys.root))
+        if revision < self.view.revision:
+            log.warning(
+                "etcd is at revision %d, before the %d this replica saw: its data was restored "
+                "or lost; putting the workers of this replica's configuration back",
+                revision, self.view.revision,
+            )  # fmt: skip
+            await self._seed()
+            kvs, revision = await self._etcd("read", lambda c: c.get_prefix(self._keys.root))
         self.view.reset(kvs, revision)
         self.mirror.sync_all()
         if not self._up:
