@@ -101,6 +101,19 @@ async def _record(etcd: EtcdClient) -> WorkerRecord | None:
     return None if kv is None else WorkerRecord.decode(kv.value)
 
 
+async def _put_again(etcd: EtcdClient, *old_leases: int) -> WorkerRecord:
+    """The record, once it is put under a lease other than ``old_leases``."""
+
+    async def put_again() -> bool:
+        kv = await _stored(etcd)
+        return kv is not None and kv.lease not in (0, *old_leases)
+
+    await _until(put_again, "the record put again under a new lease")
+    record = await _record(etcd)
+    assert record is not None
+    return record
+
+
 # ---------------------------------------------------------------- the record, on recorded inputs
 
 
@@ -257,13 +270,8 @@ async def test_a_record_put_again_over_a_routers_record_moves_the_epoch_to_the_l
     await etcd.put(KEYS.worker(URL), router_record.encode(), lease=router_lease.id)
     await etcd.revoke_lease(lease)
 
-    async def put_again() -> bool:
-        kv = await _stored(etcd)
-        return kv is not None and kv.lease not in (lease, router_lease.id)
-
-    await _until(put_again, "the record put again under a new lease")
-    record = await _record(etcd)
-    assert record is not None and (record.role, record.epoch) == ("prefill", 5)
+    record = await _put_again(etcd, lease, router_lease.id)
+    assert (record.role, record.epoch) == ("prefill", 5)
 
 
 async def test_a_record_lost_with_its_lease_is_put_again_with_its_epoch_moved_on(
@@ -283,13 +291,8 @@ async def test_a_record_lost_with_its_lease_is_put_again_with_its_epoch_moved_on
     )
     await etcd.revoke_lease(lease)
 
-    async def put_again() -> bool:
-        kv = await _stored(etcd)
-        return kv is not None and kv.lease not in (0, lease)
-
-    await _until(put_again, "the record put again under a new lease")
-    record = await _record(etcd)
-    assert record is not None and (record.role, record.epoch) == ("decode", 1)
+    record = await _put_again(etcd, lease)
+    assert (record.role, record.epoch) == ("decode", 1)
 
 
 async def test_an_etcd_stall_longer_than_the_ttl_is_ridden_out_and_counted_as_unregistered(
@@ -374,13 +377,8 @@ async def test_a_record_a_router_writes_during_a_put_is_read_again_before_the_pu
     live.armed = True
     await etcd.revoke_lease(lease)
 
-    async def put_again() -> bool:
-        kv = await _stored(etcd)
-        return kv is not None and kv.lease not in (0, lease)
-
-    await _until(put_again, "the record put again under a new lease")
-    record = await _record(etcd)
-    assert record is not None and (record.role, record.epoch) == ("prefill", 8)
+    record = await _put_again(etcd, lease)
+    assert (record.role, record.epoch) == ("prefill", 8)
 
 
 async def test_etcd_restarted_after_the_ttl_has_the_record_again_and_one_warning_was_logged(

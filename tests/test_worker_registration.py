@@ -76,6 +76,19 @@ async def _registered(etcd: EtcdClient, url: str) -> KeyValue:
     return stored
 
 
+async def _put_again(etcd: EtcdClient, url: str, old_lease: int) -> WorkerRecord:
+    """The record of ``url``, once it is put under another lease than ``old_lease``."""
+
+    async def put_again() -> bool:
+        kv = await _stored(etcd, url)
+        return kv is not None and kv.lease != old_lease
+
+    await _until(put_again, "the record put again under a new lease", within=WAIT_S)
+    record = await _record(etcd, url)
+    assert record is not None
+    return record
+
+
 async def _until(condition: Callable[[], Awaitable[bool]], what: str, within: float) -> float:
     """Seconds until ``condition`` held (AssertionError after ``within``)."""
     started = time.monotonic()
@@ -147,13 +160,8 @@ async def test_a_record_put_again_after_a_role_switch_carries_the_new_role(
     # The lease is lost (as when etcd forgot it): the worker registers again, in its live role.
     await etcd.revoke_lease(first.lease)
 
-    async def put_again() -> bool:
-        kv = await _stored(etcd, url)
-        return kv is not None and kv.lease != first.lease
-
-    await _until(put_again, "the record put again under a new lease", within=WAIT_S)
-    record = await _record(etcd, url)
-    assert record is not None and record.role == "decode"
+    record = await _put_again(etcd, url, first.lease)
+    assert record.role == "decode"
 
 
 async def test_the_record_is_there_after_etcd_was_stopped_past_the_ttl_and_restarted(
@@ -186,11 +194,7 @@ async def test_the_workers_metrics_say_how_long_an_etcd_stall_left_it_unregister
     with etcd_server.stalled():
         await asyncio.sleep(TTL + 1.5)
 
-    async def registered_again() -> bool:
-        kv = await _stored(etcd, url)
-        return kv is not None and kv.lease != first.lease
-
-    await _until(registered_again, "the record under a new lease", within=WAIT_S)
+    await _put_again(etcd, url, first.lease)
     metrics = await _registration_metrics(url)
     assert metrics["pd_worker_registration_lapses_total"] == 1.0
     assert metrics["pd_worker_unregistered_seconds_total"] > 0.0
