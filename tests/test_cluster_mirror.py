@@ -161,6 +161,17 @@ async def test_an_unhealthy_worker_whose_record_went_leaves_at_once(replica):
     assert "unhealthy" in replica.departures()[URL]
 
 
+async def test_a_worker_behind_an_open_circuit_whose_record_went_leaves_at_once(replica):
+    await replica.put(record())
+    await replica.put(record(url=OTHER))
+    circuit = replica.worker().circuit
+    for _ in range(circuit.config.failure_threshold):
+        circuit.record_failure()
+    await replica.delete(KEYS.worker(URL))
+    assert [w.url for w in replica.registry] == [OTHER]
+    assert "open circuit" in replica.departures()[URL]
+
+
 async def test_a_failed_probe_ends_the_grace_period_at_once(replica):
     await replica.put(record())
     await replica.put(record(url=OTHER))

@@ -159,6 +159,7 @@ class EtcdCluster:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        self.mirror.stop()
         lease, self._lease = self._lease, None
         if lease is not None and self._up:
             try:

@@ -100,6 +100,11 @@ class Mirror:
             if worker.url not in self._view.records:
                 self._record_gone(worker)
 
+    def stop(self) -> None:
+        """No grace period ends any more (the replica is leaving)."""
+        for url in list(self._unregistered):
+            self._forget_unregistered(url)
+
     def changed(self, url: str) -> None:
         stored = self._view.records.get(url)
         worker = self._lookup(url)
@@ -197,8 +202,9 @@ class Mirror:
             or worker.url in self._unregistered
         ):
             return
-        if not self._serves(worker):
-            self._leave(worker, "its record went and it does not serve here (unhealthy)")
+        unserving = self._not_serving(worker)
+        if unserving is not None:
+            self._leave(worker, f"its record went and it is {unserving} here")
             return
         entry = Unregistered(since=time.monotonic())
         self._unregistered[worker.url] = entry
@@ -245,8 +251,9 @@ class Mirror:
         if worker is None or worker.state is WorkerState.REMOVING:
             self._forget_unregistered(url)
             return
-        if not self._serves(worker):
-            self._leave(worker, f"no record for {self._grace:g}s and it does not serve here")
+        unserving = self._not_serving(worker)
+        if unserving is not None:
+            self._leave(worker, f"no record for {self._grace:g}s and it is {unserving} here")
             return
         if self._registry.active_healthy_count(worker.role, excluding=worker) == 0:
             if entry.kept is None:
@@ -270,18 +277,21 @@ class Mirror:
             worker.url in self._unregistered
             and self._registry.registered(worker)
             and worker.state is not WorkerState.REMOVING
-            and not self._serves(worker)
+            and self._not_serving(worker) is not None
         ):
             self._leave(worker, "it has no record and its probe failed")
 
     @staticmethod
-    def _serves(worker: Worker) -> bool:
-        """Whether this replica's probes and circuit say the worker serves."""
-        return (
-            worker.state is not WorkerState.FAILED
-            and worker.healthy
-            and worker.circuit.state is not CircuitState.OPEN
-        )
+    def _not_serving(worker: Worker) -> str | None:
+        """Why this replica's probes, circuit or a conversion say the worker does not serve
+        (None: it serves)."""
+        if worker.state is WorkerState.FAILED:
+            return "failed"
+        if not worker.healthy:
+            return "unhealthy"
+        if worker.circuit.state is CircuitState.OPEN:
+            return "behind an open circuit"
+        return None
 
     def _leave(self, worker: Worker, reason: str) -> None:
         """Out of the pools because its record went: said in the log (a warning when its
