@@ -65,6 +65,27 @@ async def test_the_last_healthy_worker_of_a_pool_stays_on_every_replica_without_
             assert (await cluster_view(router.url))["unregistered"] == {}
 
 
+async def test_a_worker_serving_without_a_record_is_registered_again_through_the_api(
+    cluster_factory: ClusterFactory, etcd_server: EtcdServer
+) -> None:
+    workers = cluster_factory(prefill=1, decode=2, speed=0.0)
+    decode = workers.decode_urls[0]
+    async with replicas(workers, etcd_server, 1) as (router,), aiohttp.ClientSession() as session:
+        etcd = EtcdClient(session, etcd_server.url)
+        await etcd.delete(KEYS.worker(decode))
+        async with router.client() as http:
+            added = await http.post("/workers", json={"url": decode, "role": "decode"})
+        assert added.status_code == 201, added.text
+        assert await etcd.get(KEYS.worker(decode)) is not None
+
+        async def registered() -> bool:
+            return (await cluster_view(router.url))["unregistered"] == {}
+
+        await wait_until(registered, 2.0, "registered again")
+        await asyncio.sleep(GRACE_SECS)
+        assert (await workers_of(router.url))[decode]["state"] == "active"
+
+
 async def test_the_workers_of_the_command_line_are_put_back_when_etcd_lost_its_data(
     cluster_factory: ClusterFactory, etcd_server: EtcdServer
 ) -> None:

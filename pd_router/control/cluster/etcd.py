@@ -56,6 +56,7 @@ from pd_router.control.workers import (
     Worker,
     WorkerRegistry,
     WorkerState,
+    normalize_url,
 )
 from pd_router.errors import ClusterUnavailable
 
@@ -603,9 +604,11 @@ class EtcdCluster:
 
     async def add_worker(self, url: str, role: Role, bootstrap_port: int | None) -> Worker:
         """Published first; the record's echo may have brought the worker into this replica's
-        registry before the publication answered, else it is added here."""
+        registry before the publication answered, else it is added here. A worker serving here
+        without a record (its grace period, or the last of its pool) gets its record back."""
         registry = self._registry
-        registry.check_addable(url)
+        if not self.mirror.without_record(normalize_url(url)):
+            registry.check_addable(url)
         with self._agreement("adding workers"):
             await self._add_worker(url, role, bootstrap_port)
         try:

@@ -132,6 +132,11 @@ class Mirror:
     def unregistered_count(self) -> int:
         return len(self._unregistered)
 
+    def without_record(self, url: str) -> bool:
+        """Whether the worker at ``url`` (the registry's spelling) serves here while the
+        cluster has no record of it."""
+        return url in self._unregistered
+
     # --- one record -------------------------------------------------------------------------
 
     def _apply(self, worker: Worker | None, record: WorkerRecord) -> None:
