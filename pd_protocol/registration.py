@@ -402,11 +402,15 @@ class SelfRegistration:
             return
         leaving = record.evolve(state="removing").encode()
         revision = stored.mod_revision
-        await self._call(
-            lambda client: client.txn(
-                [if_unchanged(self.key, revision)], [put_op(self.key, leaving, lease=lease)]
+        try:
+            await self._call(
+                lambda client: client.txn(
+                    [if_unchanged(self.key, revision)], [put_op(self.key, leaving, lease=lease)]
+                )
             )
-        )
+        except EtcdRequestError as exc:
+            # The lease went meanwhile (the record with it): nothing left to mark.
+            logger.info("%s not marked as leaving: %s", self._url, exc)
 
     async def _put(self, record: WorkerRecord, stored: KeyValue | None, lease: int) -> bool:
         """Whether the compare-and-swap put held; LeaseNotFound when the lease is gone."""
