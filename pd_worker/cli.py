@@ -264,7 +264,7 @@ async def serve(
         logging.getLogger("pd_worker").info(
             "%s worker on %s, bootstrap port %d", config.role, config.url, config.bootstrap_port
         )
-        async with registered(app[WORKER].engine, registration):
+        async with registered(app[WORKER].engine, registration, app[WORKER].registry):
             await stop.wait()
     finally:
         await runner.cleanup()

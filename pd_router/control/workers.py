@@ -45,8 +45,9 @@ class Role(StrEnum):
 class WorkerState(StrEnum):
     """A conversion: ACTIVE -> DRAINING -> SWITCHING -> ACTIVE (new role), DRAINING -> ACTIVE on
     abort, -> FAILED on an unsafe failure (out of every pool until re-added). A removal: ACTIVE or
-    FAILED -> REMOVING (waiting for the router's in-flight requests) -> forgotten. Only ACTIVE
-    workers are selectable."""
+    FAILED -> REMOVING (waiting for the router's in-flight requests) -> forgotten, or REMOVING ->
+    ACTIVE when the cluster record whose going began it comes back. Only ACTIVE workers are
+    selectable."""
 
     ACTIVE = "active"
     DRAINING = "draining"
@@ -62,7 +63,7 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     ),
     WorkerState.SWITCHING: frozenset({WorkerState.ACTIVE, WorkerState.FAILED}),
     WorkerState.FAILED: frozenset({WorkerState.ACTIVE, WorkerState.REMOVING}),
-    WorkerState.REMOVING: frozenset(),
+    WorkerState.REMOVING: frozenset({WorkerState.ACTIVE}),
 }
 
 # The states in which a conversion holds the worker (and only those).
@@ -301,6 +302,14 @@ class WorkerRegistry:
         worker or another removal runs, so a removal and a conversion never both start."""
         self._require_free(worker)
         self._move(worker, WorkerState.REMOVING)
+
+    def readmit(self, worker: Worker) -> None:
+        """REMOVING -> ACTIVE: a removal that began because the worker's cluster record went is
+        called off, the record being back. Its in-flight requests never stopped."""
+        self._require_registered(worker)
+        if worker.state is not WorkerState.REMOVING:
+            raise InvalidTransition(worker, WorkerState.ACTIVE)
+        self._move(worker, WorkerState.ACTIVE)
 
     def forget(self, worker: Worker) -> None:
         """Drop a REMOVING worker and its metric series (the end of a removal)."""
