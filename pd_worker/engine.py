@@ -429,7 +429,7 @@ class Engine:
             await self.role.teardown()
             if self.faults.take_switch_failure():
                 raise SwitchTeardownFailed("injected fault: teardown of the old role failed")
-            await self.timing.wait(self.timing.switch_secs)
+            await self.plane.after_teardown()
             self.role_name = new_role
             self.prefix_cache.clear()
             self.role = self.plane.make_role(self, new_role)
