@@ -246,6 +246,9 @@ class HealthMonitor:
             else:
                 log.warning("worker %s healthy again", worker.url, extra=self._fields(worker))
             self._registry.mark_recovered(worker)
+        elif worker.healthy and worker.last_error is not None:
+            # A failed probe below the failure threshold: the worker answers again.
+            self._registry.clear_error(worker)
         return worker.healthy
 
     def _log_unhealthy(self, worker: Worker, first: bool, error: str | None) -> None:
@@ -254,8 +257,8 @@ class HealthMonitor:
         fields = {**self._fields(worker), "error": error}
         if first:
             log.warning(
-                "worker %s (%s) does not answer its health probe; out of its pool until it does",
-                worker.url, worker.role.value, extra=fields,
+                "worker %s (%s) fails its health probe (%s); out of its pool until it passes",
+                worker.url, worker.role.value, error, extra=fields,
             )  # fmt: skip
         else:
             log.warning("worker %s unhealthy", worker.url, extra=fields)
@@ -334,6 +337,8 @@ class HealthMonitor:
                        "given_port": worker.bootstrap_port},
             )  # fmt: skip
             self._registry.set_bootstrap_port(worker, reading.bootstrap_port)
+        if reading.switch_supported is not None:
+            self._registry.set_switch_supported(worker, reading.switch_supported)
         if reading.draining is worker.admitting:
             log.warning(
                 "worker %s draining; out of selection"
