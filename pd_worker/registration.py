@@ -34,7 +34,7 @@ async def registered(
     own_url = advertise_url(scheme, config.host, config.port)
     async with aiohttp.ClientSession() as session:
         registration = settings.registration(
-            session, own_url, lambda: (engine.role_name, config.bootstrap_port)
+            session, own_url, lambda: (engine.role_name, engine.bootstrap_port)
         )
         collector = RegistrationCollector(registration.stats)
         metrics.register(collector)

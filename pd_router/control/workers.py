@@ -170,6 +170,8 @@ class Worker:
     admitting: bool = True
     inflight: int = 0
     has_extensions: bool | None = None
+    # Whether the worker can switch roles (None: it has not said yet).
+    switch_supported: bool | None = None
     last_error: str | None = None
     conversion_id: str | None = None
     bootstrap_host: str = ""
@@ -208,6 +210,7 @@ class Worker:
             "inflight": self.inflight,
             "circuit": self.circuit.state.value,
             "has_extensions": self.has_extensions,
+            "switch_supported": self.switch_supported,
             "last_error": self.last_error,
             "conversion": self.conversion_id,
         }
@@ -360,6 +363,12 @@ class WorkerRegistry:
         """ACTIVE, healthy workers of ``role`` whose circuit lets a request through."""
         return [w for w in self._by_url.values() if w.role is role and w.selectable]
 
+    def remaining_below(self, worker: Worker, minimum: int) -> int | None:
+        """How many active healthy workers ``worker``'s pool keeps without it, when that is
+        fewer than ``minimum`` (None: the pool keeps its minimum)."""
+        remaining = self.active_healthy_count(worker.role, excluding=worker)
+        return remaining if remaining < minimum else None
+
     def active_healthy_count(self, role: Role, excluding: Worker | None = None) -> int:
         return sum(
             1
@@ -444,6 +453,16 @@ class WorkerRegistry:
         if self.registered(worker):
             worker.last_error = error
 
+    def clear_error(self, worker: Worker) -> None:
+        """The worker answers again: its last error is history, not its state."""
+        if self.registered(worker):
+            worker.last_error = None
+
+    def set_switch_supported(self, worker: Worker, supported: bool) -> None:
+        """Whether the worker reported it can switch roles."""
+        if self.registered(worker):
+            worker.switch_supported = supported
+
     def set_bootstrap_port(self, worker: Worker, port: int) -> None:
         """The KV bootstrap port a prefill reported for itself."""
         if self.registered(worker):
@@ -469,6 +488,7 @@ class WorkerRegistry:
         if not self.registered(worker):
             return
         worker.circuit.reset()
+        worker.last_error = None
         self.set_health(worker, True)
 
     def note_restart(self, worker: Worker, *, forget_protocol: bool) -> None:
