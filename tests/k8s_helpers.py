@@ -1,0 +1,321 @@
+"""A real kube-apiserver on a real etcd for the Kubernetes discovery tests, and the few calls a
+test makes to it (no scheduler, no kubelet: a test creates pods and writes their status).
+
+The binary is built once by ``tests/k8s/build_kube_apiserver.sh`` (``make test`` runs it; about
+4.5 minutes the first time, cached under ``~/.cache/pd-router``); without it these tests skip
+with the reason. ``kube_apiserver`` (module scope) starts etcd and the API server (about 4 s)
+with token authentication, RBAC, a service-account signing key and a certificate signed by a
+throwaway CA; ``kube`` (function scope) gives each test a fresh namespace (a namespace never
+finishes deleting without a controller manager) and an admin client in it::
+
+    pod = await kube.create_pod("p0", {"app": "sglang", "role": "prefill"})
+    await kube.set_status("p0", ip="127.0.0.2", ready=True)
+    await kube.label("p0", role="decode")
+    await kube.delete_pod("p0")
+    token = await kube.service_account_token("pd-router")   # a real service-account JWT
+    kube.server.kubeconfig(path, token, namespace=kube.namespace)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+import yaml
+
+from pd_worker.cluster import LOOPBACK, free_port
+from tests.etcd_helpers import ETCD, EtcdServer
+from tests.tls_helpers import make_pki
+
+CACHE = Path(os.environ.get("PD_ROUTER_CACHE", Path.home() / ".cache" / "pd-router"))
+KUBE_APISERVER = CACHE / "kube-apiserver"
+BUILD_SCRIPT = Path(__file__).parent / "k8s" / "build_kube_apiserver.sh"
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 10.0
+ADMIN_TOKEN = "pd-router-test-admin"
+MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
+
+
+def skip_reason() -> str | None:
+    """Why the Kubernetes tests cannot run here, or None."""
+    if not os.access(KUBE_APISERVER, os.X_OK):
+        return (
+            f"no kube-apiserver at {KUBE_APISERVER}: build it with {BUILD_SCRIPT} "
+            "(make test does; about 4.5 minutes once)"
+        )
+    if ETCD is None:
+        return "etcd not installed (Debian: apt-get install etcd-server; make test does it)"
+    if shutil.which("openssl") is None:
+        return "the openssl command is needed to make the API server's certificates"
+    return None
+
+
+requires_kube = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
+
+
+class KubeDidNotStart(RuntimeError):
+    """kube-apiserver exited or was not ready in time; carries the tail of its log."""
+
+
+@dataclass
+class KubeApiServer:
+    """One kube-apiserver on loopback, on the etcd at ``etcd_url``."""
+
+    workdir: Path
+    etcd_url: str
+    port: int = field(default_factory=free_port)
+    process: subprocess.Popen[bytes] | None = None
+    ca_cert: str = ""
+    started_in_s: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return f"https://{LOOPBACK}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "kube-apiserver.log"
+
+    def start(self) -> KubeApiServer:
+        pki = make_pki(self.workdir)
+        self.ca_cert = pki.ca_cert
+        sa_key = self.workdir / "sa.key"
+        subprocess.run(
+            ["openssl", "genrsa", "-out", str(sa_key), "2048"], check=True, capture_output=True
+        )
+        tokens = self.workdir / "tokens.csv"
+        tokens.write_text(f'{ADMIN_TOKEN},admin,admin,"system:masters"\n')
+        command = [
+            str(KUBE_APISERVER),
+            f"--etcd-servers={self.etcd_url}",
+            f"--bind-address={LOOPBACK}",
+            f"--secure-port={self.port}",
+            "--insecure-port=0",
+            f"--advertise-address={LOOPBACK}",
+            "--endpoint-reconciler-type=none",
+            f"--cert-dir={self.workdir / 'certs'}",
+            f"--tls-cert-file={pki.server_cert}",
+            f"--tls-private-key-file={pki.server_key}",
+            "--service-cluster-ip-range=10.96.0.0/24",
+            "--service-account-issuer=https://kubernetes.default.svc",
+            f"--service-account-key-file={sa_key}",
+            f"--service-account-signing-key-file={sa_key}",
+            f"--token-auth-file={tokens}",
+            "--authorization-mode=RBAC",
+            "--disable-admission-plugins=ServiceAccount",
+            "--logtostderr=true",
+            "--v=0",
+        ]
+        started = time.monotonic()
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        deadline = started + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise KubeDidNotStart(f"exited {self.process.returncode}: {self._log_tail()}")
+            if self._ready():
+                self.started_in_s = time.monotonic() - started
+                return self
+            time.sleep(0.1)
+        self.stop()
+        raise KubeDidNotStart(f"not ready within {READY_TIMEOUT_S}s: {self._log_tail()}")
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
+
+    def _ready(self) -> bool:
+        try:
+            response = httpx.get(
+                f"{self.url}/readyz", verify=self.ca_cert, timeout=1.0,
+                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            )  # fmt: skip
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    def _log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def kubeconfig(self, path: Path, token: str, namespace: str = "default") -> Path:
+        """Write a kubeconfig for ``token`` (JSON, which is YAML) and return its path."""
+        config = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [
+                {"name": "test", "cluster": {"server": self.url, "certificate-authority": self.ca_cert}}
+            ],
+            "users": [{"name": "test", "user": {"token": token}}],
+            "contexts": [
+                {"name": "test", "context": {"cluster": "test", "user": "test", "namespace": namespace}}
+            ],
+            "current-context": "test",
+        }  # fmt: skip
+        path.write_bytes(orjson.dumps(config))
+        return path
+
+    def client(self, token: str = ADMIN_TOKEN) -> httpx.AsyncClient:
+        return httpx.AsyncClient(
+            base_url=self.url, verify=self.ca_cert, timeout=10.0,
+            headers={"Authorization": f"Bearer {token}"},
+        )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def kube_apiserver() -> Iterator[KubeApiServer]:
+    reason = skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with tempfile.TemporaryDirectory(prefix="pd-kube-") as tmp:
+        etcd = EtcdServer(binary=ETCD, data_dir=Path(tmp) / "etcd" / "data")
+        etcd.data_dir.parent.mkdir()
+        etcd.start()
+        server = KubeApiServer(workdir=Path(tmp), etcd_url=etcd.url)
+        try:
+            yield server.start()
+        finally:
+            server.stop()
+            etcd.stop()
+
+
+class KubeError(RuntimeError):
+    """The API server refused a test's call."""
+
+
+_namespaces = itertools.count(1)
+
+
+class Namespace:
+    """A fresh namespace on the test API server and the admin calls a test makes in it."""
+
+    def __init__(self, server: KubeApiServer, http: httpx.AsyncClient, name: str) -> None:
+        self.server = server
+        self.http = http
+        self.namespace = name
+
+    def _pods(self, name: str = "") -> str:
+        return f"/api/v1/namespaces/{self.namespace}/pods" + (f"/{name}" if name else "")
+
+    async def call(self, method: str, path: str, body: Any = None, **kwargs: Any) -> Any:
+        content = orjson.dumps(body) if body is not None else None
+        response = await self.http.request(method, path, content=content, **kwargs)
+        if response.status_code >= 400:
+            raise KubeError(f"{method} {path}: {response.status_code} {response.text}")
+        return response.json()
+
+    async def create_pod(
+        self, name: str, labels: dict[str, str], annotations: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "labels": labels, "annotations": annotations or {}},
+            "spec": {"containers": [{"name": "sglang", "image": "lmsysorg/sglang"}]},
+        }
+        return await self.call("POST", self._pods(), pod)
+
+    async def set_status(
+        self, name: str, *, ip: str | None = None, ready: bool, phase: str = "Running"
+    ) -> dict[str, Any]:
+        """Write the pod's status as a kubelet would: phase, pod IP and the Ready condition."""
+        status: dict[str, Any] = {
+            "phase": phase,
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        }
+        if ip is not None:
+            status.update(podIP=ip, podIPs=[{"ip": ip}])
+        return await self.call(
+            "PATCH", self._pods(name) + "/status", {"status": status}, headers=MERGE_PATCH
+        )
+
+    async def label(self, name: str, **labels: str | None) -> dict[str, Any]:
+        body = {"metadata": {"labels": labels}}
+        return await self.call("PATCH", self._pods(name), body, headers=MERGE_PATCH)
+
+    async def get_pod(self, name: str) -> dict[str, Any]:
+        return await self.call("GET", self._pods(name))
+
+    async def labels(self, name: str) -> dict[str, str]:
+        return (await self.get_pod(name))["metadata"].get("labels") or {}
+
+    async def delete_pod(self, name: str) -> None:
+        await self.call("DELETE", self._pods(name), {"gracePeriodSeconds": 0})
+
+    async def service_account_token(self, name: str) -> str:
+        """Create service account ``name`` and a token for it (the TokenRequest API: the JWT
+        a pod of that account has mounted)."""
+        account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name}}
+        base = f"/api/v1/namespaces/{self.namespace}/serviceaccounts"
+        await self.call("POST", base, account)
+        request = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest", "spec": {}}
+        reply = await self.call("POST", f"{base}/{name}/token", request)
+        return reply["status"]["token"]
+
+    async def apply(self, document: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        """Create one manifest object in this namespace (server-side dry run with
+        ``dry_run``); the object's own namespace is replaced by this one."""
+        document = dict(document)
+        metadata = dict(document.get("metadata") or {})
+        metadata["namespace"] = self.namespace
+        document["metadata"] = metadata
+        params = {"dryRun": "All"} if dry_run else {}
+        return await self.call("POST", collection_path(document, self.namespace), document,
+                               params=params)  # fmt: skip
+
+    async def apply_file(self, path: Path, dry_run: bool = False) -> list[dict[str, Any]]:
+        return [
+            await self.apply(doc, dry_run)
+            for doc in yaml.safe_load_all(path.read_text())
+            if doc
+        ]
+
+
+# The kinds the manifests in docker/k8s/ hold: kind -> (API path prefix, plural, namespaced).
+KINDS = {
+    "Pod": ("/api/v1", "pods", True),
+    "Service": ("/api/v1", "services", True),
+    "ServiceAccount": ("/api/v1", "serviceaccounts", True),
+    "ConfigMap": ("/api/v1", "configmaps", True),
+    "Deployment": ("/apis/apps/v1", "deployments", True),
+    "StatefulSet": ("/apis/apps/v1", "statefulsets", True),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
+}
+
+
+def collection_path(document: dict[str, Any], namespace: str) -> str:
+    prefix, plural, namespaced = KINDS[document["kind"]]
+    return f"{prefix}/namespaces/{namespace}/{plural}" if namespaced else f"{prefix}/{plural}"
+
+
+@pytest.fixture
+async def kube(kube_apiserver: KubeApiServer) -> AsyncIterator[Namespace]:
+    name = f"t{os.getpid()}-{next(_namespaces)}"
+    async with kube_apiserver.client() as http:
+        ns = Namespace(kube_apiserver, http, name)
+        body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+        await ns.call("POST", "/api/v1/namespaces", body)
+        try:
+            yield ns
+        finally:
+            with contextlib.suppress(KubeError, httpx.HTTPError):
+                await ns.call("DELETE", f"/api/v1/namespaces/{name}")
