@@ -22,6 +22,7 @@ import contextlib
 import itertools
 import os
 import shutil
+import ssl
 import subprocess
 import tempfile
 import time
@@ -143,10 +144,14 @@ class KubeApiServer:
             self.process.wait()
         self.process = None
 
+    def tls(self) -> ssl.SSLContext:
+        """A client context that trusts this server's certificate."""
+        return ssl.create_default_context(cafile=self.ca_cert)
+
     def _ready(self) -> bool:
         try:
             response = httpx.get(
-                f"{self.url}/readyz", verify=self.ca_cert, timeout=1.0,
+                f"{self.url}/readyz", verify=self.tls(), timeout=1.0,
                 headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
             )  # fmt: skip
         except httpx.HTTPError:
@@ -158,24 +163,22 @@ class KubeApiServer:
 
     def kubeconfig(self, path: Path, token: str, namespace: str = "default") -> Path:
         """Write a kubeconfig for ``token`` (JSON, which is YAML) and return its path."""
+        cluster = {"server": self.url, "certificate-authority": self.ca_cert}
+        context = {"cluster": "test", "user": "test", "namespace": namespace}
         config = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [
-                {"name": "test", "cluster": {"server": self.url, "certificate-authority": self.ca_cert}}
-            ],
+            "clusters": [{"name": "test", "cluster": cluster}],
             "users": [{"name": "test", "user": {"token": token}}],
-            "contexts": [
-                {"name": "test", "context": {"cluster": "test", "user": "test", "namespace": namespace}}
-            ],
+            "contexts": [{"name": "test", "context": context}],
             "current-context": "test",
-        }  # fmt: skip
+        }
         path.write_bytes(orjson.dumps(config))
         return path
 
     def client(self, token: str = ADMIN_TOKEN) -> httpx.AsyncClient:
         return httpx.AsyncClient(
-            base_url=self.url, verify=self.ca_cert, timeout=10.0,
+            base_url=self.url, verify=self.tls(), timeout=10.0,
             headers={"Authorization": f"Bearer {token}"},
         )  # fmt: skip
 
@@ -272,21 +275,22 @@ class Namespace:
 
     async def apply(self, document: dict[str, Any], dry_run: bool = False) -> dict[str, Any]:
         """Create one manifest object in this namespace (server-side dry run with
-        ``dry_run``); the object's own namespace is replaced by this one."""
+        ``dry_run``); its namespace, and its subjects' (a RoleBinding), become this one."""
         document = dict(document)
         metadata = dict(document.get("metadata") or {})
         metadata["namespace"] = self.namespace
         document["metadata"] = metadata
+        if "subjects" in document:
+            document["subjects"] = [
+                {**subject, "namespace": self.namespace} for subject in document["subjects"]
+            ]
         params = {"dryRun": "All"} if dry_run else {}
         return await self.call("POST", collection_path(document, self.namespace), document,
                                params=params)  # fmt: skip
 
     async def apply_file(self, path: Path, dry_run: bool = False) -> list[dict[str, Any]]:
-        return [
-            await self.apply(doc, dry_run)
-            for doc in yaml.safe_load_all(path.read_text())
-            if doc
-        ]
+        documents = [doc for doc in yaml.safe_load_all(path.read_bytes()) if doc]  # noqa: ASYNC240
+        return [await self.apply(doc, dry_run) for doc in documents]
 
 
 # The kinds the manifests in docker/k8s/ hold: kind -> (API path prefix, plural, namespaced).
