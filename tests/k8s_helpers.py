@@ -18,12 +18,15 @@ finishes deleting without a controller manager) and an admin client in it::
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import os
 import shutil
+import signal
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -38,6 +41,7 @@ import yaml
 
 from pd_worker.cluster import LOOPBACK, free_port
 from tests.etcd_helpers import ETCD, EtcdServer
+from tests.router_helpers import wait_until
 from tests.tls_helpers import make_pki
 
 CACHE = Path(os.environ.get("PD_ROUTER_CACHE", Path.home() / ".cache" / "pd-router"))
@@ -323,3 +327,127 @@ async def kube(kube_apiserver: KubeApiServer) -> AsyncIterator[Namespace]:
         finally:
             with contextlib.suppress(KubeError, httpx.HTTPError):
                 await ns.call("DELETE", f"/api/v1/namespaces/{name}")
+
+
+# --- routers with discovery, and the pods of reference workers ---------------------------------
+
+ROLE_SELECTORS = ("--prefill-selector", "app=sglang", "role=prefill",
+                  "--decode-selector", "app=sglang", "role=decode")  # fmt: skip
+PORTS_ANNOTATION = "smg.ai/worker-ports"
+ROUTER_START_S = 20.0
+ROUTER_STOP_S = 10.0
+
+
+def worker_annotations(url: str) -> dict[str, str]:
+    """The annotation that sends a pod's traffic to a reference worker's port on loopback."""
+    return {PORTS_ANNOTATION: url.rsplit(":", 1)[1]}
+
+
+async def worker_pod(kube: Namespace, name: str, url: str, role: str, ready: bool = True) -> None:
+    """A pod labelled ``app=sglang, role=ROLE`` standing for the reference worker at ``url``
+    (pod IP 127.0.0.1, its port in the annotation), Running and Ready when ``ready``."""
+    await kube.create_pod(name, {"app": "sglang", "role": role}, worker_annotations(url))
+    await kube.set_status(name, ip=LOOPBACK, ready=ready)
+
+
+async def router_credentials(
+    kube: Namespace, tmp: Path, verbs: tuple[str, ...] | None = None
+) -> Path:
+    """A kubeconfig for the service account of docker/k8s/rbac.yaml in ``kube``'s namespace,
+    with that file's Role (its verbs replaced by ``verbs`` when given)."""
+    rbac = Path(__file__).parent.parent / "docker" / "k8s" / "rbac.yaml"
+    for document in yaml.safe_load_all(rbac.read_bytes()):
+        if document["kind"] == "Role" and verbs is not None:
+            document["rules"] = [{**rule, "verbs": list(verbs)} for rule in document["rules"]]
+        if document["kind"] != "ServiceAccount":
+            await kube.apply(document)
+    token = await kube.service_account_token("pd-router")
+    return kube.server.kubeconfig(tmp / f"kubeconfig-{kube.namespace}", token, kube.namespace)
+
+
+class DiscoveryRouter:
+    """A ``pd-router`` process started from its command line, and how to look at it."""
+
+    def __init__(self, process: asyncio.subprocess.Process, port: int, log: Any) -> None:
+        self.process = process
+        self.url = f"http://{LOOPBACK}:{port}"
+        self._log = log
+
+    def log_text(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def client(self, **kwargs: Any) -> httpx.AsyncClient:
+        kwargs.setdefault("timeout", 30.0)
+        return httpx.AsyncClient(base_url=self.url, **kwargs)
+
+    async def workers(self) -> dict[str, dict[str, Any]]:
+        """The router's workers by url (``GET /workers``)."""
+        async with self.client() as http:
+            listing = (await http.get("/workers")).json()
+        return {w["url"]: w for w in listing["workers"]}
+
+    async def pools(self) -> dict[str, str]:
+        """url -> role of the healthy ACTIVE workers."""
+        return {
+            url: w["role"]
+            for url, w in (await self.workers()).items()
+            if w["state"] == "active" and w["healthy"]
+        }
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """The sum of the series of ``name`` whose labels include ``labels``."""
+        async with self.client() as http:
+            text = (await http.get("/metrics")).text
+        total = 0.0
+        for line in text.splitlines():
+            if not line.startswith(name + "{") and not line.startswith(name + " "):
+                continue
+            if all(f'{k}="{v}"' in line for k, v in labels.items()):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@contextlib.asynccontextmanager
+async def discovery_router(
+    kubeconfig: Path | None, *args: str, env: dict[str, str] | None = None,
+    wrap: tuple[str, ...] = (),
+) -> AsyncIterator[DiscoveryRouter]:  # fmt: skip
+    """``pd-router ARGS`` on a free port with fast health probes and ``KUBECONFIG``, started
+    (answering /liveness) and stopped with SIGTERM; ``wrap`` is a command line it runs under."""
+    port = free_port()
+    argv = [
+        *wrap, sys.executable, "-m", "pd_router.cli", "--host", LOOPBACK, "--port", str(port),
+        "--log-format", "text", "--health-check-interval-secs", "0.2",
+        "--health-failure-threshold", "2", "--health-success-threshold", "1", *args,
+    ]  # fmt: skip
+    child_env = {**os.environ, **(env or {})}
+    if kubeconfig is not None:
+        child_env["KUBECONFIG"] = str(kubeconfig)
+    with tempfile.TemporaryFile() as log:
+        process = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.DEVNULL, stderr=log, env=child_env
+        )
+        router = DiscoveryRouter(process, port, log)
+        try:
+            await wait_until(lambda: process.returncode is not None or answers(router.url),
+                             ROUTER_START_S, "router started")  # fmt: skip
+            if process.returncode is not None:
+                raise RuntimeError(f"router exited {process.returncode}: {router.log_text()}")
+            yield router
+        finally:
+            if process.returncode is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(process.wait(), ROUTER_STOP_S)
+                except TimeoutError:
+                    process.kill()
+                    await process.wait()
+
+
+async def answers(url: str) -> bool:
+    try:
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            return (await http.get(url + "/liveness")).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -17,10 +17,9 @@ import asyncio
 from aiohttp import web
 
 from pd_router.api.info import json_response
-from pd_router.api.state import Router, router_of
+from pd_router.api.state import router_of
 from pd_router.control.workers import (
     Role,
-    Worker,
     WorkerConverting,
     WorkerRemoving,
     normalize_url,
@@ -84,22 +83,5 @@ async def handle_remove_worker(request: web.Request) -> web.Response:
         await router.cluster.begin_removal(worker)
     except (WorkerConverting, WorkerRemoving) as exc:
         raise Conflict(str(exc), details={"reason": exc.reason}) from exc
-    forced = await asyncio.shield(router.spawn(remove(router, worker)))
+    forced = await asyncio.shield(router.spawn(router.remove_worker(worker)))
     return json_response({"removed": worker.as_dict(), "forced": forced})
-
-
-async def remove(router: Router, worker: Worker) -> bool:
-    """Wait for the in-flight requests of a REMOVING worker, then forget it; returns whether
-    the wait timed out (requests still running are then left to the registry's
-    ``on_unavailable`` listeners)."""
-    try:
-        await asyncio.wait_for(
-            worker.wait_until_no_inflight(), router.config.worker_removal_timeout_secs
-        )
-        forced = False
-    except TimeoutError:
-        forced = True
-    if router.registry.registered(worker):
-        router.registry.forget(worker)
-    await router.cluster.end_removal(worker)
-    return forced
