@@ -30,6 +30,7 @@ from tests.k8s_helpers import (
     worker_pod,
 )
 from tests.router_helpers import fault, generate_body, wait_until
+from tests.test_dashboard_page import needs_chromium, render
 
 # How soon a pod's change must show in the router's pools (the bound).
 WITHIN_S = 1.0
@@ -314,3 +315,19 @@ async def test_in_a_pod_the_router_uses_its_service_account(
         await worker_pod(kube, "p0", p, "prefill")
         await worker_pod(kube, "d0", d, "decode")
         await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
+
+
+@needs_chromium
+async def test_the_dashboard_shows_each_discovered_workers_pod(
+    kube: Namespace, cluster_factory: ClusterFactory, tmp_path: Path
+) -> None:
+    workers = cluster_factory(prefill=1, decode=1)
+    (p,), (d,) = workers.prefill_urls, workers.decode_urls
+    kubeconfig = await router_credentials(kube, tmp_path)
+    async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
+        await worker_pod(kube, "prefill-0", p, "prefill")
+        await worker_pod(kube, "decode-0", d, "decode")
+        await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
+        page = await render(router.url + "/dashboard")
+    assert f"pod {kube.namespace}/prefill-0" in page.cards[p].text
+    assert f"pod {kube.namespace}/decode-0" in page.cards[d].text

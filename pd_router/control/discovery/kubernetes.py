@@ -215,9 +215,7 @@ class KubernetesDiscovery:
 
         namespace, name = pod_key_of(pod)
         try:
-            response = await self._api.read_namespaced_pod(
-                name, namespace, _preload_content=False
-            )
+            response = await self._api.read_namespaced_pod(name, namespace, _preload_content=False)
             now = await response.json()
         except ApiException as exc:
             if exc.status != 404:
