@@ -39,9 +39,10 @@ import orjson
 import pytest
 import yaml
 
-from pd_worker.cluster import LOOPBACK, free_port
-from tests.etcd_helpers import ETCD, EtcdServer
+from pd_worker.cluster import LOOPBACK, WorkerCluster, free_port
+from tests.etcd_helpers import ETCD, EtcdServer, terminate
 from tests.router_helpers import wait_until
+from tests.router_process import RouterProcess
 from tests.tls_helpers import make_pki
 
 CACHE = Path(os.environ.get("PD_ROUTER_CACHE", Path.home() / ".cache" / "pd-router"))
@@ -138,15 +139,9 @@ class KubeApiServer:
         raise KubeDidNotStart(f"not ready within {READY_TIMEOUT_S}s: {self._log_tail()}")
 
     def stop(self) -> None:
-        if self.process is None:
-            return
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.process = None
+        if self.process is not None:
+            terminate(self.process, STOP_TIMEOUT_S)
+            self.process = None
 
     def tls(self) -> ssl.SSLContext:
         """A client context that trusts this server's certificate."""
@@ -350,6 +345,14 @@ async def worker_pod(kube: Namespace, name: str, url: str, role: str, ready: boo
     await kube.set_status(name, ip=LOOPBACK, ready=ready)
 
 
+async def pods_for(kube: Namespace, cluster: WorkerCluster) -> None:
+    """A Ready pod for each worker of ``cluster``: ``p0``, ``p1``, ... for its prefills, ``d0``,
+    ... for its decodes."""
+    for role, urls in (("prefill", cluster.prefill_urls), ("decode", cluster.decode_urls)):
+        for i, url in enumerate(urls):
+            await worker_pod(kube, f"{role[0]}{i}", url, role)
+
+
 async def router_credentials(
     kube: Namespace, tmp: Path, verbs: tuple[str, ...] | None = None
 ) -> Path:
@@ -365,21 +368,8 @@ async def router_credentials(
     return kube.server.kubeconfig(tmp / f"kubeconfig-{kube.namespace}", token, kube.namespace)
 
 
-class DiscoveryRouter:
+class DiscoveryRouter(RouterProcess):
     """A ``pd-router`` process started from its command line, and how to look at it."""
-
-    def __init__(self, process: asyncio.subprocess.Process, port: int, log: Any) -> None:
-        self.process = process
-        self.url = f"http://{LOOPBACK}:{port}"
-        self._log = log
-
-    def log_text(self) -> str:
-        self._log.seek(0)
-        return self._log.read().decode(errors="replace")
-
-    def client(self, **kwargs: Any) -> httpx.AsyncClient:
-        kwargs.setdefault("timeout", 30.0)
-        return httpx.AsyncClient(base_url=self.url, **kwargs)
 
     async def workers(self) -> dict[str, dict[str, Any]]:
         """The router's workers by url (``GET /workers``)."""

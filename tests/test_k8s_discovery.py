@@ -26,6 +26,7 @@ from tests.k8s_helpers import (
     DiscoveryRouter,
     Namespace,
     discovery_router,
+    pods_for,
     router_credentials,
     worker_pod,
 )
@@ -130,9 +131,7 @@ async def test_no_request_fails_while_pods_churn_under_load(
     (p0, p1), (d0, d1) = workers.prefill_urls, workers.decode_urls
     kubeconfig = await router_credentials(kube, tmp_path)
     async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
-        for name, url, role in (("p0", p0, "prefill"), ("p1", p1, "prefill"),
-                                ("d0", d0, "decode"), ("d1", d1, "decode")):  # fmt: skip
-            await worker_pod(kube, name, url, role)
+        await pods_for(kube, workers)
         everyone = {p0: "prefill", p1: "prefill", d0: "decode", d1: "decode"}
         await changed_within(router, everyone, LIVENESS_S)
         stop = asyncio.Event()
@@ -164,8 +163,7 @@ async def test_a_conversion_relabels_the_pod_and_a_restarted_router_finds_the_sa
     workers = cluster_factory(prefill=2, decode=1)
     (p0, p1), (d,) = workers.prefill_urls, workers.decode_urls
     kubeconfig = await router_credentials(kube, tmp_path)
-    for name, url, role in (("p0", p0, "prefill"), ("p1", p1, "prefill"), ("d0", d, "decode")):
-        await worker_pod(kube, name, url, role)
+    await pods_for(kube, workers)
     after = {p0: "prefill", p1: "decode", d: "decode"}
     async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
         await changed_within(router, {p0: "prefill", p1: "prefill", d: "decode"}, LIVENESS_S)
@@ -192,8 +190,7 @@ async def test_a_label_changed_by_hand_to_a_wrong_role_is_repaired(
     (p,), (d,) = workers.prefill_urls, workers.decode_urls
     kubeconfig = await router_credentials(kube, tmp_path)
     async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
-        await worker_pod(kube, "p0", p, "prefill")
-        await worker_pod(kube, "d0", d, "decode")
+        await pods_for(kube, workers)
         await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
         await kube.label("p0", role="decode")
         await wait_until(lambda: labelled(kube, "p0", "prefill"), LIVENESS_S, "label repaired")
@@ -210,8 +207,7 @@ async def test_a_pod_deleted_mid_drain_ends_its_conversion_cleanly(
     async with discovery_router(
         kubeconfig, *discovery_args(kube, "--policy", "round_robin")
     ) as router:
-        for name, url, role in (("p0", p0, "prefill"), ("p1", p1, "prefill"), ("d0", d, "decode")):
-            await worker_pod(kube, name, url, role)
+        await pods_for(kube, workers)
         await changed_within(router, {p0: "prefill", p1: "prefill", d: "decode"}, LIVENESS_S)
         # Requests that wait on p1 before starting keep its drain waiting.
         await fault(p1, delay_secs=3.0)
@@ -237,8 +233,7 @@ async def test_without_patch_the_router_routes_and_converts_and_says_once_labels
     (p0, p1), (d,) = workers.prefill_urls, workers.decode_urls
     kubeconfig = await router_credentials(kube, tmp_path, verbs=("get", "list", "watch"))
     async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
-        for name, url, role in (("p0", p0, "prefill"), ("p1", p1, "prefill"), ("d0", d, "decode")):
-            await worker_pod(kube, name, url, role)
+        await pods_for(kube, workers)
         await changed_within(router, {p0: "prefill", p1: "prefill", d: "decode"}, LIVENESS_S)
         async with router.client() as http:
             for new_role in ("decode", "prefill", "decode"):
@@ -261,8 +256,7 @@ async def test_two_replicas_on_etcd_see_the_same_pods_and_patch_once_per_convers
     workers = cluster_factory(prefill=2, decode=1)
     (p0, p1), (d,) = workers.prefill_urls, workers.decode_urls
     kubeconfig = await router_credentials(kube, tmp_path)
-    for name, url, role in (("p0", p0, "prefill"), ("p1", p1, "prefill"), ("d0", d, "decode")):
-        await worker_pod(kube, name, url, role)
+    await pods_for(kube, workers)
     before = {p0: "prefill", p1: "prefill", d: "decode"}
     after = {p0: "prefill", p1: "decode", d: "decode"}
     replica = discovery_args(kube, "--etcd", etcd_server.url, "--cluster", kube.namespace)
@@ -312,8 +306,7 @@ async def test_in_a_pod_the_router_uses_its_service_account(
     host, port = kube.server.url.removeprefix("https://").rsplit(":", 1)
     env = {"KUBERNETES_SERVICE_HOST": host, "KUBERNETES_SERVICE_PORT": port}
     async with discovery_router(None, *discovery_args(kube), env=env, wrap=mount) as router:
-        await worker_pod(kube, "p0", p, "prefill")
-        await worker_pod(kube, "d0", d, "decode")
+        await pods_for(kube, workers)
         await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
 
 
@@ -325,9 +318,8 @@ async def test_the_dashboard_shows_each_discovered_workers_pod(
     (p,), (d,) = workers.prefill_urls, workers.decode_urls
     kubeconfig = await router_credentials(kube, tmp_path)
     async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
-        await worker_pod(kube, "prefill-0", p, "prefill")
-        await worker_pod(kube, "decode-0", d, "decode")
+        await pods_for(kube, workers)
         await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
         page = await render(router.url + "/dashboard")
-    assert f"pod {kube.namespace}/prefill-0" in page.cards[p].text
-    assert f"pod {kube.namespace}/decode-0" in page.cards[d].text
+    assert f"pod {kube.namespace}/p0" in page.cards[p].text
+    assert f"pod {kube.namespace}/d0" in page.cards[d].text
