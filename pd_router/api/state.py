@@ -29,6 +29,7 @@ from pd_router.config import RouterConfig
 from pd_router.control.autopilot.controller import Autopilot
 from pd_router.control.cluster.etcd import EtcdCluster
 from pd_router.control.cluster.local import Cluster, LocalCluster
+from pd_router.control.discovery.config import DiscoveryUnavailable
 from pd_router.control.discovery.start import Started, start_discovery
 from pd_router.control.health import HealthMonitor, WorkersUnreachable
 from pd_router.control.latency import LatencyRecorder
@@ -190,11 +191,15 @@ class Router:
             if self.conversions is not None:
                 self.conversions.on_succeeded(callback)
 
-        self.discovery = await start_discovery(
-            self.config.discovery, self.registry, self.cluster, self.metrics,
-            probe=self.health.check, remove=self.remove_worker, live_role=read_live_role,
-            let_go=let_go, on_converted=on_converted,
-        )  # fmt: skip
+        try:
+            self.discovery = await start_discovery(
+                self.config.discovery, self.registry, self.cluster, self.metrics,
+                probe=self.health.check, remove=self.remove_worker, live_role=read_live_role,
+                let_go=let_go, on_converted=on_converted,
+            )  # fmt: skip
+        except DiscoveryUnavailable:
+            await self.stop()
+            raise
 
     async def remove_worker(self, worker: Worker) -> bool:
         """Wait for the in-flight requests of a REMOVING worker, then forget it; returns

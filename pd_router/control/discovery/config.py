@@ -13,6 +13,11 @@ from dataclasses import dataclass
 PROVIDERS = ("kubernetes", "file")
 
 
+class DiscoveryUnavailable(RuntimeError):
+    """Discovery cannot start: no credentials for the Kubernetes API, or kubernetes_asyncio is
+    not installed. The router does not serve."""
+
+
 @dataclass(frozen=True)
 class DiscoveryConfig:
     # --service-discovery: discover workers (from Kubernetes unless ``provider`` says otherwise).

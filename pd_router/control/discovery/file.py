@@ -84,7 +84,8 @@ def parse_entry(where: str, entry: Any) -> Target:
 
 
 class FileDiscovery:
-    provider = "file"
+    """The manifest at ``path``, read every ``interval_secs``, turned into what
+    :class:`Membership` wants."""
 
     def __init__(self, path: str, interval_secs: float, membership: Membership) -> None:
         self._path = Path(path)

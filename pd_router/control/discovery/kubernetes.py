@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pd_router.control.discovery.config import DiscoveryConfig
+from pd_router.control.discovery.config import DiscoveryConfig, DiscoveryUnavailable
 from pd_router.control.discovery.labels import PodLabels
 from pd_router.control.discovery.membership import Membership, Target
 from pd_router.control.discovery.selectors import Selector, shared
@@ -45,17 +45,13 @@ RETRY_MIN_SECS = 0.5
 RETRY_MAX_SECS = 15.0
 
 
-class KubernetesUnavailable(RuntimeError):
-    """No credentials for the Kubernetes API, or kubernetes_asyncio is not installed."""
-
-
 async def api_client(kubeconfig: str | None) -> Any:
     """An ApiClient from ``kubeconfig`` (or the default kubeconfig when one exists), else from
     the pod's service account."""
     try:
         from kubernetes_asyncio import client, config
     except ImportError as exc:
-        raise KubernetesUnavailable(
+        raise DiscoveryUnavailable(
             "Kubernetes discovery needs kubernetes_asyncio: pip install 'pd-router[k8s]'"
         ) from exc
     configuration = client.Configuration()
@@ -66,7 +62,7 @@ async def api_client(kubeconfig: str | None) -> Any:
         else:
             config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException as exc:
-        raise KubernetesUnavailable(f"no Kubernetes credentials: {exc}") from exc
+        raise DiscoveryUnavailable(f"no Kubernetes credentials: {exc}") from exc
     return client.ApiClient(configuration)
 
 
@@ -81,7 +77,7 @@ def kubeconfig_path(given: str | None) -> str | None:
 
 
 class KubernetesDiscovery:
-    provider = "kubernetes"
+    """The list and watch of the worker pods, turned into what :class:`Membership` wants."""
 
     def __init__(self, config: DiscoveryConfig, membership: Membership, labels: PodLabels) -> None:
         self._config = config

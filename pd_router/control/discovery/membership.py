@@ -39,6 +39,7 @@ from pd_router.metrics import RouterMetrics
 log = logging.getLogger("pd_router.discovery")
 
 RETRY_SECS = 0.2
+RETRY_MAX_SECS = 5.0
 PEER_CONVERSION_POLL_SECS = 0.1
 
 
@@ -54,6 +55,8 @@ class Target:
 
 
 class Membership:
+    """The workers one provider wants, brought into the registry key by key, in order."""
+
     def __init__(
         self,
         provider: str,
@@ -96,9 +99,6 @@ class Membership:
         """Every key wanted or still registered."""
         return set(self._wanted) | set(self._joined)
 
-    def url_of(self, key: str) -> str | None:
-        return self._joined.get(key)
-
     async def stop(self) -> None:
         tasks = list(self._tasks.values())
         for task in tasks:
@@ -108,6 +108,7 @@ class Membership:
     async def _reconcile(self, key: str) -> None:
         """Step ``key`` towards what is wanted, re-reading it after every wait, until the two
         agree (nothing awaited between the last reading and the return)."""
+        pause = RETRY_SECS
         try:
             while True:
                 target, reason = self._wanted.get(key, (None, ""))
@@ -122,8 +123,9 @@ class Membership:
                         self._joined[key] = target.url
                         continue
                 except Exception:
-                    log.exception("discovery: %s failed; trying again", key)
-                    await asyncio.sleep(RETRY_SECS)
+                    log.exception("discovery: %s failed; trying again in %.1fs", key, pause)
+                    await asyncio.sleep(pause)
+                    pause = min(RETRY_MAX_SECS, pause * 2)
                     continue
                 if target is None:
                     self._wanted.pop(key, None)
