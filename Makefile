@@ -38,7 +38,7 @@ browser:
 	fi
 
 # A kube-apiserver for the Kubernetes discovery tests, built once from Debian's source package
-# (about 5 minutes and 1.3 GB of memory the first time, then cached in ~/.cache/pd-router);
+# (about 6 minutes and 1.3 GB of memory the first time, then cached in ~/.cache/pd-router);
 # when it cannot be built those tests skip, saying why.
 kube-apiserver: browser
 	@tests/k8s/build_kube_apiserver.sh >/dev/null || echo "no kube-apiserver: the Kubernetes tests will be skipped"

@@ -2,7 +2,7 @@
 test makes to it (no scheduler, no kubelet: a test creates pods and writes their status).
 
 The binary is built once by ``tests/k8s/build_kube_apiserver.sh`` (``make test`` runs it; about
-4.5 minutes the first time, cached under ``~/.cache/pd-router``); without it these tests skip
+6 minutes the first time, cached under ``~/.cache/pd-router``); without it these tests skip
 with the reason. ``kube_apiserver`` (module scope) starts etcd and the API server (about 4 s)
 with token authentication, RBAC, a service-account signing key and a certificate signed by a
 throwaway CA; ``kube`` (function scope) gives each test a fresh namespace (a namespace never
@@ -14,6 +14,11 @@ finishes deleting without a controller manager) and an admin client in it::
     await kube.delete_pod("p0")
     token = await kube.service_account_token("pd-router")   # a real service-account JWT
     kube.server.kubeconfig(path, token, namespace=kube.namespace)
+
+For the router: ``pods_for(kube, cluster)`` makes a Ready pod for each reference worker (pod IP
+127.0.0.1, the worker's port in smg's ``smg.ai/worker-ports`` annotation);
+``router_credentials(kube, tmp)`` applies docker/k8s/rbac.yaml and returns a kubeconfig of its
+service account; ``discovery_router(kubeconfig, *args)`` runs ``pd-router ARGS`` as a process.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ def skip_reason() -> str | None:
     if not os.access(KUBE_APISERVER, os.X_OK):
         return (
             f"no kube-apiserver at {KUBE_APISERVER}: build it with {BUILD_SCRIPT} "
-            "(make test does; about 4.5 minutes once)"
+            "(make test does; about 6 minutes once)"
         )
     if ETCD is None:
         return "etcd not installed (Debian: apt-get install etcd-server; make test does it)"

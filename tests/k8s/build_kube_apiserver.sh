@@ -3,7 +3,7 @@
 # real etcd instead of a mock. Source: Debian bookworm's `kubernetes` source package (upstream
 # v1.20.2 with vendor/), compiled with Debian's Go 1.19 unpacked from its .deb (nothing of Go
 # is installed). The vendored github.com/modern-go/reflect2 v1.0.1 does not work on Go >= 1.18;
-# Debian's v1.0.2 replaces it. About 4.5 minutes and 1.3 GB of memory on 2 cores; the 110 MB
+# Debian's v1.0.2 replaces it. About 6 minutes and 1.3 GB of memory on 2 cores; the 110 MB
 # binary is kept at $PD_ROUTER_CACHE/kube-apiserver (default ~/.cache/pd-router) and a later
 # call returns at once. Prints the binary's path; exits non-zero when it cannot be built.
 set -eu

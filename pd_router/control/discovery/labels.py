@@ -33,10 +33,16 @@ log = logging.getLogger("pd_router.discovery")
 
 REPAIR_AFTER_SECS = 2.0
 SWEEP_SECS = 0.5
+# After a patch was forbidden, repairs wait this long before asking again (a conversion's own
+# patch is always tried: the permission may have been granted meanwhile).
+FORBIDDEN_PAUSE_SECS = 60.0
 PodKey = tuple[str, str]
 
 
 class PodLabels:
+    """The role label of each discovered pod that runs one worker, kept equal to the role its
+    worker serves."""
+
     def __init__(
         self,
         role_label: RoleLabel | None,
@@ -55,6 +61,7 @@ class PodLabels:
         self._by_url: dict[str, PodKey] = {}
         self._wrong_since: dict[PodKey, float] = {}
         self._forbidden_said = False
+        self._forbidden_at = -FORBIDDEN_PAUSE_SECS
         self._task: asyncio.Task[None] | None = None
         self._patching: set[asyncio.Task[None]] = set()
 
@@ -124,14 +131,16 @@ class PodLabels:
                     self._wrong_since.pop(pod, None)
                     continue
                 since = self._wrong_since.setdefault(pod, now)
-                if now - since >= REPAIR_AFTER_SECS and self._leads():
+                allowed = now - self._forbidden_at >= FORBIDDEN_PAUSE_SECS
+                if now - since >= REPAIR_AFTER_SECS and allowed and self._leads():
                     self._wrong_since[pod] = now
                     await self._patch(pod, worker, worker.role, "repaired")
 
     async def _patch(self, pod: PodKey, worker: Worker, role: Role, outcome: str) -> None:
         from kubernetes_asyncio.client.exceptions import ApiException
 
-        assert self._role_label is not None
+        if self._role_label is None or pod not in self._pods:
+            return
         namespace, name = pod
         key, value = self._role_label.key, self._role_label.values[role]
         old = self._pods[pod][1].get(key)
@@ -142,6 +151,7 @@ class PodLabels:
         except ApiException as exc:
             if exc.status == 403:
                 self._patches.labels("forbidden").inc()
+                self._forbidden_at = time.monotonic()
                 if not self._forbidden_said:
                     self._forbidden_said = True
                     log.error(

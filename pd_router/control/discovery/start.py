@@ -4,11 +4,15 @@ before anything else."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from pd_router.control.cluster.local import Cluster
 from pd_router.control.discovery.config import DiscoveryConfig
+from pd_router.control.discovery.file import FileDiscovery
+from pd_router.control.discovery.kubernetes import KubernetesDiscovery, api_client
+from pd_router.control.discovery.labels import PodLabels
 from pd_router.control.discovery.membership import Membership
+from pd_router.control.discovery.selectors import Selector, role_label
 from pd_router.control.workers import Role, Worker, WorkerRegistry
 from pd_router.metrics import RouterMetrics
 
@@ -20,7 +24,7 @@ class Discovery(Protocol):
 class Started:
     """A running provider and what it owns."""
 
-    def __init__(self, provider: Discovery, membership: Membership, api: object = None) -> None:
+    def __init__(self, provider: Discovery, membership: Membership, api: Any = None) -> None:
         self._provider = provider
         self._membership = membership
         self._api = api
@@ -54,16 +58,9 @@ async def start_discovery(
         probe=probe, remove=remove, live_role=live_role, let_go=let_go,
     )  # fmt: skip
     if provider == "file":
-        from pd_router.control.discovery.file import FileDiscovery
-
-        assert config.file is not None
-        files = FileDiscovery(config.file, config.check_interval_secs, membership)
+        files = FileDiscovery(config.file or "", config.check_interval_secs, membership)
         await files.start()
         return Started(files, membership)
-    from pd_router.control.discovery.kubernetes import KubernetesDiscovery, api_client
-    from pd_router.control.discovery.labels import PodLabels
-    from pd_router.control.discovery.selectors import Selector, role_label
-
     api = await api_client(config.kubeconfig)
     label = role_label(
         Selector.parse(config.prefill_selector),
