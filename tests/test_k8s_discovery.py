@@ -18,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from pd_router.control.discovery.kubernetes import BOOTSTRAP_ANNOTATION
+from pd_router.control.discovery.labels import REPAIR_AFTER_SECS
 from pd_worker.cluster import LOOPBACK
 from tests.conftest import ClusterFactory
 from tests.etcd_helpers import EtcdServer
@@ -28,6 +30,7 @@ from tests.k8s_helpers import (
     discovery_router,
     pods_for,
     router_credentials,
+    worker_annotations,
     worker_pod,
 )
 from tests.router_helpers import fault, generate_body, wait_until
@@ -37,8 +40,6 @@ from tests.test_dashboard_page import needs_chromium, render
 WITHIN_S = 1.0
 # Long enough for any start-up or log line on a loaded machine.
 LIVENESS_S = 15.0
-# How long a label that disagrees with the live role is left alone (pd_router's REPAIR_AFTER_SECS).
-REPAIR_AFTER_SECS = 2.0
 SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
@@ -69,7 +70,8 @@ async def test_a_pod_turning_ready_joins_the_pool_its_labels_name_within_a_secon
     workers = cluster_factory(prefill=1, decode=1)
     (p,), (d,) = workers.prefill_urls, workers.decode_urls
     kubeconfig = await router_credentials(kube, tmp_path)
-    async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
+    args = discovery_args(kube, "--model-id-from", "namespace")
+    async with discovery_router(kubeconfig, *args) as router:
         await worker_pod(kube, "prefill-0", p, "prefill", ready=False)
         await worker_pod(kube, "decode-0", d, "decode", ready=False)
         await asyncio.sleep(0.3)
@@ -82,8 +84,25 @@ async def test_a_pod_turning_ready_joins_the_pool_its_labels_name_within_a_secon
         listed = (await router.workers())[p]
         assert listed["origin"] == {
             "provider": "kubernetes", "pod": "prefill-0", "namespace": kube.namespace,
+            "model_id": kube.namespace,
         }  # fmt: skip
         assert await router.metric("pd_router_discovery_discovered_total") == 2
+
+
+async def test_a_prefill_pods_bootstrap_port_comes_from_its_annotation(
+    kube: Namespace, cluster_factory: ClusterFactory, tmp_path: Path
+) -> None:
+    workers = cluster_factory(prefill=1, decode=1)
+    (p,), (d,) = workers.prefill_urls, workers.decode_urls
+    annotated = workers.bootstrap_port(p) + 1  # not what the worker reports
+    kubeconfig = await router_credentials(kube, tmp_path)
+    async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
+        annotations = {**worker_annotations(p), BOOTSTRAP_ANNOTATION: str(annotated)}
+        await kube.create_pod("p0", {"app": "sglang", "role": "prefill"}, annotations)
+        await kube.set_status("p0", ip=LOOPBACK, ready=True)
+        await worker_pod(kube, "d0", d, "decode")
+        await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
+        assert (await router.workers())[p]["bootstrap_port"] == annotated
 
 
 @pytest.mark.parametrize("leave", ["not_ready", "deleted", "unselected"])
