@@ -18,7 +18,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from pd_router.control.discovery.kubernetes import BOOTSTRAP_ANNOTATION
 from pd_router.control.discovery.labels import REPAIR_AFTER_SECS
 from pd_worker.cluster import LOOPBACK
 from tests.conftest import ClusterFactory
@@ -30,7 +29,6 @@ from tests.k8s_helpers import (
     discovery_router,
     pods_for,
     router_credentials,
-    worker_annotations,
     worker_pod,
 )
 from tests.router_helpers import fault, generate_body, wait_until
@@ -87,22 +85,6 @@ async def test_a_pod_turning_ready_joins_the_pool_its_labels_name_within_a_secon
             "model_id": kube.namespace,
         }  # fmt: skip
         assert await router.metric("pd_router_discovery_discovered_total") == 2
-
-
-async def test_a_prefill_pods_bootstrap_port_comes_from_its_annotation(
-    kube: Namespace, cluster_factory: ClusterFactory, tmp_path: Path
-) -> None:
-    workers = cluster_factory(prefill=1, decode=1)
-    (p,), (d,) = workers.prefill_urls, workers.decode_urls
-    annotated = workers.bootstrap_port(p) + 1  # not what the worker reports
-    kubeconfig = await router_credentials(kube, tmp_path)
-    async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
-        annotations = {**worker_annotations(p), BOOTSTRAP_ANNOTATION: str(annotated)}
-        await kube.create_pod("p0", {"app": "sglang", "role": "prefill"}, annotations)
-        await kube.set_status("p0", ip=LOOPBACK, ready=True)
-        await worker_pod(kube, "d0", d, "decode")
-        await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
-        assert (await router.workers())[p]["bootstrap_port"] == annotated
 
 
 @pytest.mark.parametrize("leave", ["not_ready", "deleted", "unselected"])

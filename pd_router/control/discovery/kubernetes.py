@@ -8,8 +8,8 @@ matching leaves (:mod:`.membership`: its in-flight requests finish).
   that serves decode is a decode worker, and its label is repaired (:mod:`.labels`).
 - The port is ``port`` (``--service-discovery-port``, default 80), or one worker per port listed
   in the pod's ``smg.ai/worker-ports`` annotation (``"8000,8001"``). A prefill's bootstrap port
-  comes from the ``sglang.ai/bootstrap-port`` annotation (one port, or one per worker port), or
-  from the worker's ``/server_info``.
+  is what its worker reports, as for configured workers; the ``sglang.ai/bootstrap-port``
+  annotation (one port, or one per worker port) gives it until then.
 - ``model_id_from``: ``namespace``, ``label:KEY`` or ``annotation:KEY``, shown with the worker.
 - One list and watch of the pods in ``namespace`` (all namespaces when unset) with the
   requirements the selectors share, so a pod whose role label is patched moves from the prefill
