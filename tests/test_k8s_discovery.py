@@ -10,9 +10,11 @@ file's Role, so these tests also show the documented permissions are enough.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -55,6 +57,21 @@ async def changed_within(router: DiscoveryRouter, expected: dict[str, str], boun
 
 async def pools_are(router: DiscoveryRouter, expected: dict[str, str]) -> bool:
     return await router.pools() == expected
+
+
+@contextlib.asynccontextmanager
+async def one_of_each(
+    kube: Namespace, cluster_factory: ClusterFactory, tmp_path: Path
+) -> AsyncIterator[tuple[DiscoveryRouter, str, str]]:
+    """A router discovering a prefill pod ``p0`` and a decode pod ``d0``, both in its pools;
+    yields it with the two workers' urls."""
+    workers = cluster_factory(prefill=1, decode=1)
+    (p,), (d,) = workers.prefill_urls, workers.decode_urls
+    kubeconfig = await router_credentials(kube, tmp_path)
+    async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
+        await pods_for(kube, workers)
+        await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
+        yield router, p, d
 
 
 async def generate(router: DiscoveryRouter, prompt: str, tokens: int = 4) -> httpx.Response:
@@ -187,12 +204,7 @@ async def labelled(kube: Namespace, pod: str, role: str) -> bool:
 async def test_a_label_changed_by_hand_to_a_wrong_role_is_repaired(
     kube: Namespace, cluster_factory: ClusterFactory, tmp_path: Path
 ) -> None:
-    workers = cluster_factory(prefill=1, decode=1)
-    (p,), (d,) = workers.prefill_urls, workers.decode_urls
-    kubeconfig = await router_credentials(kube, tmp_path)
-    async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
-        await pods_for(kube, workers)
-        await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
+    async with one_of_each(kube, cluster_factory, tmp_path) as (router, p, d):
         await kube.label("p0", role="decode")
         await wait_until(lambda: labelled(kube, "p0", "prefill"), LIVENESS_S, "label repaired")
         assert await router.pools() == {p: "prefill", d: "decode"}, "the live role wins"
@@ -315,12 +327,7 @@ async def test_in_a_pod_the_router_uses_its_service_account(
 async def test_the_dashboard_shows_each_discovered_workers_pod(
     kube: Namespace, cluster_factory: ClusterFactory, tmp_path: Path
 ) -> None:
-    workers = cluster_factory(prefill=1, decode=1)
-    (p,), (d,) = workers.prefill_urls, workers.decode_urls
-    kubeconfig = await router_credentials(kube, tmp_path)
-    async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
-        await pods_for(kube, workers)
-        await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
+    async with one_of_each(kube, cluster_factory, tmp_path) as (router, p, d):
         page = await render(router.url + "/dashboard")
     assert f"pod {kube.namespace}/p0" in page.cards[p].text
     assert f"pod {kube.namespace}/d0" in page.cards[d].text
