@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -292,11 +293,19 @@ async def test_two_replicas_on_etcd_see_the_same_pods_and_patch_once_per_convers
         assert patches == [0, 1], "only the replica that converted patches, once"
 
 
+def can_mount_privately() -> bool:
+    """Whether this process may give a child a mount namespace of its own."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        return False
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, timeout=10)
+    return probe.returncode == 0
+
+
 async def test_in_a_pod_the_router_uses_its_service_account(
     kube: Namespace, cluster_factory: ClusterFactory, tmp_path: Path
 ) -> None:
-    if shutil.which("unshare") is None or os.geteuid() != 0:
-        pytest.skip("needs root and unshare to mount a service account directory")
+    if not can_mount_privately():
+        pytest.skip("needs root and unshare --mount to mount a service account directory")
     workers = cluster_factory(prefill=1, decode=1)
     (p,), (d,) = workers.prefill_urls, workers.decode_urls
     await router_credentials(kube, tmp_path)
