@@ -32,6 +32,7 @@ from tests.k8s_helpers import (
     discovery_router,
     pods_for,
     router_credentials,
+    worker_annotations,
     worker_pod,
 )
 from tests.router_helpers import fault, generate_body, wait_until
@@ -103,6 +104,22 @@ async def test_a_pod_turning_ready_joins_the_pool_its_labels_name_within_a_secon
             "model_id": kube.namespace,
         }  # fmt: skip
         assert await router.metric("pd_router_discovery_discovered_total") == 2
+
+
+async def test_with_one_selector_the_live_role_places_each_pod(
+    kube: Namespace, cluster_factory: ClusterFactory, tmp_path: Path
+) -> None:
+    workers = cluster_factory(prefill=1, decode=1)
+    (p,), (d,) = workers.prefill_urls, workers.decode_urls
+    kubeconfig = await router_credentials(kube, tmp_path)
+    args = ("--service-discovery", "--service-discovery-namespace", kube.namespace,
+            "--selector", "app=sglang")  # fmt: skip
+    async with discovery_router(kubeconfig, *args) as router:
+        for name, url in (("w0", p), ("w1", d)):
+            await kube.create_pod(name, {"app": "sglang"}, worker_annotations(url))
+            await kube.set_status(name, ip=LOOPBACK, ready=True)
+        await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
+        assert "moving it to the" not in router.log_text(), "placed by the live role at once"
 
 
 @pytest.mark.parametrize("leave", ["not_ready", "deleted", "unselected"])
