@@ -89,9 +89,15 @@ class EtcdServer:
 
     def stop(self) -> None:
         """Terminate etcd (kill if it lingers); the data dir stays for a later ``start``."""
-        if self.process is not None:
-            terminate(self.process, STOP_TIMEOUT_S)
-            self.process = None
+        if self.process is None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.process = None
 
     def healthy(self) -> bool:
         """Whether etcd answers its /health now (within a second) and reports healthy."""
@@ -119,16 +125,6 @@ class EtcdServer:
 
     def _log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-2000:]
-
-
-def terminate(process: subprocess.Popen[bytes], timeout: float) -> None:
-    """SIGTERM ``process``, SIGKILL it if it lingers past ``timeout`` seconds, and reap it."""
-    process.terminate()
-    try:
-        process.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 @pytest.fixture

@@ -45,16 +45,15 @@ import pytest
 import yaml
 
 from pd_worker.cluster import LOOPBACK, WorkerCluster, free_port
-from tests.etcd_helpers import ETCD, EtcdServer, terminate
+from tests.etcd_helpers import ETCD, EtcdServer
 from tests.router_helpers import wait_until
 from tests.router_process import RouterProcess
-from tests.tls_helpers import make_pki
+from tests.tls_helpers import Pki, make_pki
 
 CACHE = Path(os.environ.get("PD_ROUTER_CACHE", Path.home() / ".cache" / "pd-router"))
 KUBE_APISERVER = CACHE / "kube-apiserver"
 BUILD_SCRIPT = Path(__file__).parent / "k8s" / "build_kube_apiserver.sh"
 READY_TIMEOUT_S = 60.0
-STOP_TIMEOUT_S = 10.0
 ADMIN_TOKEN = "pd-router-test-admin"
 MERGE_PATCH = {"Content-Type": "application/merge-patch+json"}
 
@@ -88,6 +87,7 @@ class KubeApiServer:
     etcd_url: str
     port: int = field(default_factory=free_port)
     process: subprocess.Popen[bytes] | None = None
+    pki: Pki | None = None
     ca_cert: str = ""
     started_in_s: float = 0.0
 
@@ -99,15 +99,23 @@ class KubeApiServer:
     def log_path(self) -> Path:
         return self.workdir / "kube-apiserver.log"
 
-    def start(self) -> KubeApiServer:
+    def _prepare(self) -> Pki:
+        """The certificates, the service-account key and the token file, made once."""
         pki = make_pki(self.workdir)
         self.ca_cert = pki.ca_cert
-        sa_key = self.workdir / "sa.key"
         subprocess.run(
-            ["openssl", "genrsa", "-out", str(sa_key), "2048"], check=True, capture_output=True
-        )
-        tokens = self.workdir / "tokens.csv"
-        tokens.write_text(f'{ADMIN_TOKEN},admin,admin,"system:masters"\n')
+            ["openssl", "genrsa", "-out", str(self.workdir / "sa.key"), "2048"],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        (self.workdir / "tokens.csv").write_text(f'{ADMIN_TOKEN},admin,admin,"system:masters"\n')
+        return pki
+
+    def start(self) -> KubeApiServer:
+        """Start it (again after ``stop``: same port, keys and data) and return once it is
+        ready."""
+        if self.pki is None:
+            self.pki = self._prepare()
+        pki, sa_key, tokens = self.pki, self.workdir / "sa.key", self.workdir / "tokens.csv"
         command = [
             str(KUBE_APISERVER),
             f"--etcd-servers={self.etcd_url}",
@@ -144,8 +152,10 @@ class KubeApiServer:
         raise KubeDidNotStart(f"not ready within {READY_TIMEOUT_S}s: {self._log_tail()}")
 
     def stop(self) -> None:
+        """Kill it (its state is in etcd; a graceful stop waits 10 s on its open watches)."""
         if self.process is not None:
-            terminate(self.process, STOP_TIMEOUT_S)
+            self.process.kill()
+            self.process.wait()
             self.process = None
 
     def tls(self) -> ssl.SSLContext:

@@ -193,6 +193,21 @@ async def test_no_request_fails_while_pods_churn_under_load(
     assert [s for s in statuses if s != 200] == []
 
 
+async def test_an_api_server_outage_leaves_the_pools_alone_and_the_watch_resumes_after_it(
+    kube: Namespace, cluster_factory: ClusterFactory, tmp_path: Path
+) -> None:
+    async with one_of_each(kube, cluster_factory, tmp_path) as (router, p, d):
+        kube.server.stop()
+        try:
+            await wait_until(lambda: "listing pods failed" in router.log_text(), LIVENESS_S)
+            assert await router.pools() == {p: "prefill", d: "decode"}
+            assert (await generate(router, "while the API server is away")).status_code == 200
+        finally:
+            await asyncio.to_thread(kube.server.start)
+        await kube.set_status("d0", ip=LOOPBACK, ready=False)
+        await changed_within(router, {p: "prefill"}, LIVENESS_S)
+
+
 async def test_a_conversion_relabels_the_pod_and_a_restarted_router_finds_the_same_pools(
     kube: Namespace, cluster_factory: ClusterFactory, tmp_path: Path
 ) -> None:
