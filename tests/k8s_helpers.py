@@ -72,9 +72,6 @@ def skip_reason() -> str | None:
     return None
 
 
-requires_kube = pytest.mark.skipif(skip_reason() is not None, reason=skip_reason() or "")
-
-
 class KubeDidNotStart(RuntimeError):
     """kube-apiserver exited or was not ready in time; carries the tail of its log."""
 
@@ -307,22 +304,20 @@ class Namespace:
         return [await self.apply(doc, dry_run) for doc in documents]
 
 
-# The kinds the manifests in docker/k8s/ hold: kind -> (API path prefix, plural, namespaced).
+# The kinds the manifests in docker/k8s/ and the tests create: kind -> (API prefix, plural).
 KINDS = {
-    "Pod": ("/api/v1", "pods", True),
-    "Service": ("/api/v1", "services", True),
-    "ServiceAccount": ("/api/v1", "serviceaccounts", True),
-    "ConfigMap": ("/api/v1", "configmaps", True),
-    "Deployment": ("/apis/apps/v1", "deployments", True),
-    "StatefulSet": ("/apis/apps/v1", "statefulsets", True),
-    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles", True),
-    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings", True),
+    "Service": ("/api/v1", "services"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "StatefulSet": ("/apis/apps/v1", "statefulsets"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
 }
 
 
 def collection_path(document: dict[str, Any], namespace: str) -> str:
-    prefix, plural, namespaced = KINDS[document["kind"]]
-    return f"{prefix}/namespaces/{namespace}/{plural}" if namespaced else f"{prefix}/{plural}"
+    prefix, plural = KINDS[document["kind"]]
+    return f"{prefix}/namespaces/{namespace}/{plural}"
 
 
 @pytest.fixture
