@@ -26,6 +26,7 @@ from pd_worker.cluster import LOOPBACK
 from tests.conftest import ClusterFactory
 from tests.etcd_helpers import EtcdServer
 from tests.k8s_helpers import (
+    ADMIN_TOKEN,
     ROLE_SELECTORS,
     DiscoveryRouter,
     Namespace,
@@ -120,6 +121,27 @@ async def test_with_one_selector_the_live_role_places_each_pod(
             await kube.set_status(name, ip=LOOPBACK, ready=True)
         await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
         assert "moving it to the" not in router.log_text(), "placed by the live role at once"
+
+
+async def test_without_a_namespace_pods_of_every_namespace_join(
+    kube: Namespace, cluster_factory: ClusterFactory, tmp_path: Path
+) -> None:
+    workers = cluster_factory(prefill=1, decode=1)
+    (p,), (d,) = workers.prefill_urls, workers.decode_urls
+    other = f"{kube.namespace}-other"
+    body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": other}}
+    await kube.call("POST", "/api/v1/namespaces", body)
+    app = f"sglang-{kube.namespace}"  # this test's pods only, whatever other tests left
+    kubeconfig = kube.server.kubeconfig(tmp_path / "admin", ADMIN_TOKEN)
+    args = ("--service-discovery", "--prefill-selector", f"app={app}", "role=prefill",
+            "--decode-selector", f"app={app}", "role=decode")  # fmt: skip
+    async with discovery_router(kubeconfig, *args) as router:
+        for namespace, url, role in ((kube.namespace, p, "prefill"), (other, d, "decode")):
+            pods = Namespace(kube.server, kube.http, namespace)
+            await pods.create_pod(f"{role}-0", {"app": app, "role": role}, worker_annotations(url))
+            await pods.set_status(f"{role}-0", ip=LOOPBACK, ready=True)
+        await changed_within(router, {p: "prefill", d: "decode"}, LIVENESS_S)
+        assert (await router.workers())[d]["origin"]["namespace"] == other
 
 
 @pytest.mark.parametrize("leave", ["not_ready", "deleted", "unselected"])
