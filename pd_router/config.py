@@ -21,6 +21,8 @@ from urllib.parse import urlsplit
 from pd_router.control.autopilot.policy import MODES, AutopilotConfig
 from pd_router.control.circuit import CircuitConfig
 from pd_router.control.cluster.config import ClusterConfig
+from pd_router.control.discovery.config import PROVIDERS, DiscoveryConfig
+from pd_router.control.discovery.selectors import Selector, SelectorError
 from pd_router.control.workers import normalize_url
 from pd_router.dataplane.concurrency import AdmissionConfig
 from pd_router.dataplane.http1 import LegLimits
@@ -106,6 +108,7 @@ class RouterConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
 
 SECTIONS: Mapping[str, type] = types.MappingProxyType(
@@ -120,6 +123,7 @@ SECTIONS: Mapping[str, type] = types.MappingProxyType(
         "tls": TLSConfig,
         "cache_aware": CacheAwareConfig,
         "cluster": ClusterConfig,
+        "discovery": DiscoveryConfig,
     }
 )
 
@@ -306,6 +310,7 @@ def validate(config: RouterConfig) -> None:
     validate_tls(config.tls)
     validate_cache_aware(config.cache_aware)
     validate_cluster(config.cluster)
+    validate_discovery(config.discovery)
     for key in ("admin_api_key", "worker_api_key"):
         value = getattr(config, key)
         if value is not None and not (
@@ -331,6 +336,35 @@ def validate_cluster(c: ClusterConfig) -> None:
     if not c.prefix.startswith("/"):
         raise ConfigError("cluster.prefix", f"must start with '/': {c.prefix!r}")
     check_positive("cluster.lease_ttl_secs", c.lease_ttl_secs)
+
+
+def validate_discovery(d: DiscoveryConfig) -> None:
+    provider = d.active_provider
+    if provider is not None and provider not in PROVIDERS:
+        raise ConfigError("discovery.provider", f"must be one of {', '.join(PROVIDERS)}")
+    if provider == "file" and not d.file:
+        raise ConfigError("discovery.file", "required with the file provider (--discovery-file)")
+    selectors = {}
+    for key in ("selector", "prefill_selector", "decode_selector"):
+        try:
+            selectors[key] = Selector.parse(getattr(d, key))
+        except SelectorError as exc:
+            raise ConfigError(f"discovery.{key}", str(exc)) from None
+    if provider == "kubernetes" and not any(selectors.values()):
+        raise ConfigError(
+            "discovery.selector",
+            "Kubernetes discovery needs --selector or --prefill-selector/--decode-selector",
+        )
+    check_port("discovery.port", d.port)
+    check_positive("discovery.check_interval_secs", d.check_interval_secs)
+    source = d.model_id_from
+    if source is not None and source != "namespace":
+        kind, _, key = source.partition(":")
+        if kind not in ("label", "annotation") or not key:
+            raise ConfigError(
+                "discovery.model_id_from",
+                f"namespace, label:KEY or annotation:KEY, not {source!r}",
+            )
 
 
 def validate_cors(origins: tuple[str, ...]) -> None:

@@ -29,6 +29,7 @@ from pd_router.api.cors import add_cors
 from pd_router.api.dashboard import add_dashboard_routes
 from pd_router.api.state import DELIVERED, REQUEST_ID, ROUTER, UPSTREAM_ID, Router
 from pd_router.config import RouterConfig
+from pd_router.control.discovery.config import DiscoveryUnavailable
 from pd_router.control.health import WorkersUnreachable
 from pd_router.dataplane import proxy
 from pd_router.dataplane.admission import BodyAdmission
@@ -296,4 +297,7 @@ def run_server(config: RouterConfig) -> None:
             r.run(serve_until_signalled(app, config))
         except WorkersUnreachable as exc:
             log.error("%s; not serving", exc, extra={"workers": exc.urls})
+            raise SystemExit(1) from None
+        except DiscoveryUnavailable as exc:
+            log.error("%s; not serving", exc)
             raise SystemExit(1) from None

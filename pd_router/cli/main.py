@@ -137,11 +137,13 @@ def startup_warnings(args: argparse.Namespace, config: RouterConfig) -> list[str
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """A validated config from parsed ``serve`` arguments (ConfigError on a bad value)."""
     config = load_config(args.config, overrides_from_args(args))
-    if not config.cluster.enabled and (not config.prefill or not config.decode):
+    discovered = config.cluster.enabled or config.discovery.active_provider is not None
+    if not discovered and (not config.prefill or not config.decode):
         raise ConfigError(
             "prefill/decode",
             "at least one --prefill and one --decode (or [[prefill]]/[[decode]]), unless the "
-            "workers come from a cluster (--etcd URL --cluster NAME)",
+            "workers come from a cluster (--etcd URL --cluster NAME) or from discovery "
+            "(--service-discovery, --discovery-provider file)",
         )
     return config
 
