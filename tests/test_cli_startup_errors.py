@@ -96,3 +96,11 @@ def test_cluster_without_etcd_is_refused_as_the_reverse_is(free_port):
         )
     )
     assert "--cluster" in line and "--etcd" in line
+
+
+def test_a_missing_worker_certificate_is_one_line_naming_the_file(tmp_path):
+    missing = tmp_path / "cert.pem"
+    line = one_line_error(
+        run(PD_WORKER, "serve", "--ssl-certfile", str(missing), "--ssl-keyfile", str(missing))
+    )
+    assert "ssl_certfile" in line and str(missing) in line
