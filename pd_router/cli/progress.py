@@ -1,9 +1,7 @@
-"""``pd-router convert`` following a conversion: the id at once, then once a second its phase,
-the requests the router still has in flight on the worker and the worker's own load, until it
-ends; a progress bar redrawn in place on a terminal, one plain line per second otherwise.
-
-Ctrl-C stops following, not the conversion: on a terminal the operator is asked whether to abort
-it; otherwise (or on no) it is left running and the command that aborts it is printed.
+"""A running conversion as ``pd-router convert`` shows it: once a second its phase, the
+requests the router still has in flight on the worker and the worker's load, until it ends. On
+a terminal one line is redrawn in place behind a bar of the drain (the share of the router's
+requests in flight at its start that have finished); elsewhere one plain line per second.
 """
 
 from __future__ import annotations
