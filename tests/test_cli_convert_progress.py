@@ -18,8 +18,8 @@ import time
 import pytest
 
 from tests.cli_process import PD_ROUTER, environment, run
-from tests.conversion_helpers import arrange, conversion_status, live_roles, pools, wait_for_busy
-from tests.router_helpers import running_router, wait_until
+from tests.conversion_helpers import arranged_router, conversion_status, pools, wait_for_busy
+from tests.router_helpers import wait_until
 
 # Real decode steps (10 ms per token), so a long generation holds its decode for seconds.
 SPEED = 1.0
@@ -37,10 +37,7 @@ def cluster(module_cluster_factory):
 
 @pytest.fixture
 async def router(cluster):
-    prefill, decode = await live_roles(cluster)
-    async with running_router(cluster, prefill=prefill, decode=decode) as r:
-        async with r.client() as http:
-            await arrange(http, prefill=1)
+    async with arranged_router(cluster, prefill=1) as r:
         yield r
 
 
