@@ -104,3 +104,8 @@ def test_a_missing_worker_certificate_is_one_line_naming_the_file(tmp_path):
         run(PD_WORKER, "serve", "--ssl-certfile", str(missing), "--ssl-keyfile", str(missing))
     )
     assert "ssl_certfile" in line and str(missing) in line
+
+
+def test_the_demo_on_a_port_in_use_is_one_line_before_any_worker_starts(taken_port):
+    line = one_line_error(run(PD_ROUTER, "demo", "--port", str(taken_port)))
+    assert f"127.0.0.1:{taken_port}" in line and "already in use" in line

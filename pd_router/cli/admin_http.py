@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from pd_router.cli.usage import USAGE_ERROR, Parser
+from pd_router.cli.usage import INTERRUPTED, USAGE_ERROR, Parser
 
 DEFAULT_ROUTER_URL = "http://127.0.0.1:30000"
 ROUTER_URL_ENV = "PD_ROUTER_URL"
@@ -24,7 +24,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_UNREACHABLE = USAGE_ERROR
 EXIT_AUTH = 3
-EXIT_INTERRUPTED = 130
+EXIT_INTERRUPTED = INTERRUPTED
 EXIT_STATUS_HELP = (
     "exit status: 0 done; 1 the router refused or the conversion failed; 2 a usage error or "
     "the router unreachable; 3 the admin key missing or wrong (HTTP 401); 130 interrupted "

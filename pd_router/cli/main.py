@@ -34,7 +34,7 @@ from pd_router.cli.compat import (
     option,
 )  # fmt: skip
 from pd_router.cli.exposure import ADMIN_KEY_ENV, Exposed, admin_exposure
-from pd_router.cli.usage import USAGE_ERROR, nearest
+from pd_router.cli.usage import INTERRUPTED, USAGE_ERROR, nearest
 from pd_router.config import LOG_FORMATS, ConfigError, RouterConfig, load_config, merge
 from pd_router.dataplane import policies
 
@@ -199,16 +199,23 @@ def serve(argv: Sequence[str]) -> int:
     for line in startup_warnings(args, config):
         log.warning("%s", line)
     log.log(logging.WARNING if exposure.open else logging.INFO, "%s", exposure.line)
-    try:
-        run_server(config)
-    except ListenError as exc:
-        print(f"pd-router: {exc}", file=sys.stderr)
-        return USAGE_ERROR
+    run_server(config)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run the subcommand; a port taken between the check and the bind is one line (exit 2),
+    Ctrl-C anywhere exits 130 without a traceback."""
+    try:
+        return run_command(list(sys.argv[1:] if argv is None else argv))
+    except ListenError as exc:
+        print(f"pd-router: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        return INTERRUPTED
+
+
+def run_command(argv: list[str]) -> int:
     if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
         build_parser().error(unknown_command(argv[0]))
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else "serve"

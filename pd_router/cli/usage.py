@@ -11,6 +11,7 @@ from importlib.metadata import PackageNotFoundError, version
 from typing import Any, NoReturn
 
 USAGE_ERROR = 2
+INTERRUPTED = 130
 DISTRIBUTION = "pd-router"
 
 
