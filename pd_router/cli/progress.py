@@ -31,7 +31,9 @@ def describe(record: dict[str, Any], elapsed: float) -> str:
     progress = record.get("progress", {})
     parts = [str(record.get("status"))]
     if "router_inflight" in progress:
-        parts.append(f"in-flight {progress['router_inflight']}")
+        at_start = progress.get("router_inflight_at_start")
+        of = f" of {at_start}" if at_start is not None else ""
+        parts.append(f"in-flight {progress['router_inflight']}{of}")
     load = record.get("worker_load")
     if isinstance(load, int) and load >= 0:
         parts.append(f"worker load {load} tokens")
