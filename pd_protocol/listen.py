@@ -45,7 +45,11 @@ def check_can_listen(host: str, port: int, port_flag: str) -> None:
     servers use, so that a port in use or an address of another host is reported before the
     process starts anything (ListenError)."""
     for family, kind, proto, _, address in listen_addresses(host, port, port_flag):
-        with socket.socket(family, kind, proto) as sock:
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:
+            continue  # a family this host lacks: asyncio's servers skip it too
+        with sock:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
