@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pd_protocol.listen import ListenError, check_can_listen
-from pd_router.cli import help
+from pd_router.cli import help as serve_help
 from pd_router.cli.compat import (
     FLOAT,
     INT,
@@ -32,7 +32,7 @@ from pd_router.cli.compat import (
     Arity,
     Option,
     option,
-)  # fmt: skip
+)
 from pd_router.cli.exposure import ADMIN_KEY_ENV, Exposed, admin_exposure
 from pd_router.cli.usage import INTERRUPTED, USAGE_ERROR, nearest
 from pd_router.config import LOG_FORMATS, ConfigError, RouterConfig, load_config, merge
@@ -98,7 +98,7 @@ def all_options() -> tuple[Option, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    return help.build_parser(PEER_OPTIONS.values(), NATIVE_OPTIONS)
+    return serve_help.build_parser(PEER_OPTIONS.values(), NATIVE_OPTIONS)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
