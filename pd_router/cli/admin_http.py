@@ -105,14 +105,21 @@ def request_json(
     try:
         response = http.request(method, path, json=body)
     except httpx.HTTPError as exc:
-        raise Unreachable(f"router not reachable: {exc}") from exc
+        raise Unreachable(unreachable(str(http.base_url), path, exc)) from exc
     if response.status_code == 401:
         raise AuthFailure(str(http.base_url), "Authorization" in http.headers)
     reply = body_of(response)
     if response.status_code not in ok:
         message = reply.get("error", {}).get("message", response.text[:200])
-        raise Failure(f"{method} {path}: HTTP {response.status_code}: {message}")
+        raise Failure(
+            f"{method} {http.base_url.join(path)}: HTTP {response.status_code}: {message}"
+        )
     return reply
+
+
+def unreachable(router: str, path: str, exc: httpx.HTTPError) -> str:
+    """The failure of a call that got no answer, naming the url it tried."""
+    return f"router not reachable at {router.rstrip('/')}{path}: {exc or type(exc).__name__}"
 
 
 def body_of(response: httpx.Response) -> dict[str, Any]:
