@@ -94,6 +94,10 @@ class RouterConfig:
     request_id_headers: tuple[str, ...] = ()
     worker_removal_timeout_secs: float = 300.0
     admin_api_key: str | None = field(default=None, repr=False)
+    # A file holding the admin key (read at start-up; instead of admin_api_key).
+    admin_api_key_file: str | None = None
+    # Serve the admin API without a key on an address other hosts can reach.
+    allow_unauthenticated: bool = False
     worker_api_key: str | None = field(default=None, repr=False)
     log_level: str = "info"
     log_format: str = "json"
@@ -171,8 +175,26 @@ def build_config(data: dict[str, Any]) -> RouterConfig:
         else:
             kwargs[key] = value
     config = parse_section("", RouterConfig, kwargs, skip=("prefill", "decode", *SECTIONS))
+    config = with_admin_key_file(config)
     validate(config)
     return config
+
+
+def with_admin_key_file(config: RouterConfig) -> RouterConfig:
+    """``config`` with the key read from ``admin_api_key_file`` (its one line), if named."""
+    path = config.admin_api_key_file
+    if path is None:
+        return config
+    if config.admin_api_key is not None:
+        raise ConfigError("admin_api_key_file", "set admin_api_key or admin_api_key_file, not both")
+    try:
+        key = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not a text file"
+        raise ConfigError("admin_api_key_file", f"cannot read {path}: {reason}") from None
+    if not key:
+        raise ConfigError("admin_api_key_file", f"{path} is empty")
+    return dataclasses.replace(config, admin_api_key=key)
 
 
 def parse_workers(key: str, value: Any) -> tuple[WorkerSpec, ...]:
@@ -331,6 +353,8 @@ def validate_cluster(c: ClusterConfig) -> None:
             raise ConfigError(f"cluster.etcd[{i}]", f"not an http(s) url: {endpoint!r}")
     if c.enabled and not c.name:
         raise ConfigError("cluster.name", "required with cluster.etcd (--cluster NAME)")
+    if c.name and not c.enabled:
+        raise ConfigError("cluster.etcd", "required with cluster.name (--cluster needs --etcd URL)")
     if "/" in c.name:
         raise ConfigError("cluster.name", f"must not contain '/': {c.name!r}")
     if not c.prefix.startswith("/"):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from pd_protocol.listen import ListenError
 from pd_router.api import engine_metrics, info, loads
 from pd_router.api import workers as workers_api
 from pd_router.api.auth import is_admin_path, require_admin
@@ -236,13 +237,17 @@ async def start_server(
 ) -> RunningServer:
     """Serve ``app`` in the running loop (port 0: a free port); stop with ``.stop()``. A router
     application's client limits and TLS come from its config, any other application gets the
-    defaults (plain HTTP)."""
+    defaults (plain HTTP). ListenError when the address cannot be bound."""
     config = app[ROUTER].config if ROUTER in app else RouterConfig()
     ssl_context = server_context(config.tls)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = ClientSite(runner, host, port, client_limits(config), ssl_context)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ListenError(host, port, "--port", exc) from exc
     server = runner.addresses[0]
     scheme = "https" if ssl_context is not None else "http"
     return RunningServer(app, runner, host, server[1], scheme)
