@@ -91,7 +91,8 @@ def test_the_role_label_is_the_one_key_the_role_selectors_set_differently():
 
 def test_without_kubernetes_credentials_the_router_says_so_and_does_not_serve(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "HOME"))}
-    argv = [sys.executable, "-m", "pd_router.cli", "--port", "0", "--log-format", "text",
+    argv = [sys.executable, "-m", "pd_router.cli", "--host", "127.0.0.1", "--port", "0",
+            "--log-format", "text",
             "--service-discovery", "--selector", "app=sglang"]  # fmt: skip
     done = subprocess.run(
         argv, env={**env, "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=60

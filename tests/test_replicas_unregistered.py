@@ -75,6 +75,11 @@ async def test_a_worker_serving_without_a_record_is_registered_again_through_the
     async with replicas(workers, etcd_server, 1) as (router,), aiohttp.ClientSession() as session:
         etcd = EtcdClient(session, etcd_server.url)
         await etcd.delete(KEYS.worker(decode))
+
+        async def unregistered() -> bool:
+            return decode in (await cluster_view(router.url))["unregistered"]
+
+        await wait_until(unregistered, 2.0, "seen without a record")
         async with router.client() as http:
             added = await http.post("/workers", json={"url": decode, "role": "decode"})
         assert added.status_code == 201, added.text

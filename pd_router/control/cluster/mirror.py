@@ -108,6 +108,10 @@ class Mirror:
     def changed(self, url: str) -> None:
         stored = self._view.records.get(url)
         worker = self._lookup(url)
+        if worker is None:
+            # Forgotten here already (removed through this replica's API before its own
+            # record's echo came): nothing of it waits for a record any more.
+            self._forget_unregistered(url)
         try:
             if stored is None:
                 if worker is not None:
