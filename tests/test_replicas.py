@@ -14,7 +14,9 @@ import time
 import httpx
 import pytest
 
+from pd_router.api.server import build_app, start_server
 from pd_router.cli import admin_client
+from pd_router.config import load_config
 from tests.conversion_helpers import LONG, wait_for_busy, worker_role
 from tests.replica_helpers import (
     LEASE_TTL_SECS,
@@ -27,7 +29,7 @@ from tests.replica_helpers import (
     roles_agree,
     workers_of,
 )
-from tests.router_helpers import assert_paired, generate_body, wait_until
+from tests.router_helpers import assert_paired, generate_body, router_overrides, wait_until
 from tests.router_process import RouterProcess, router_process
 
 SPEED = 0.05
@@ -320,3 +322,28 @@ async def test_a_frozen_replica_holds_a_drain_no_longer_than_its_lease(workers, 
             await long
     assert reply.status_code == 200 and reply.json()["status"] == "succeeded", reply.text
     assert took < LEASE_TTL_SECS + 5.0
+
+
+async def test_the_replica_that_converts_a_worker_never_puts_it_back_in_its_old_pool(
+    workers, etcd_server
+):
+    prefill = workers.prefill_urls[0]
+    overrides = router_overrides(
+        workers.prefill_urls, workers.decode_urls, cluster=cluster_config(etcd_server, "r1")
+    )
+    server = await start_server(build_app(load_config(None, overrides)), "127.0.0.1", 0)
+    try:
+        registry = server.router.registry
+        left: list[str] = []
+        registry.on_left_pool(
+            lambda worker, role: left.append(role.value) if worker.url == prefill else None
+        )
+        async with httpx.AsyncClient(base_url=server.url, timeout=60.0) as http:
+            reply = await http.post(
+                "/convert_pd_role", json={"server_url": prefill, "new_role": "decode"}
+            )
+        assert reply.status_code == 200, reply.text
+        await asyncio.sleep(0.5)
+        assert left == ["prefill"]
+    finally:
+        await server.stop()

@@ -131,6 +131,9 @@ class EtcdCluster:
         self._task: asyncio.Task | None = None
         # What this replica last wrote for each conversion it runs, and the slot it holds.
         self._own: dict[str, tuple[str, StoredRecord]] = {}
+        # The revision at which each conversion's outcome was published (None: a retry will
+        # publish it), until the conversion lets its worker go.
+        self._released: dict[str, int | None] = {}
         self._slots: dict[str, str] = {}
         self._settling: set[str] = set()
         registry.on_adopted(self._publish_adopted)
@@ -505,9 +508,12 @@ class EtcdCluster:
             log.warning(
                 "conversion %s: outcome not published yet (%s); retrying", conversion_id, exc
             )
+            self._released[conversion_id] = None
             self._spawn(self._release_later(conversion_id, compares, ops))
             return
-        if not result.succeeded:
+        if result.succeeded:
+            self._released[conversion_id] = result.revision
+        else:
             log.warning(
                 "conversion %s: another replica settled worker %s meanwhile; its record stands",
                 conversion_id, worker.url,
@@ -527,10 +533,17 @@ class EtcdCluster:
 
     def finished(self, worker: Worker, conversion_id: str) -> None:
         """The conversion let the worker go here: its record applies again (another replica
-        may have settled it meanwhile)."""
+        may have settled it meanwhile). Until this replica's view holds the outcome it
+        published, the view's record is the one from before the conversion: the echo of the
+        outcome applies it instead (applied now, the worker would go back to its old pool
+        until the echo came)."""
         own = self._own.pop(conversion_id, None)
+        published = conversion_id in self._released
+        revision = self._released.pop(conversion_id, None)
         self.mirror.own_conversions.discard(conversion_id)
-        if own is not None:
+        if own is None:
+            return
+        if not published or (revision is not None and self.view.revision >= revision):
             self.mirror.changed(own[0])
 
     async def _report_drained(self, conversion_id: str) -> None:
