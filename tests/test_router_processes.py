@@ -12,7 +12,10 @@ import os
 import signal
 
 import httpx
+import pytest
 
+from pd_router.cli.main import config_from_argv
+from pd_router.config import ConfigError, load_config
 from pd_router.roles import Role
 from tests.conversion_helpers import (
     LONG,
@@ -50,6 +53,20 @@ async def fresh_connection_requests(url: str, prompts: list[str]) -> list[httpx.
         async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
             answers.append(await http.post("/generate", json=generate_body(prompt, TOKENS)))
     return answers
+
+
+def test_workers_auto_is_one_data_plane_per_usable_core():
+    argv = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    config = config_from_argv([*argv, "--workers", "auto"])
+    assert config.server.processes == len(os.sched_getaffinity(0))
+    assert config_from_argv([*argv, "--workers", "3"]).server.processes == 3
+    assert config_from_argv(argv).server.processes == 1
+
+
+@pytest.mark.parametrize("value", [0, -2, "many", 1.5])
+def test_workers_is_auto_or_a_positive_count(value):
+    with pytest.raises(ConfigError, match=r"server\.workers"):
+        load_config(None, {"server": {"workers": value}})
 
 
 async def test_metrics_count_every_processs_requests(pd_cluster):

@@ -90,7 +90,7 @@ async def serve_dataplane(
         legs=setup.legs,
         leg_headers=setup.leg_headers,
         retry=config.retry,
-        admission=RequestAdmission(config.admission, metrics),
+        admission=RequestAdmission(config.admission.shared_by(config.server.processes), metrics),
         latency=reports,
         metrics=request_metrics,
         abort=lambda worker, rids: background.spawn(abort(session, worker, rids)),

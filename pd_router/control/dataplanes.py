@@ -74,6 +74,8 @@ class DataPlanes:
         self._metrics_requests = 0
         self._metrics_waiters: dict[int, tuple[asyncio.Future, dict[int, list]]] = {}
         self._pusher: asyncio.Task | None = None
+        self._pushing = False
+        self._again = False
         registry.on_change(self.push)
 
     # --- links ------------------------------------------------------------------------------
@@ -116,7 +118,22 @@ class DataPlanes:
     # --- snapshots --------------------------------------------------------------------------
 
     def push(self) -> None:
-        """Make a new snapshot version of the registry and send it to every data plane."""
+        """Make a new snapshot version of the registry and send it to every data plane. A
+        change made while the snapshot is read (a circuit turning half-open as its state is
+        read) makes another one right after."""
+        if self._pushing:
+            self._again = True
+            return
+        self._pushing = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                self._push()
+        finally:
+            self._pushing = False
+
+    def _push(self) -> None:
         self.version += 1
         workers = []
         pickable = set()
