@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 
 import httpx
+import orjson
 import pytest
 
 from pd_router.cli.main import config_from_argv
@@ -25,8 +27,14 @@ from tests.conversion_helpers import (
     sample,
     wait_for_busy,
 )
-from tests.router_helpers import assert_paired, generate_body, sse_events, wait_until
-from tests.router_process import RouterProcess, router_process
+from tests.router_helpers import (
+    assert_paired,
+    generate_body,
+    router_overrides,
+    sse_events,
+    wait_until,
+)
+from tests.router_process import ENTRY, RouterProcess, router_process
 
 PROCESSES = {"server": {"workers": 3}}
 TOKENS = 4
@@ -235,3 +243,18 @@ async def test_cache_aware_sends_a_prefix_to_one_prefill_whichever_process_route
                 for prompt, answer in zip(prompts, answers, strict=True)
             }
             assert len(sources) == 1, (group, sources)
+
+
+async def test_a_second_router_on_the_same_port_is_refused(pd_cluster):
+    async with router_process(
+        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
+    ) as router:
+        config = router_overrides(pd_cluster.prefill_urls, pd_cluster.decode_urls, **PROCESSES)
+        config["port"] = router.port
+        second = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", ENTRY, orjson.dumps(config).decode(),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, stderr = await asyncio.wait_for(second.communicate(), 20.0)
+        assert second.returncode != 0
+        assert b"Address already in use" in stderr

@@ -35,10 +35,16 @@ STOP_KILL_AFTER_SECS = 5.0
 
 
 def reuseport_sockets(host: str, port: int, count: int, backlog: int) -> list[socket.socket]:
-    """``count`` listening sockets on one address (port 0: a free one, the same for all)."""
+    """``count`` listening sockets on one address (port 0: a free one, the same for all).
+    OSError (EADDRINUSE) if anything listens there already: SO_REUSEPORT alone would let this
+    router share the port with another one started with it."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
+    if port:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
