@@ -155,6 +155,39 @@ async def test_a_role_changed_outside_the_router_reaches_every_process(cluster_f
         assert switched in sources
 
 
+async def test_a_wrong_role_answer_in_a_data_plane_has_the_worker_moved_at_once(
+    cluster_factory,
+):
+    cluster = cluster_factory(prefill=2, decode=2, speed=0.0)
+    switched = cluster.decode_urls[0]
+    async with router_process(
+        prefill=cluster.prefill_urls,
+        decode=cluster.decode_urls,
+        decode_policy="round_robin",
+        health={"interval_secs": 60.0},
+        **PROCESSES,
+    ) as router:
+        async with httpx.AsyncClient(timeout=10.0) as operator:
+            reply = await operator.post(switched + "/pd_role_switch", json={"new_role": "prefill"})
+        assert reply.json()["success"]
+        prompts = [f"misrouted {n}" for n in range(8)]
+        for prompt, answer in zip(
+            prompts, await fresh_connection_requests(router.url, prompts), strict=True
+        ):
+            assert answer.status_code == 200, answer.text
+            assert_paired(answer.json(), prompt, TOKENS)
+        async with router.client() as http:
+            assert await sample(
+                http, "pd_router_upstream_errors_total", role="decode", kind="wrong_role"
+            )
+
+            async def moved() -> bool:
+                workers = (await http.get("/workers")).json()["workers"]
+                return any(w["url"] == switched and w["role"] == "prefill" for w in workers)
+
+            await wait_until(moved, 5.0, "moved without a probe")
+
+
 async def test_a_killed_data_plane_is_replaced_and_its_drain_does_not_hang(cluster_factory):
     cluster = cluster_factory(prefill=1, decode=2, speed=0.05)
     async with router_process(
