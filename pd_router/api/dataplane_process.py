@@ -81,8 +81,12 @@ async def serve_dataplane(
             url, WorkerUnavailable(f"worker {url} left service")
         ),
     )
+    # For aborts only: the legs have their own pool.
     session = aiohttp.ClientSession(
-        headers=setup.worker_headers, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
+        connector=aiohttp.TCPConnector(ssl=setup.worker_ssl or True),
+        headers=setup.worker_headers,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
     )
     background = Background()
     path = RequestPath(
