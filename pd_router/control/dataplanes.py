@@ -211,8 +211,9 @@ class DataPlanes:
             url = worker.url
             stopped = self._stopped_at.get(url)
             count = sum(link.inflight.get(url, 0) for link in links)
-            if stopped is not None:
-                count += sum(1 for link in links if link.acked < stopped)
+            stale = 0 if stopped is None else sum(1 for link in links if link.acked < stopped)
+            count += stale
+            self._registry.set_picked_elsewhere(worker, stale > 0)
             totals[url] = count
             if count != worker.inflight or count == 0:
                 idle_at = max((link.idle_at.get(url, 0.0) for link in links), default=0.0)

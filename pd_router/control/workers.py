@@ -160,6 +160,10 @@ class Worker:
     conversion_id: str | None = None
     bootstrap_host: str = ""
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    # Set while no process of this router may pick the worker unless it is selectable here:
+    # always in one process; in a multi-process router, cleared from its leaving selection
+    # until every data plane acked the snapshot that says so.
+    _unpicked: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # The worker_inflight{worker,role} child for the current role, so the hot path does no
     # label lookup per request.
     _inflight_gauge: Any = field(default=None, repr=False)
@@ -167,6 +171,7 @@ class Worker:
     def __post_init__(self) -> None:
         self.bootstrap_host = bootstrap_host(self.url)
         self._idle.set()
+        self._unpicked.set()
 
     @property
     def selectable(self) -> bool:
@@ -180,6 +185,15 @@ class Worker:
     async def wait_until_no_inflight(self) -> None:
         """Return once the router has no request in flight on this worker (event-driven)."""
         await self._idle.wait()
+
+    @property
+    def picked_elsewhere(self) -> bool:
+        """Whether a data plane may still pick this worker though it left selection."""
+        return not self._unpicked.is_set()
+
+    async def wait_until_unpicked(self) -> None:
+        """Return once no data plane may pick this worker any more (at once in one process)."""
+        await self._unpicked.wait()
 
     def as_dict(self) -> dict:
         return {
@@ -540,6 +554,14 @@ class WorkerRegistry:
         if worker.inflight <= 0:
             worker.inflight = 0
             worker._idle.set()
+
+    def set_picked_elsewhere(self, worker: Worker, picked: bool) -> None:
+        """Whether a data plane of a multi-process router may still pick ``worker``, which
+        left selection, because it has not acked the snapshot that says so."""
+        if picked:
+            worker._unpicked.clear()
+        else:
+            worker._unpicked.set()
 
     def set_inflight(self, worker: Worker, count: int, idle_at: float) -> None:
         """The in-flight count the data planes of a multi-process router report in sum

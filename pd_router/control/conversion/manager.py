@@ -19,6 +19,7 @@ meanwhile; how each step is done over the native or the extension protocol is in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -303,6 +304,13 @@ class ConversionManager:
         backoff. Asking the worker first would put one more round trip between the last
         request ending and the switch."""
         conv.progress["router_inflight_at_start"] = conv.worker.inflight
+        if conv.worker.picked_elsewhere:
+            # Closed before every data plane took the worker out of selection, the worker's
+            # admission would answer 503 to their picks meanwhile (each retried elsewhere).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    conv.worker.wait_until_unpicked(), max(0.0, deadline - time.monotonic())
+                )
         await protocol.close_admission(conv)
         admission_closed = time.monotonic()
         if conv.request.drain:
