@@ -35,8 +35,9 @@ logger = logging.getLogger(__name__)
 class WorkerState(StrEnum):
     """A conversion: ACTIVE -> DRAINING -> SWITCHING -> ACTIVE (new role), DRAINING -> ACTIVE on
     abort, -> FAILED on an unsafe failure (out of every pool until re-added). A removal: ACTIVE or
-    FAILED -> REMOVING (waiting for the router's in-flight requests) -> forgotten. Only ACTIVE
-    workers are selectable."""
+    FAILED -> REMOVING (waiting for the router's in-flight requests) -> forgotten, or REMOVING ->
+    ACTIVE when the cluster record whose going began it comes back. Only ACTIVE workers are
+    selectable."""
 
     ACTIVE = "active"
     DRAINING = "draining"
@@ -52,7 +53,7 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     ),
     WorkerState.SWITCHING: frozenset({WorkerState.ACTIVE, WorkerState.FAILED}),
     WorkerState.FAILED: frozenset({WorkerState.ACTIVE, WorkerState.REMOVING}),
-    WorkerState.REMOVING: frozenset(),
+    WorkerState.REMOVING: frozenset({WorkerState.ACTIVE}),
 }
 
 # The states in which a conversion holds the worker (and only those).
@@ -156,6 +157,8 @@ class Worker:
     # planes' reports in a multi-process router, None in one process).
     idle_at: float | None = None
     has_extensions: bool | None = None
+    # Whether the worker can switch roles (None: it has not said yet).
+    switch_supported: bool | None = None
     last_error: str | None = None
     conversion_id: str | None = None
     bootstrap_host: str = ""
@@ -208,6 +211,7 @@ class Worker:
             "inflight": self.inflight,
             "circuit": self.circuit.state.value,
             "has_extensions": self.has_extensions,
+            "switch_supported": self.switch_supported,
             "last_error": self.last_error,
             "conversion": self.conversion_id,
         }
@@ -305,6 +309,14 @@ class WorkerRegistry:
         self._require_free(worker)
         self._move(worker, WorkerState.REMOVING)
 
+    def readmit(self, worker: Worker) -> None:
+        """REMOVING -> ACTIVE: a removal that began because the worker's cluster record went is
+        called off, the record being back. Its in-flight requests never stopped."""
+        self._require_registered(worker)
+        if worker.state is not WorkerState.REMOVING:
+            raise InvalidTransition(worker, WorkerState.ACTIVE)
+        self._move(worker, WorkerState.ACTIVE)
+
     def forget(self, worker: Worker) -> None:
         """Drop a REMOVING worker and its metric series (the end of a removal)."""
         self._require_registered(worker)
@@ -354,6 +366,12 @@ class WorkerRegistry:
     def selectable(self, role: Role) -> list[Worker]:
         """ACTIVE, healthy workers of ``role`` whose circuit lets a request through."""
         return [w for w in self._by_url.values() if w.role is role and w.selectable]
+
+    def remaining_below(self, worker: Worker, minimum: int) -> int | None:
+        """How many active healthy workers ``worker``'s pool keeps without it, when that is
+        fewer than ``minimum`` (None: the pool keeps its minimum)."""
+        remaining = self.active_healthy_count(worker.role, excluding=worker)
+        return remaining if remaining < minimum else None
 
     def active_healthy_count(self, role: Role, excluding: Worker | None = None) -> int:
         return sum(
@@ -440,6 +458,16 @@ class WorkerRegistry:
         if self.registered(worker):
             worker.last_error = error
 
+    def clear_error(self, worker: Worker) -> None:
+        """The worker answers again: its last error is history, not its state."""
+        if self.registered(worker):
+            worker.last_error = None
+
+    def set_switch_supported(self, worker: Worker, supported: bool) -> None:
+        """Whether the worker reported it can switch roles."""
+        if self.registered(worker):
+            worker.switch_supported = supported
+
     def set_bootstrap_port(self, worker: Worker, port: int) -> None:
         """The KV bootstrap port a prefill reported for itself."""
         if self.registered(worker) and worker.bootstrap_port != port:
@@ -467,6 +495,7 @@ class WorkerRegistry:
         if not self.registered(worker):
             return
         worker.circuit.reset()
+        worker.last_error = None
         self.set_health(worker, True)
 
     def note_restart(self, worker: Worker, *, forget_protocol: bool) -> None:

@@ -237,6 +237,16 @@ class ConversionManager:
             raise ConversionRefused(exc.reason, str(exc)) from exc
         return target
 
+    def refusal(self, worker: Worker) -> str | None:
+        """Why a conversion of ``worker`` would be refused whatever else runs (the worker
+        cannot switch, or its pool would fall under its minimum); None if it would not be."""
+        try:
+            self._refuse_switch_unsupported(worker)
+            self._refuse_below_minimum(worker)
+        except ConversionRefused as exc:
+            return exc.message
+        return None
+
     def _refuse_if_unsafe(self, worker: Worker) -> None:
         running = len(self._registry.converting())
         if running >= self._max_concurrent:
@@ -244,13 +254,24 @@ class ConversionManager:
                 "too_many_conversions",
                 f"{running} conversion(s) running; the limit is {self._max_concurrent}",
             )
+        self._refuse_switch_unsupported(worker)
         self._refuse_below_minimum(worker)
+
+    @staticmethod
+    def _refuse_switch_unsupported(worker: Worker) -> None:
+        """A worker that said it cannot switch roles (its probes read it) would refuse the
+        switch after its drain."""
+        if worker.switch_supported is False:
+            raise ConversionRefused(
+                "switch_not_supported",
+                f"{worker.url} cannot switch roles (launched without --enable-pd-role-switch)",
+            )
 
     def _refuse_below_minimum(self, worker: Worker) -> None:
         """The worker's pool keeps its minimum of active, healthy workers without it."""
-        remaining = self._registry.active_healthy_count(worker.role, excluding=worker)
         minimum = self._minimum[worker.role]
-        if remaining < minimum:
+        remaining = self._registry.remaining_below(worker, minimum)
+        if remaining is not None:
             raise ConversionRefused(
                 f"min_{worker.role.value}",
                 f"converting {worker.url} would leave {remaining} active healthy "
