@@ -2,8 +2,9 @@
 workers = 3``): every process routes from the control process's snapshots, a conversion drains
 across all of them, the admin API and the metrics show the whole router whichever process
 accepted the request, a data plane that dies is replaced, the data planes stop when the control
-process dies, and SIGTERM lets streams in flight finish. Real router processes in front of
-reference workers on loopback."""
+process dies, SIGTERM lets streams in flight finish, a data plane balances on the whole
+router's in-flight counts and places a prefix where the others do. Real router processes in
+front of reference workers on loopback."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import pytest
 
 from pd_router.cli.main import config_from_argv
 from pd_router.config import ConfigError, load_config
+from pd_router.dataplane.policies import make_policy
+from pd_router.dataplane.snapshot import SnapshotPools
 from pd_router.roles import Role
 from tests.conversion_helpers import (
     LONG,
@@ -291,3 +294,18 @@ async def test_a_second_router_on_the_same_port_is_refused(pd_cluster):
         _, stderr = await asyncio.wait_for(second.communicate(), 20.0)
         assert second.returncode != 0
         assert b"Address already in use" in stderr
+
+
+def test_a_data_plane_balances_on_the_whole_routers_inflight_counts():
+    pools = SnapshotPools(
+        {role: make_policy("least_inflight") for role in Role},
+        wake=lambda: None,
+        suspect=lambda url: None,
+        on_unavailable=lambda url: None,
+        count_refusal=lambda role: None,
+    )
+    entry = {"role": "decode", "bootstrap_port": None, "pickable": True, "usable": True,
+             "circuit": "closed", "half_open_at": None}  # fmt: skip
+    pools.apply(1, [{"url": "http://busy", **entry}, {"url": "http://idle", **entry}])
+    pools.apply_inflight({"http://busy": 40, "http://idle": 0})
+    assert {pools.pick(Role.DECODE).url for _ in range(20)} == {"http://idle"}
