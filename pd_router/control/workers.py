@@ -27,19 +27,9 @@ from pd_router.control.circuit import (
 )
 from pd_router.errors import Conflict
 from pd_router.metrics import RouterMetrics
+from pd_router.roles import Role, bootstrap_host
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BOOTSTRAP_PORT = 8998
-
-
-class Role(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-    @property
-    def other(self) -> Role:
-        return Role.DECODE if self is Role.PREFILL else Role.PREFILL
 
 
 class WorkerState(StrEnum):
@@ -147,12 +137,6 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def bootstrap_host(url: str) -> str:
-    """The host part of a worker url as SGLang's decode wants it (IPv6 in brackets)."""
-    host = urlsplit(url).hostname or ""
-    return f"[{host}]" if ":" in host else host
-
-
 @dataclass(frozen=True)
 class Origin:
     """Where discovery found a worker: a pod (``name`` in ``namespace``) or a manifest entry
@@ -191,6 +175,9 @@ class Worker:
     # it): it keeps its in-flight requests and its health, but gets no new ones.
     admitting: bool = True
     inflight: int = 0
+    # When the in-flight count last fell to zero in a data plane (monotonic; set by the data
+    # planes' reports in a multi-process router, None in one process).
+    idle_at: float | None = None
     has_extensions: bool | None = None
     # Whether the worker can switch roles (None: it has not said yet).
     switch_supported: bool | None = None
@@ -200,6 +187,10 @@ class Worker:
     origin: Origin | None = None
     bootstrap_host: str = ""
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    # Set while no process of this router may pick the worker unless it is selectable here:
+    # always in one process; in a multi-process router, cleared from its leaving selection
+    # until every data plane acked the snapshot that says so.
+    _unpicked: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # The worker_inflight{worker,role} child for the current role, so the hot path does no
     # label lookup per request.
     _inflight_gauge: Any = field(default=None, repr=False)
@@ -207,6 +198,7 @@ class Worker:
     def __post_init__(self) -> None:
         self.bootstrap_host = bootstrap_host(self.url)
         self._idle.set()
+        self._unpicked.set()
 
     @property
     def selectable(self) -> bool:
@@ -220,6 +212,15 @@ class Worker:
     async def wait_until_no_inflight(self) -> None:
         """Return once the router has no request in flight on this worker (event-driven)."""
         await self._idle.wait()
+
+    @property
+    def picked_elsewhere(self) -> bool:
+        """Whether a data plane may still pick this worker though it left selection."""
+        return not self._unpicked.is_set()
+
+    async def wait_until_unpicked(self) -> None:
+        """Return once no data plane may pick this worker any more (at once in one process)."""
+        await self._unpicked.wait()
 
     def as_dict(self) -> dict:
         return {
@@ -263,6 +264,7 @@ class WorkerRegistry:
         self._unavailable_callbacks: list[UnavailableCallback] = []
         self._adopted_callbacks: list[Callable[[Worker], None]] = []
         self._left_pool_callbacks: list[Callable[[Worker, Role], None]] = []
+        self._changed_callbacks: list[Callable[[], None]] = []
         for role in Role:
             self._metrics.pool_size.labels(role.value).set(0)
 
@@ -307,6 +309,7 @@ class WorkerRegistry:
         self._metrics.circuit_state.labels(url).set(0)
         self._export_state(worker)
         self._export_pools()
+        self._tell_changed()
         return worker
 
     def check_addable(self, url: str) -> None:
@@ -348,6 +351,7 @@ class WorkerRegistry:
         del self._by_id[worker.id]
         self._metrics.forget_worker(worker.url, worker.role.value, [s.value for s in WorkerState])
         self._export_pools()
+        self._tell_changed()
         self._tell_unavailable(worker, Unavailability.REMOVED)
         self._tell_left_pool(worker, worker.role)
 
@@ -470,6 +474,7 @@ class WorkerRegistry:
             return
         worker.healthy = healthy
         self._metrics.worker_healthy.labels(worker.url).set(1 if healthy else 0)
+        self._tell_changed()
         if not healthy:
             self._tell_unavailable(worker, Unavailability.UNHEALTHY)
 
@@ -490,8 +495,9 @@ class WorkerRegistry:
 
     def set_bootstrap_port(self, worker: Worker, port: int) -> None:
         """The KV bootstrap port a prefill reported for itself."""
-        if self.registered(worker):
+        if self.registered(worker) and worker.bootstrap_port != port:
             worker.bootstrap_port = port
+            self._tell_changed()
 
     def set_extensions(self, worker: Worker, has_extensions: bool | None) -> None:
         """Whether the worker serves the extension endpoints; None: unknown, detect again (a
@@ -511,6 +517,7 @@ class WorkerRegistry:
         if not self.registered(worker) or worker.admitting is admitting:
             return
         worker.admitting = admitting
+        self._tell_changed()
 
     def mark_recovered(self, worker: Worker) -> None:
         """The probes saw the worker recover: healthy, with a closed circuit (the failures it
@@ -607,6 +614,26 @@ class WorkerRegistry:
             worker.inflight = 0
             worker._idle.set()
 
+    def set_picked_elsewhere(self, worker: Worker, picked: bool) -> None:
+        """Whether a data plane of a multi-process router may still pick ``worker``, which
+        left selection, because it has not acked the snapshot that says so."""
+        if picked:
+            worker._unpicked.clear()
+        else:
+            worker._unpicked.set()
+
+    def set_inflight(self, worker: Worker, count: int, idle_at: float) -> None:
+        """The in-flight count the data planes of a multi-process router report in sum
+        (:mod:`pd_router.control.dataplanes`); ``idle_at``: when the last of them became idle
+        on the worker, for a count of zero."""
+        worker.inflight = count
+        worker._inflight_gauge.set(count)
+        if count <= 0:
+            worker.idle_at = idle_at
+            worker._idle.set()
+        else:
+            worker._idle.clear()
+
     # --- unavailability listeners -----------------------------------------------------------
 
     def on_unavailable(self, callback: UnavailableCallback) -> None:
@@ -622,6 +649,16 @@ class WorkerRegistry:
         (forgotten after a removal, or moved to the other role), so what was kept about it
         for that pool (a cache-aware policy's prefixes) goes too."""
         self._left_pool_callbacks.append(callback)
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after any change a data plane routes by: membership, role,
+        state, health, admission, bootstrap port, circuit (a multi-process router pushes a
+        new snapshot then). Called from the code that made the change: it must not block."""
+        self._changed_callbacks.append(callback)
+
+    def _tell_changed(self) -> None:
+        for callback in self._changed_callbacks:
+            callback()
 
     def _tell_left_pool(self, worker: Worker, role: Role) -> None:
         for callback in list(self._left_pool_callbacks):
@@ -686,6 +723,7 @@ class WorkerRegistry:
         worker.state = state
         self._export_state(worker)
         self._export_pools()
+        self._tell_changed()
         if state is WorkerState.FAILED:
             self._tell_unavailable(worker, Unavailability.FAILED)
         if left is not None:
@@ -702,6 +740,7 @@ class WorkerRegistry:
         self._metrics.circuit_state.labels(url).set(CIRCUIT_STATE_VALUES[state])
         level = logging.INFO if state is CircuitState.HALF_OPEN else logging.WARNING
         logger.log(level, "worker %s circuit %s", url, state.value, extra={"worker": url})
+        self._tell_changed()
 
     def _export_state(self, worker: Worker) -> None:
         for state in WorkerState:

@@ -19,6 +19,7 @@ meanwhile; how each step is done over the native or the extension protocol is in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -343,11 +344,25 @@ class ConversionManager:
         backoff. Asking the worker first would put one more round trip between the last
         request ending and the switch."""
         conv.progress["router_inflight_at_start"] = conv.worker.inflight
+        if conv.worker.picked_elsewhere:
+            # Closed before every data plane took the worker out of selection, the worker's
+            # admission would answer 503 to their picks meanwhile (each retried elsewhere).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    conv.worker.wait_until_unpicked(), max(0.0, deadline - time.monotonic())
+                )
         await protocol.close_admission(conv)
+        admission_closed = time.monotonic()
         if conv.request.drain:
             await self._wait_router_idle(conv, deadline)
             await self._wait_peers_idle(conv, deadline)
-        conv.timings["router_idle_at"] = time.monotonic()
+        # When the router's last request on the worker ended (or the worker's admission
+        # closed, if that was later): now in one process; in a multi-process router, when the
+        # last data plane's did, its report coming after.
+        idle_at = conv.worker.idle_at
+        conv.timings["router_idle_at"] = (
+            max(idle_at, admission_closed) if idle_at is not None else time.monotonic()
+        )
         conv.timings["drain_s"] = conv.phases[-1].end()
         logger.info("conversion %s: drained in %.3fs", conv.id, conv.timings["drain_s"])
 
