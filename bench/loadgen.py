@@ -1,5 +1,6 @@
 """Closed-loop load generator: N concurrent clients sending /generate to one router, or spread
-over several (``--url`` repeated: client i sends to the i-th url modulo their number).
+over several (``--url`` repeated: client i sends to the i-th url modulo their number). Several
+generator processes share one measurement window when started with the same ``--start-at``.
 
 Runs as its own process (aiohttp client on uvloop) so its CPU is never charged to the router
 or to the orchestrator. Each client sends a request, waits for the full answer (non-streaming
@@ -43,6 +44,7 @@ class LoadConfig:
     request_timeout_s: float
     cpu_pids: tuple[int, ...]
     backend_pids: tuple[int, ...]
+    start_at: float | None = None
 
 
 @dataclass
@@ -146,6 +148,8 @@ async def run(cfg: LoadConfig) -> dict[str, object]:
     connector = aiohttp.TCPConnector(limit=cfg.concurrency, limit_per_host=cfg.concurrency)
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        if cfg.start_at is not None:
+            await asyncio.sleep(max(0.0, cfg.start_at - time.time()))
         now = time.perf_counter()
         window = (now + cfg.warmup_s, now + cfg.warmup_s + cfg.duration_s)
         clients = [
@@ -191,6 +195,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Path, LoadConfig]:
     parser.add_argument("--cpu-pid", type=int, action="append", default=[], help="a router")
     parser.add_argument("--backend-pid", type=int, action="append", default=[], help="a worker")
     parser.add_argument("--output", type=Path, required=True, help="where to write the JSON")
+    parser.add_argument(
+        "--start-at",
+        type=float,
+        help="wall-clock time (epoch seconds) to start at, so several generators share a window",
+    )
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("need --concurrency >= 1, --duration > 0, --warmup >= 0")
@@ -204,6 +213,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Path, LoadConfig]:
         request_timeout_s=args.request_timeout,
         cpu_pids=tuple(args.cpu_pid),
         backend_pids=tuple(args.backend_pid),
+        start_at=args.start_at,
     )
 
 

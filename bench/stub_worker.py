@@ -9,6 +9,10 @@ answers the info and load endpoints the routers probe at start-up (smg asks for 
 protocol reference (that is `pd_worker`).
 
     python bench/stub_worker.py --role decode --port 31000
+    python bench/stub_worker.py --role decode --port 31000 --reuse-port   # one of several
+
+With `--reuse-port` several processes serve one port (SO_REUSEPORT: the kernel spreads the
+connections), so one worker URL can use more than one core (bench/scale.py).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +30,7 @@ import httpx
 import orjson
 import uvloop
 from aiohttp import web
+from proc_cpu import pinned
 
 STARTUP_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 5.0
@@ -128,8 +133,17 @@ def _wait_healthy(url: str, process: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def stub_cluster(prefill: int, decode: int, ports: Iterator[int]) -> Iterator[StubCluster]:
-    """Start prefill + decode stub processes on the given free ports; stop them on exit."""
+def stub_cluster(
+    prefill: int,
+    decode: int,
+    ports: Iterator[int],
+    *,
+    processes_per_worker: int = 1,
+    cpus: Iterable[int] | None = None,
+) -> Iterator[StubCluster]:
+    """Start prefill + decode stub workers on the given free ports, each served by
+    ``processes_per_worker`` processes sharing its port, all on ``cpus`` (None: anywhere);
+    stop them on exit."""
     processes: list[subprocess.Popen] = []
     urls: dict[str, list[str]] = {"prefill": [], "decode": []}
     bootstrap: dict[str, int] = {}
@@ -137,12 +151,19 @@ def stub_cluster(prefill: int, decode: int, ports: Iterator[int]) -> Iterator[St
         for role in ("prefill",) * prefill + ("decode",) * decode:
             port = next(ports)
             argv = [sys.executable, str(Path(__file__)), "--role", role, "--port", str(port)]
-            process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            processes.append(process)
+            if processes_per_worker > 1:
+                argv.append("--reuse-port")
+            for _ in range(processes_per_worker):
+                processes.append(
+                    subprocess.Popen(
+                        pinned(argv, cpus), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                    )
+                )
             url = f"http://127.0.0.1:{port}"
             urls[role].append(url)
             bootstrap[url] = next(ports)
-            _wait_healthy(url, process)
+            for process in processes[-processes_per_worker:]:
+                _wait_healthy(url, process)
         yield StubCluster(urls["prefill"], urls["decode"], bootstrap, [p.pid for p in processes])
     finally:
         for process in processes:
@@ -159,11 +180,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--role", choices=("prefill", "decode"), required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--reuse-port", action="store_true", help="share the port (SO_REUSEPORT)")
     args = parser.parse_args(argv)
     web.run_app(
         build_app(args.role),
         host="127.0.0.1",
         port=args.port,
+        reuse_port=args.reuse_port or None,
         access_log=None,
         print=None,
         loop=uvloop.new_event_loop(),

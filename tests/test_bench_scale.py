@@ -1,0 +1,135 @@
+"""The scaling benchmark's pure helpers: how it splits the cores, which setups a run names,
+how the load is spread over several generator processes and merged back, and which goals its
+report declares met. Figures belong in docs/PERFORMANCE.md."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture
+def bench_modules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/ is a folder of scripts, not a package: make its modules importable."""
+    monkeypatch.syspath_prepend(str(BENCH))
+
+
+def test_sixteen_cores_give_the_router_six_and_keep_workers_and_generators_apart(
+    bench_modules: None,
+) -> None:
+    from scale import plan_cores
+
+    plan = plan_cores(range(16), router=6)
+    assert plan.router == (10, 11, 12, 13, 14, 15)
+    assert (plan.backends, plan.loadgens) == ((0, 1, 2, 3, 4), (5, 6, 7, 8, 9))
+    assert not plan.shared
+
+
+def test_two_cores_give_the_router_one_and_the_rest_share_the_other(bench_modules: None) -> None:
+    from scale import plan_cores
+
+    plan = plan_cores([0, 1], router=1)
+    assert (plan.router, plan.backends, plan.loadgens) == ((1,), (0,), (0,))
+    assert plan.shared
+    assert "sharing 1 core (0)" in plan.describe()
+
+
+@pytest.mark.parametrize(("router", "backends"), [(0, None), (16, None), (6, 10), (6, 0)])
+def test_a_plan_without_cores_for_each_part_is_refused(
+    bench_modules: None, router: int, backends: int | None
+) -> None:
+    from scale import plan_cores
+
+    with pytest.raises(ValueError):
+        plan_cores(range(16), router=router, backends=backends)
+
+
+def test_setups_name_smg_worker_counts_and_separate_processes(bench_modules: None) -> None:
+    from scale import parse_setups
+
+    setups = parse_setups("smg,1,6,6s,1")
+    assert [s.name for s in setups] == [
+        "smg",
+        "pd-router --workers 1",
+        "pd-router --workers 6",
+        "6 pd-router processes",
+    ]
+    assert [s.processes for s in setups] == [1, 1, 6, 6]
+
+
+def test_only_a_multi_process_setup_passes_the_workers_flag(bench_modules: None) -> None:
+    from peers import Topology
+    from proc_cpu import pinned
+    from scale import Setup, setup_peers
+
+    topology = Topology(prefills=(("http://127.0.0.1:1", 2),), decodes=("http://127.0.0.1:3",))
+    one, six = (setup_peers(Setup("workers", n), [3]) for n in (1, 6))
+    separate = setup_peers(Setup("separate", 2), [3])
+    argv_one = one[0].argv(topology, "127.0.0.1", 8000)
+    prefix = pinned([], [3])
+    assert argv_one[: len(prefix)] == prefix and "--workers" not in argv_one
+    assert six[0].argv(topology, "127.0.0.1", 8000)[-2:] == ["--workers", "6"]
+    assert len({peer.name for peer in separate}) == 2
+
+
+def test_clients_spread_over_generators_reach_each_router_in_turn(bench_modules: None) -> None:
+    from scale import rotated, split_concurrency
+
+    shares = split_concurrency(64, 5)
+    assert shares == [13, 13, 13, 13, 12]
+    urls, targets, offset = ["a", "b", "c"], [], 0
+    for share in shares:
+        mine = rotated(urls, offset)
+        targets += [mine[i % len(mine)] for i in range(share)]
+        offset += share
+    assert targets == [urls[k % 3] for k in range(64)]
+
+
+def test_merged_generators_sum_requests_and_keep_the_busiest_generator(
+    bench_modules: None,
+) -> None:
+    from scale import merge_segments
+
+    def part(completed: int, loadgen_cpu_s: float, router_cpu_s: float) -> dict:
+        return {
+            "completed": completed, "errors": 1, "error_samples": ["x"], "window_s": 2.0,
+            "latencies_ms": [1.0] * completed, "ttft_ms": [], "router_cpu_s": router_cpu_s,
+            "backend_cpu_s": router_cpu_s, "loadgen_cpu_s": loadgen_cpu_s,
+        }  # fmt: skip
+
+    merged = merge_segments([part(10, 1.0, 3.0), part(20, 1.8, 0.0)])
+    assert (merged["completed"], merged["errors"], len(merged["latencies_ms"])) == (30, 2, 30)
+    assert (merged["router_cpu_s"], merged["loadgen_cpu_s"]) == (3.0, 2.8)
+    assert merged["loadgen_peak"] == pytest.approx(0.9)
+
+
+def test_goals_compare_the_largest_worker_count_with_smg_and_with_one_process(
+    bench_modules: None,
+) -> None:
+    from overhead import BenchConfig
+    from scale import Cell, ScaleConfig, goal_lines, parse_setups, plan_cores
+
+    def cell(completed: int, cpu_s: float, latency_ms: float) -> Cell:
+        c = Cell()
+        c.figures.completed, c.figures.window_s, c.figures.router_cpu_s = completed, 1.0, cpu_s
+        c.figures.latencies_ms = [latency_ms] * 10
+        return c
+
+    load = BenchConfig((), ("stream",), 64, 1, 1, 1, 16, 2, 2, 0, "stub", Path("."))
+    setups = parse_setups("smg,1,6")
+    cfg = ScaleConfig(load, setups, (64,), plan_cores(range(16), 6), 2, 5)
+    cells = {
+        ("smg", 64, "stream"): cell(10000, 5.0, 20.0),
+        ("pd-router --workers 1", 64, "stream"): cell(3000, 1.0, 30.0),
+        ("pd-router --workers 6", 64, "stream"): cell(16000, 6.0, 15.0),
+    }
+    lines = goal_lines(cfg, cells)
+    assert (
+        "1.60x req/s (goal >= 1.5), 0.75x CPU/request (<= 1), 0.75x p99 (<= 1): **met**"
+        in (lines[0])
+    )
+    assert lines[1].endswith("0.30x req/s (2-core goal >= 1.1): **not met**")
+    assert "5.33x req/s (goal >= 5.10, 0.85 x 6): **met**" in lines[2]
