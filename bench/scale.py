@@ -233,6 +233,7 @@ class ScaleConfig:
     plan: CorePlan
     backend_processes: int
     loadgens: int
+    client: str = "fast"
 
 
 def setup_peers(setup: Setup, cores: Sequence[int]) -> list[Peer]:
@@ -287,7 +288,7 @@ def run_segment(
             router_pids if index == 0 else (),
             backend_pids if index == 0 else (),
         )
-        argv += ["--start-at", f"{start_at:.3f}"]
+        argv += ["--start-at", f"{start_at:.3f}", "--client", cfg.client]
         core = cfg.plan.loadgens[index % len(cfg.plan.loadgens)]
         processes.append(
             subprocess.Popen(
@@ -570,7 +571,8 @@ def report(
         f"{len(os.sched_getaffinity(0))} cores available (load average "
         f"{os.getloadavg()[0]:.1f} at the end): {cfg.plan.describe()}. {load.prefill}P"
         f"{load.decode}D stub workers ({cfg.backend_processes} process(es) per worker on one "
-        f"port); {cfg.loadgens} load generator process(es), each pinned to one generator core. "
+        f"port); {cfg.loadgens} load generator process(es) (bench/loadgen.py --client "
+        f"{cfg.client}), each pinned to one generator core. "
         f"/generate, max_new_tokens {load.max_new_tokens}; {load.rounds} interleaved round(s) "
         f"of {load.warmup_s:g}s warm-up + {load.duration_s:g}s measured per setup, concurrency "
         "and mode; all setups up at once, idle while another is measured. Cores busy = CPU "
@@ -619,6 +621,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ScaleConfig, float]:
     parser.add_argument("--backend-cores", type=int, help="default: half the rest, rounded up")
     parser.add_argument("--backend-processes", type=int, help="per stub worker (default: fill)")
     parser.add_argument("--loadgens", type=int, help="generator processes (default: one a core)")
+    parser.add_argument(
+        "--client",
+        choices=("fast", "aiohttp"),
+        default="fast",
+        help="the generators' HTTP client (bench/loadgen.py --client), default %(default)s",
+    )
     parser.add_argument("--profile", type=float, default=0.0, help="py-spy one data plane N s")
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="default: %(default)s")
     args = parser.parse_args(argv)
@@ -656,6 +664,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ScaleConfig, float]:
         plan=plan,
         backend_processes=backend_processes,
         loadgens=args.loadgens or len(plan.loadgens),
+        client=args.client,
     )
     return cfg, args.profile
 
