@@ -8,6 +8,7 @@ offending key and what is allowed, and start-up stops there.
 from __future__ import annotations
 
 import dataclasses
+import os
 import ssl
 import tomllib
 import types
@@ -31,6 +32,7 @@ from pd_router.dataplane.policies import (
     canonical_policy_name,
 )
 from pd_router.dataplane.retry import RetryConfig
+from pd_router.roles import Role
 from pd_router.tls import TLSConfig, server_context, worker_context
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
@@ -73,6 +75,22 @@ class ConversionConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """``[server]``: the router's processes. ``workers`` data planes share the port, with a
+    control process beside them when there is more than one (docs/router.md, "Processes");
+    ``"auto"``: one per core this process may run on."""
+
+    workers: int | str = 1
+
+    @property
+    def processes(self) -> int:
+        """The number of data planes ``workers`` asks for."""
+        if self.workers == "auto":
+            return len(os.sched_getaffinity(0))
+        return int(self.workers)
+
+
+@dataclass(frozen=True)
 class RouterConfig:
     host: str = "0.0.0.0"
     port: int = 30000
@@ -106,6 +124,10 @@ class RouterConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def policy_of(self, role: Role) -> str:
+        return self.prefill_policy if role is Role.PREFILL else self.decode_policy
 
 
 SECTIONS: Mapping[str, type] = types.MappingProxyType(
@@ -120,6 +142,7 @@ SECTIONS: Mapping[str, type] = types.MappingProxyType(
         "tls": TLSConfig,
         "cache_aware": CacheAwareConfig,
         "cluster": ClusterConfig,
+        "server": ServerConfig,
     }
 )
 
@@ -264,6 +287,9 @@ def validate(config: RouterConfig) -> None:
                 key, f"unknown policy {getattr(config, key)!r} (allowed: {allowed})"
             ) from None
     check_port("port", config.port if config.port != 0 else None)
+    workers = config.server.workers
+    if workers != "auto" and not (isinstance(workers, int) and workers >= 1):
+        raise ConfigError("server.workers", f"must be 'auto' or a number >= 1, not {workers!r}")
     for key in ("request_timeout_secs", "connect_timeout_secs", "worker_removal_timeout_secs"):
         check_positive(key, getattr(config, key))
     for key in ("max_connections", "max_payload_size"):

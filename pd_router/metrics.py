@@ -8,10 +8,13 @@ live in one process, as they do in tests.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import Metric
+from prometheus_client.samples import Sample as PromSample
 
 PREFIX = "pd_router_"
 
@@ -127,6 +130,51 @@ class RouterMetrics:
             with contextlib.suppress(KeyError):
                 self.worker_state.remove(worker, state)
 
-    def exposition(self) -> tuple[bytes, str]:
-        """The text exposition of every metric and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+    def exposition(self, added: Iterable[Sample] = ()) -> tuple[bytes, str]:
+        """The text exposition of every metric and its content type; ``added``: samples of
+        other processes (:func:`samples`) added to these."""
+        source: Any = self.registry
+        if added:
+            source = Merged(self.registry, added)
+        return generate_latest(source), CONTENT_TYPE_LATEST
+
+
+# One sample as it travels between processes: family name, family type, sample name, labels,
+# value.
+Sample = list
+
+
+def samples(metrics: RouterMetrics) -> list[Sample]:
+    """Every sample of ``metrics`` but the creation times, to add to another process's."""
+    return [
+        [family.name, family.type, s.name, s.labels, s.value]
+        for family in metrics.registry.collect()
+        for s in family.samples
+        if not s.name.endswith("_created")
+    ]
+
+
+class Merged:
+    """A registry's metrics with other processes' samples added: a sample with the same name
+    and labels is summed, one the registry lacks is appended to its family."""
+
+    def __init__(self, registry: CollectorRegistry, added: Iterable[Sample]) -> None:
+        self._registry = registry
+        self._added: dict[str, dict[tuple[str, tuple], float]] = {}
+        for family, _, name, labels, value in added:
+            key = (name, tuple(sorted(labels.items())))
+            into = self._added.setdefault(family, {})
+            into[key] = into.get(key, 0.0) + value
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            added = dict(self._added.get(family.name, {}))
+            merged = []
+            for s in family.samples:
+                key = (s.name, tuple(sorted(s.labels.items())))
+                merged.append(s._replace(value=s.value + added.pop(key, 0.0)))
+            merged += [
+                PromSample(name, dict(labels), value) for (name, labels), value in added.items()
+            ]
+            family.samples = merged
+            yield family

@@ -37,14 +37,6 @@ LAYERS = {
     "api": {"api", "control", "dataplane"},
     "cli": {"cli", "api", "control", "dataplane"},
 }
-# Imports across layers that the process split of issue 17 removes (the data plane routing from
-# pushed snapshots instead of the registry's objects and the application's state).
-PENDING = {
-    "pd_router.dataplane.policies": ["pd_router.control.workers"],
-    "pd_router.dataplane.proxy": ["pd_router.api.state", "pd_router.control.workers"],
-    "pd_router.dataplane.requests": ["pd_router.control.workers"],
-    "pd_router.dataplane.upstream": ["pd_router.control.workers"],
-}
 
 
 def module_name(path: Path, root: Path = ROUTER) -> str:
@@ -142,7 +134,7 @@ def test_every_layer_imports_only_the_layers_beneath_it():
         wrong = sorted(m for m in imported if layer(m) not in {None, "config", *allowed})
         if wrong:
             offenders[name] = wrong
-    assert offenders == PENDING
+    assert offenders == {}
 
 
 def test_no_router_module_imports_itself_back_through_others():

@@ -15,6 +15,7 @@ import gc
 import logging
 import os
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,7 +28,9 @@ from pd_router.api.autopilot import add_autopilot_routes
 from pd_router.api.conversions import add_conversion_routes
 from pd_router.api.cors import add_cors
 from pd_router.api.dashboard import add_dashboard_routes
-from pd_router.api.state import DELIVERED, REQUEST_ID, ROUTER, UPSTREAM_ID, Router
+from pd_router.api.forward import FORWARDED, ControlForwarder
+from pd_router.api.processes import serve_processes
+from pd_router.api.state import ROUTER, Router
 from pd_router.config import RouterConfig
 from pd_router.control.health import WorkersUnreachable
 from pd_router.dataplane import proxy
@@ -40,6 +43,7 @@ from pd_router.dataplane.listener import (
     raise_fd_limit,
     release_body,
 )
+from pd_router.dataplane.path import DELIVERED, REQUEST_ID, REQUEST_PATH, UPSTREAM_ID, RequestPath
 from pd_router.errors import MAPPED_ERRORS, ClientClosedRequest, RouterError, error_response
 from pd_router.metrics import RouterMetrics
 from pd_router.tls import server_context
@@ -81,6 +85,10 @@ class RequestIds:
 
 
 REQUEST_IDS = web.AppKey("request_ids", RequestIds)
+# Whether the middleware checks the admin key on admin paths (a data plane passes those on).
+GUARD_ADMIN = web.AppKey("guard_admin", bool)
+# The configuration of an application without a Router (a data plane's).
+CONFIG = web.AppKey("config", RouterConfig)
 BODY_ADMISSION = web.AppKey("body_admission", BodyAdmission)
 
 
@@ -108,7 +116,7 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
     request metrics for every endpoint. A handler cancelled because its client went away
     counts as 499, unless the client already had its whole answer (:data:`DELIVERED`)."""
     app = request.app
-    router = app[ROUTER]
+    metrics = app[REQUEST_PATH].metrics
     loop = asyncio.get_running_loop()
     started = loop.time()
     request_id, upstream_id = request_ids(request, app[REQUEST_IDS])
@@ -117,7 +125,7 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
     admission = app[BODY_ADMISSION]
     admitted = 0
     try:
-        if router.config.admin_api_key is not None and is_admin_path(request.path):
+        if app[GUARD_ADMIN] and is_admin_path(request.path):
             require_admin(request)
         length = request.content_length
         if length:
@@ -125,8 +133,9 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
             admitted = length
         response = await handler(request)
     except asyncio.CancelledError:
-        status = request.get(DELIVERED, ClientClosedRequest.status)
-        router.observe_request(endpoint_label(request), status, loop.time() - started)
+        if FORWARDED not in request:
+            status = request.get(DELIVERED, ClientClosedRequest.status)
+            metrics.observe_request(endpoint_label(request), status, loop.time() - started)
         raise
     except MAPPED_ERRORS as exc:
         response = error_response(exc)
@@ -139,15 +148,21 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
             admission.release(admitted)
     if not response.prepared:
         response.headers["X-Request-Id"] = request_id
-    router.observe_request(endpoint_label(request), response.status, loop.time() - started)
+    if FORWARDED not in request:
+        metrics.observe_request(endpoint_label(request), response.status, loop.time() - started)
     return response
 
 
-def add_routes(app: web.Application) -> None:
+def add_generation_routes(app: web.Application) -> None:
     r = app.router
     r.add_post("/generate", proxy.handle_generate)
     r.add_post("/v1/completions", proxy.handle_completions)
     r.add_post("/v1/chat/completions", proxy.handle_chat)
+
+
+def add_routes(app: web.Application) -> None:
+    add_generation_routes(app)
+    r = app.router
     r.add_get("/health", info.handle_health)
     r.add_get("/liveness", info.handle_health)
     r.add_get("/readiness", info.handle_readiness)
@@ -182,17 +197,39 @@ async def _on_cleanup(app: web.Application) -> None:
 
 def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web.Application:
     """The router application for ``config`` (workers registered, not yet probed)."""
-    app = web.Application(middlewares=[core_middleware], client_max_size=config.max_payload_size)
-    app[ROUTER] = Router(config, metrics)
-    app[REQUEST_IDS] = RequestIds(config.request_id_headers)
-    app[BODY_ADMISSION] = BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes)
-    add_cors(app, config.cors_allowed_origins)
+    router = Router(config, metrics)
+    app = base_app(config, router.path, guard_admin=config.admin_api_key is not None)
+    app[ROUTER] = router
     add_routes(app)
     add_dashboard_routes(app)
     app.on_startup.append(_on_startup)
     app.on_cleanup.append(_on_cleanup)
     add_conversion_routes(app)
     add_autopilot_routes(app)
+    return app
+
+
+def base_app(config: RouterConfig, path: RequestPath, *, guard_admin: bool) -> web.Application:
+    """An application with the router's middleware, CORS and ``path`` for its generation
+    handlers, and no routes yet."""
+    app = web.Application(middlewares=[core_middleware], client_max_size=config.max_payload_size)
+    app[REQUEST_PATH] = path
+    app[GUARD_ADMIN] = guard_admin
+    app[REQUEST_IDS] = RequestIds(config.request_id_headers)
+    app[BODY_ADMISSION] = BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes)
+    add_cors(app, config.cors_allowed_origins)
+    return app
+
+
+def build_dataplane_app(
+    config: RouterConfig, path: RequestPath, forwarder: ControlForwarder
+) -> web.Application:
+    """A data plane's application: the generation endpoints served from ``path``, every
+    other request passed to the control process (which checks the admin key and counts it)."""
+    app = base_app(config, path, guard_admin=False)
+    add_generation_routes(app)
+    app.router.add_route("*", "/{tail:.*}", forwarder.handle)
+    app[CONFIG] = config
     return app
 
 
@@ -231,20 +268,30 @@ def client_limits(config: RouterConfig) -> ClientLimits:
 
 
 async def start_server(
-    app: web.Application, host: str = "127.0.0.1", port: int = 0
+    app: web.Application,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    sock: socket.socket | None = None,
 ) -> RunningServer:
-    """Serve ``app`` in the running loop (port 0: a free port); stop with ``.stop()``. A router
-    application's client limits and TLS come from its config, any other application gets the
-    defaults (plain HTTP)."""
-    config = app[ROUTER].config if ROUTER in app else RouterConfig()
+    """Serve ``app`` in the running loop (port 0: a free port; ``sock``: on that listening
+    socket instead); stop with ``.stop()``. A router application's client limits and TLS come
+    from its config, any other application gets the defaults (plain HTTP)."""
+    config = app_config(app)
     ssl_context = server_context(config.tls)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = ClientSite(runner, host, port, client_limits(config), ssl_context)
+    site = ClientSite(runner, host, port, client_limits(config), ssl_context, sock=sock)
     await site.start()
-    server = runner.addresses[0]
+    host, port = runner.addresses[0][:2]
     scheme = "https" if ssl_context is not None else "http"
-    return RunningServer(app, runner, host, server[1], scheme)
+    return RunningServer(app, runner, host, port, scheme)
+
+
+def app_config(app: web.Application) -> RouterConfig:
+    if ROUTER in app:
+        return app[ROUTER].config
+    return app.get(CONFIG) or RouterConfig()
 
 
 def tune_gc() -> None:
@@ -291,9 +338,15 @@ def run_server(config: RouterConfig) -> None:
         )  # fmt: skip
     app = build_app(config)
     tune_gc()
+    processes = config.server.processes
+    serving = (
+        serve_processes(config, app, processes, client_limits(config).max_connections)
+        if processes > 1
+        else serve_until_signalled(app, config)
+    )
     with asyncio.Runner(loop_factory=uvloop.new_event_loop if uvloop is not None else None) as r:
         try:
-            r.run(serve_until_signalled(app, config))
+            r.run(serving)
         except WorkersUnreachable as exc:
             log.error("%s; not serving", exc, extra={"workers": exc.urls})
             raise SystemExit(1) from None

@@ -17,29 +17,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
-from pd_protocol.wire import ROLE_HEADER
 from pd_router.config import RouterConfig
 from pd_router.control.autopilot.controller import Autopilot
 from pd_router.control.cluster.etcd import EtcdCluster
 from pd_router.control.cluster.local import Cluster, LocalCluster
 from pd_router.control.health import HealthMonitor, WorkersUnreachable
 from pd_router.control.latency import LatencyRecorder
-from pd_router.control.workers import Role, Unavailability, Worker, WorkerRegistry, WorkerState
+from pd_router.control.selection import RegistryPools
+from pd_router.control.workers import Unavailability, Worker, WorkerRegistry
 from pd_router.dataplane.concurrency import RequestAdmission
-from pd_router.dataplane.http1 import Http1Pool
 from pd_router.dataplane.http1_conn import WorkerUnavailable
-from pd_router.dataplane.policies import Policy, make_policy
-from pd_router.dataplane.upstream import Legs
-from pd_router.errors import NoWorkers
+from pd_router.dataplane.legs import leg_setup
+from pd_router.dataplane.path import RequestMetrics, RequestPath
+from pd_router.dataplane.policies import make_policy
+from pd_router.dataplane.upstream import abort
 from pd_router.metrics import RouterMetrics
-from pd_router.tls import worker_context
+from pd_router.roles import Role
 
 if TYPE_CHECKING:
     from pd_router.control.conversion.manager import ConversionManager
@@ -54,10 +53,6 @@ class Router:
         self.config = config
         self.metrics = metrics or RouterMetrics()
         self.registry = WorkerRegistry(self.metrics, config.circuit)
-        self.policies: dict[Role, Policy] = {
-            Role.PREFILL: make_policy(config.prefill_policy, config.cache_aware),
-            Role.DECODE: make_policy(config.decode_policy, config.cache_aware),
-        }
         self.health = HealthMonitor(self.registry, config.health)
         self.admission = RequestAdmission(config.admission, self.metrics)
         self.conversions: ConversionManager | None = None
@@ -84,40 +79,34 @@ class Router:
             if config.cluster.enabled
             else LocalCluster(self.registry)
         )
-        # Sent on every call to a worker (legs, probes, fan-outs, aborts, control).
-        self.worker_headers: dict[str, str] = (
-            {"Authorization": f"Bearer {config.worker_api_key}"} if config.worker_api_key else {}
-        )
+        self.request_metrics = RequestMetrics(self.metrics)
+        setup = leg_setup(config, self.request_metrics.count_upstream_error)
+        self.worker_headers = setup.worker_headers
+        self.worker_ssl = setup.worker_ssl
+        self.legs = setup.pool
         self._session: aiohttp.ClientSession | None = None
-        # Every connection to an https:// worker (legs, session, control) verifies it with
-        # this context; None: the defaults (system CAs, no client certificate).
-        self.worker_ssl: ssl.SSLContext | None = (
-            worker_context(config.tls) if config.tls.configures_workers else None
+        self.pools = RegistryPools(
+            self.registry,
+            {role: make_policy(config.policy_of(role), config.cache_aware) for role in Role},
+            self.health,
+            self.latency,
         )
-        self.legs = Http1Pool(
-            connect_timeout=config.connect_timeout_secs,
-            request_timeout=config.request_timeout_secs,
-            ssl_context=self.worker_ssl,
+        # What the request path reaches (the generation handlers).
+        self.path = RequestPath(
+            pools=self.pools,
+            legs=setup.legs,
+            leg_headers=setup.leg_headers,
+            retry=config.retry,
+            admission=self.admission,
+            latency=self.latency,
+            metrics=self.request_metrics,
+            abort=lambda worker, rids: self.spawn(abort(self.session, worker, rids)),
         )
-        # What every leg uses (the pool, its limits, the error metric), and the headers of each
-        # role's legs but the request id. A leg names the role it is routed as: an extension
-        # worker that serves the other role answers 421 at once instead of failing the KV
-        # hand-off minutes later.
-        self.upstream = Legs(self.legs, config.legs, self.count_upstream_error)
-        self.leg_headers: dict[Role, dict[str, str]] = {
-            role: {
-                "Content-Type": "application/json",
-                **self.worker_headers,
-                ROLE_HEADER: role.value,
-            }
-            for role in Role
-        }
         self.registry.on_unavailable(self._end_legs)
-        self.registry.on_left_pool(lambda worker, role: self.policies[role].forget(worker.url))
+        self.registry.on_left_pool(
+            lambda worker, role: self.pools.policies[role].forget(worker.url)
+        )
         self._background: set[asyncio.Task] = set()
-        self._request_children: dict[tuple[str, int], Any] = {}
-        self._duration_children: dict[str, Any] = {}
-        self._upstream_error_children: dict[tuple[str, str], Any] = {}
         for spec in config.prefill:
             self.registry.add(spec.url, Role.PREFILL, spec.bootstrap_port, healthy=False)
         for spec in config.decode:
@@ -194,80 +183,8 @@ class Router:
         task.add_done_callback(self._background.discard)
         return task
 
-    # --- selection --------------------------------------------------------------------------
-
-    def pick(
-        self,
-        role: Role,
-        avoid: Iterable[Worker] = (),
-        prompt: Callable[[], str] | None = None,
-    ) -> Worker:
-        """A selectable worker of ``role`` chosen by its pool's policy, preferring workers not
-        in ``avoid`` (the ones that already failed this request). NoWorkers if none.
-        ``prompt`` gives the request's prompt key; it is called only for a policy that needs
-        it, so the others cost nothing."""
-        workers = self.registry.selectable(role) or self.circuit_panic_pool(role, avoid)
-        if avoid and len(workers) > 1:
-            avoided = set(avoid)
-            fresh = [w for w in workers if w not in avoided]
-            if fresh:
-                workers = fresh
-        if not workers:
-            self.latency.count_refusal(role.value)
-            raise NoWorkers(f"no available {role.value} worker (none active, healthy and closed)")
-        policy = self.policies[role]
-        if policy.needs_prompt and prompt is not None:
-            return policy.select(workers, prompt())
-        return policy.select(workers)
-
-    def circuit_panic_pool(self, role: Role, avoid: Iterable[Worker] = ()) -> list[Worker]:
-        """The ACTIVE, healthy workers of ``role`` not in ``avoid``, for when none is
-        selectable: each is then kept out only by its circuit (open, or its half-open trial
-        taken). A circuit steers traffic to other workers, and there are none; answering 503
-        would make a whole burst fail after an outage the probes saw end (see
-        :mod:`pd_router.control.circuit`). A worker that already failed this request is not tried
-        again through its open circuit."""
-        avoided = set(avoid)
-        return [
-            w
-            for w in self.registry.in_role(role, (WorkerState.ACTIVE,))
-            if w.healthy and w.admitting and w not in avoided
-        ]
-
-    # --- metrics (children cached: no per-request label lookups) -----------------------------
-
-    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
-        key = (endpoint, status)
-        counter = self._request_children.get(key)
-        if counter is None:
-            counter = self.metrics.requests_total.labels(endpoint, str(status))
-            self._request_children[key] = counter
-        counter.inc()
-        histogram = self._duration_children.get(endpoint)
-        if histogram is None:
-            histogram = self.metrics.request_duration_seconds.labels(endpoint)
-            self._duration_children[endpoint] = histogram
-        histogram.observe(seconds)
-
-    def count_upstream_error(self, role: Role, kind: str) -> None:
-        key = (role.value, kind)
-        counter = self._upstream_error_children.get(key)
-        if counter is None:
-            counter = self.metrics.upstream_errors_total.labels(role.value, kind)
-            self._upstream_error_children[key] = counter
-        counter.inc()
-
 
 ROUTER = web.AppKey("router", Router)
-REQUEST_ID = web.RequestKey("request_id", str)
-# The id workers know a request by (its ``rid``): the request id itself when the router made it,
-# the client's id plus a unique suffix otherwise, so two requests that carry the same
-# X-Request-Id never collide on a worker (SGLang rejects a duplicate rid).
-UPSTREAM_ID = web.RequestKey("upstream_id", str)
-# The status of a streamed answer whose end reached the client (its ``data: [DONE]`` event or
-# its last byte): a client that closes the connection after it is not an abort, whatever the
-# handler was still doing (reading the worker's end of stream, releasing the legs).
-DELIVERED = web.RequestKey("delivered", int)
 
 
 def router_of(request: web.Request) -> Router:

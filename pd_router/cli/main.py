@@ -28,6 +28,12 @@ SUBCOMMANDS = ("serve", "launch", "demo", "status", "convert", "autopilot")
 WORKER_API_KEY_ENV = "PD_ROUTER_WORKER_API_KEY"
 log = logging.getLogger("pd_router.cli.main")
 
+
+def process_count(text: str) -> int | str:
+    """``--workers``: a number or ``auto``."""
+    return text if text == "auto" else int(text)
+
+
 # pd-router's own options (the peers' are in pd_router.cli.compat.PEER_OPTIONS).
 NATIVE_OPTIONS: tuple[Option, ...] = (
     option("--wait-for-workers", (), FLOAT, "health.startup_wait_secs",
@@ -67,6 +73,9 @@ NATIVE_OPTIONS: tuple[Option, ...] = (
            help="name of the cluster this replica serves with its peers on --etcd"),
     option("--replica-id", (), STR, "cluster.replica_id",
            help="this replica's name in the cluster (default: HOSTNAME-PID)"),
+    option("--workers", (), Arity(type=process_count, metavar="N|auto"), "server.workers",
+           help="data-plane processes sharing the port (auto: one per core); more than one "
+           "adds a control process beside them"),
 )  # fmt: skip
 
 

@@ -79,6 +79,14 @@ class CircuitBreaker:
             self._set(CircuitState.HALF_OPEN)
         return self._state
 
+    @property
+    def half_open_at(self) -> float | None:
+        """When an open circuit turns half-open (``time.monotonic``, which every process of
+        the machine shares); None unless open."""
+        if self._state is not CircuitState.OPEN:
+            return None
+        return self._opened_at + self.config.cooldown_secs
+
     def allows(self) -> bool:
         """Whether a new request may be sent (does not reserve the half-open trial)."""
         if self._state is CircuitState.CLOSED:

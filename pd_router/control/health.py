@@ -57,13 +57,8 @@ import orjson
 
 from pd_router.config import HealthConfig
 from pd_router.control.worker_control import ControlError, RoleReading, WorkerControl
-from pd_router.control.workers import (
-    DEFAULT_BOOTSTRAP_PORT,
-    Role,
-    Worker,
-    WorkerRegistry,
-    WorkerState,
-)
+from pd_router.control.workers import Role, Worker, WorkerRegistry, WorkerState
+from pd_router.roles import DEFAULT_BOOTSTRAP_PORT
 
 log = logging.getLogger("pd_router.control.health")
 

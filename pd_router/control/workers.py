@@ -27,19 +27,9 @@ from pd_router.control.circuit import (
 )
 from pd_router.errors import Conflict
 from pd_router.metrics import RouterMetrics
+from pd_router.roles import Role, bootstrap_host
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_BOOTSTRAP_PORT = 8998
-
-
-class Role(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-    @property
-    def other(self) -> Role:
-        return Role.DECODE if self is Role.PREFILL else Role.PREFILL
 
 
 class WorkerState(StrEnum):
@@ -146,12 +136,6 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def bootstrap_host(url: str) -> str:
-    """The host part of a worker url as SGLang's decode wants it (IPv6 in brackets)."""
-    host = urlsplit(url).hostname or ""
-    return f"[{host}]" if ":" in host else host
-
-
 @dataclass(eq=False)
 class Worker:
     """One SGLang (or reference) server as the router sees it."""
@@ -168,6 +152,9 @@ class Worker:
     # it): it keeps its in-flight requests and its health, but gets no new ones.
     admitting: bool = True
     inflight: int = 0
+    # When the in-flight count last fell to zero in a data plane (monotonic; set by the data
+    # planes' reports in a multi-process router, None in one process).
+    idle_at: float | None = None
     has_extensions: bool | None = None
     last_error: str | None = None
     conversion_id: str | None = None
@@ -234,6 +221,7 @@ class WorkerRegistry:
         self._unavailable_callbacks: list[UnavailableCallback] = []
         self._adopted_callbacks: list[Callable[[Worker], None]] = []
         self._left_pool_callbacks: list[Callable[[Worker, Role], None]] = []
+        self._changed_callbacks: list[Callable[[], None]] = []
         for role in Role:
             self._metrics.pool_size.labels(role.value).set(0)
 
@@ -278,6 +266,7 @@ class WorkerRegistry:
         self._metrics.circuit_state.labels(url).set(0)
         self._export_state(worker)
         self._export_pools()
+        self._tell_changed()
         return worker
 
     def check_addable(self, url: str) -> None:
@@ -311,6 +300,7 @@ class WorkerRegistry:
         del self._by_id[worker.id]
         self._metrics.forget_worker(worker.url, worker.role.value, [s.value for s in WorkerState])
         self._export_pools()
+        self._tell_changed()
         self._tell_unavailable(worker, Unavailability.REMOVED)
         self._tell_left_pool(worker, worker.role)
 
@@ -427,6 +417,7 @@ class WorkerRegistry:
             return
         worker.healthy = healthy
         self._metrics.worker_healthy.labels(worker.url).set(1 if healthy else 0)
+        self._tell_changed()
         if not healthy:
             self._tell_unavailable(worker, Unavailability.UNHEALTHY)
 
@@ -437,8 +428,9 @@ class WorkerRegistry:
 
     def set_bootstrap_port(self, worker: Worker, port: int) -> None:
         """The KV bootstrap port a prefill reported for itself."""
-        if self.registered(worker):
+        if self.registered(worker) and worker.bootstrap_port != port:
             worker.bootstrap_port = port
+            self._tell_changed()
 
     def set_extensions(self, worker: Worker, has_extensions: bool | None) -> None:
         """Whether the worker serves the extension endpoints; None: unknown, detect again (a
@@ -453,6 +445,7 @@ class WorkerRegistry:
         if not self.registered(worker) or worker.admitting is admitting:
             return
         worker.admitting = admitting
+        self._tell_changed()
 
     def mark_recovered(self, worker: Worker) -> None:
         """The probes saw the worker recover: healthy, with a closed circuit (the failures it
@@ -548,6 +541,18 @@ class WorkerRegistry:
             worker.inflight = 0
             worker._idle.set()
 
+    def set_inflight(self, worker: Worker, count: int, idle_at: float) -> None:
+        """The in-flight count the data planes of a multi-process router report in sum
+        (:mod:`pd_router.control.dataplanes`); ``idle_at``: when the last of them became idle
+        on the worker, for a count of zero."""
+        worker.inflight = count
+        worker._inflight_gauge.set(count)
+        if count <= 0:
+            worker.idle_at = idle_at
+            worker._idle.set()
+        else:
+            worker._idle.clear()
+
     # --- unavailability listeners -----------------------------------------------------------
 
     def on_unavailable(self, callback: UnavailableCallback) -> None:
@@ -563,6 +568,16 @@ class WorkerRegistry:
         (forgotten after a removal, or moved to the other role), so what was kept about it
         for that pool (a cache-aware policy's prefixes) goes too."""
         self._left_pool_callbacks.append(callback)
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after any change a data plane routes by: membership, role,
+        state, health, admission, bootstrap port, circuit (a multi-process router pushes a
+        new snapshot then). Called from the code that made the change: it must not block."""
+        self._changed_callbacks.append(callback)
+
+    def _tell_changed(self) -> None:
+        for callback in self._changed_callbacks:
+            callback()
 
     def _tell_left_pool(self, worker: Worker, role: Role) -> None:
         for callback in list(self._left_pool_callbacks):
@@ -627,6 +642,7 @@ class WorkerRegistry:
         worker.state = state
         self._export_state(worker)
         self._export_pools()
+        self._tell_changed()
         if state is WorkerState.FAILED:
             self._tell_unavailable(worker, Unavailability.FAILED)
         if left is not None:
@@ -643,6 +659,7 @@ class WorkerRegistry:
         self._metrics.circuit_state.labels(url).set(CIRCUIT_STATE_VALUES[state])
         level = logging.INFO if state is CircuitState.HALF_OPEN else logging.WARNING
         logger.log(level, "worker %s circuit %s", url, state.value, extra={"worker": url})
+        self._tell_changed()
 
     def _export_state(self, worker: Worker) -> None:
         for state in WorkerState:

@@ -26,6 +26,7 @@ import asyncio
 import collections
 import logging
 import resource
+import socket
 import ssl
 import time
 from dataclasses import dataclass
@@ -329,7 +330,7 @@ class ClientSite(web.BaseSite):
     connection and never finishes its hello holds it no longer than one that never sends a
     request head."""
 
-    __slots__ = ("_host", "_limits", "_port")
+    __slots__ = ("_host", "_limits", "_port", "_sock")
 
     def __init__(
         self,
@@ -338,6 +339,8 @@ class ClientSite(web.BaseSite):
         port: int,
         limits: ClientLimits,
         ssl_context: ssl.SSLContext | None = None,
+        *,
+        sock: socket.socket | None = None,
     ) -> None:
         super().__init__(
             runner, backlog=backlog_for(limits.max_connections), ssl_context=ssl_context
@@ -345,6 +348,9 @@ class ClientSite(web.BaseSite):
         self._host = host
         self._port = port
         self._limits = limits
+        # A listening socket made elsewhere (a data plane's, given by its control process);
+        # None: bind ``host`` and ``port``.
+        self._sock = sock
 
     @property
     def name(self) -> str:
@@ -360,11 +366,12 @@ class ClientSite(web.BaseSite):
             raise RuntimeError("the runner is not set up")
         limits = self._limits
         connections = ClientConnections(limits.max_connections)
+        address = {"sock": self._sock} if self._sock is not None else {
+            "host": self._host, "port": self._port, "backlog": self._backlog,
+        }  # fmt: skip
         self._server = await loop.create_server(
             lambda: ClientProtocol(server, limits, connections, loop=loop),
-            self._host,
-            self._port,
-            backlog=self._backlog,
             ssl=self._ssl_context,
             ssl_handshake_timeout=limits.header_timeout if self._ssl_context else None,
+            **address,
         )

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import random
 import time
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from pd_router.control.workers import Worker
 from pd_router.dataplane.radix_tree import ApproxRadixTree
+from pd_router.dataplane.target import Target
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Policy(Protocol):
     name: str
     needs_prompt: bool
 
-    def select(self, workers: Sequence[Worker], prompt: str = "") -> Worker:
+    def select(self, workers: Sequence[Target], prompt: str = "") -> Target:
         """Pick one of ``workers`` (never empty); ``prompt`` is the request's prompt key when
         :attr:`needs_prompt`, else empty."""
         ...
@@ -60,7 +61,7 @@ class RandomPolicy:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def select(self, workers: Sequence[Worker], prompt: str = "") -> Worker:
+    def select(self, workers: Sequence[Target], prompt: str = "") -> Target:
         return workers[int(self._rng.random() * len(workers))]
 
     def forget(self, url: str) -> None:
@@ -76,7 +77,7 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._next = 0
 
-    def select(self, workers: Sequence[Worker], prompt: str = "") -> Worker:
+    def select(self, workers: Sequence[Target], prompt: str = "") -> Target:
         worker = workers[self._next % len(workers)]
         self._next = (self._next + 1) % (1 << 30)
         return worker
@@ -96,7 +97,7 @@ class LeastInflightPolicy:
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
 
-    def select(self, workers: Sequence[Worker], prompt: str = "") -> Worker:
+    def select(self, workers: Sequence[Target], prompt: str = "") -> Target:
         count = len(workers)
         if count == 1:
             return workers[0]
@@ -131,10 +132,15 @@ class CacheAwarePolicy:
     needs_prompt = True
 
     def __init__(
-        self, config: CacheAwareConfig, clock: Callable[[], float] = time.monotonic
+        self,
+        config: CacheAwareConfig,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        shared: bool = False,
     ) -> None:
         self._config = config
         self._clock = clock
+        self._shared = shared
         self._tree = ApproxRadixTree()
         self._next_eviction = clock() + config.eviction_interval_secs
 
@@ -142,7 +148,7 @@ class CacheAwarePolicy:
     def tree(self) -> ApproxRadixTree:
         return self._tree
 
-    def select(self, workers: Sequence[Worker], prompt: str = "") -> Worker:
+    def select(self, workers: Sequence[Target], prompt: str = "") -> Target:
         now = self._clock()
         interval = self._config.eviction_interval_secs
         if interval > 0 and now >= self._next_eviction:
@@ -155,7 +161,7 @@ class CacheAwarePolicy:
     def forget(self, url: str) -> None:
         self._tree.remove_tenant(url)
 
-    def _choose(self, workers: Sequence[Worker], prompt: str) -> Worker:
+    def _choose(self, workers: Sequence[Target], prompt: str) -> Target:
         if len(workers) == 1:
             return workers[0]
         if self._imbalanced(workers) or not prompt:
@@ -164,9 +170,11 @@ class CacheAwarePolicy:
         tenant, matched = self._tree.match(prompt, by_url)
         if tenant is not None and matched / len(prompt) > self._config.cache_threshold:
             return by_url[tenant]
+        if self._shared:
+            return placed(workers, prompt, self._config.cache_threshold)
         return self._least_loaded(workers)
 
-    def _imbalanced(self, workers: Sequence[Worker]) -> bool:
+    def _imbalanced(self, workers: Sequence[Target]) -> bool:
         loads = [w.inflight for w in workers]
         low, high = min(loads), max(loads)
         config = self._config
@@ -174,18 +182,33 @@ class CacheAwarePolicy:
             high - low > config.balance_abs_threshold and high > config.balance_rel_threshold * low
         )
 
-    def _least_loaded(self, workers: Sequence[Worker]) -> Worker:
+    def _least_loaded(self, workers: Sequence[Target]) -> Target:
         tree = self._tree
         return min(workers, key=lambda w: (w.inflight, tree.tenant_size(w.url)))
 
 
-POLICIES: Mapping[str, Callable[[CacheAwareConfig], Policy]] = MappingProxyType(
+def placed(workers: Sequence[Target], prompt: str, threshold: float) -> Target:
+    """The worker a new prefix goes to when several processes route: rendezvous hashing of
+    the prompt's head over the workers' urls. Each data plane has its own tree, and the least
+    loaded worker in one process's view is not that of another's; placed so, a prefix goes
+    to the same worker whichever process sees it first, the trees agree, and its later
+    requests find its KV wherever they arrive. The head is the share of the prompt a match
+    must exceed (``threshold``) rounded down to a power of two, so prompts that share enough
+    of a prefix to be matched to each other share a head (a conversation stays on its worker
+    while it grows up to twice as long)."""
+    share = max(1, int(len(prompt) * threshold))
+    head = zlib.crc32(prompt[: 1 << (share.bit_length() - 1)].encode())
+    return max(workers, key=lambda w: zlib.crc32(w.url.encode(), head))
+
+
+Factory = Callable[[CacheAwareConfig, bool], Policy]
+POLICIES: Mapping[str, Factory] = MappingProxyType(
     {
-        "random": lambda _: RandomPolicy(),
-        "round_robin": lambda _: RoundRobinPolicy(),
-        "least_inflight": lambda _: LeastInflightPolicy(),
-        "power_of_two": lambda _: PowerOfTwoPolicy(),
-        "cache_aware": CacheAwarePolicy,
+        "random": lambda _, __: RandomPolicy(),
+        "round_robin": lambda _, __: RoundRobinPolicy(),
+        "least_inflight": lambda _, __: LeastInflightPolicy(),
+        "power_of_two": lambda _, __: PowerOfTwoPolicy(),
+        "cache_aware": lambda config, shared: CacheAwarePolicy(config, shared=shared),
     }
 )
 
@@ -236,8 +259,11 @@ def alias_warning(name: str) -> str | None:
     return f"policy {name!r} runs as {POLICY_ALIASES[name]!r}: {reason}"
 
 
-def make_policy(name: str, cache_aware: CacheAwareConfig | None = None) -> Policy:
-    return POLICIES[canonical_policy_name(name)](cache_aware or CacheAwareConfig())
+def make_policy(
+    name: str, cache_aware: CacheAwareConfig | None = None, *, shared: bool = False
+) -> Policy:
+    """Policy ``name``; ``shared``: for one of several processes routing the same pools."""
+    return POLICIES[canonical_policy_name(name)](cache_aware or CacheAwareConfig(), shared)
 
 
 def prompt_key(body: Mapping[str, Any]) -> str:

@@ -24,11 +24,16 @@ from typing import Any, TypeVar
 import orjson
 from aiohttp import web
 
-from pd_router.api.state import DELIVERED, REQUEST_ID, UPSTREAM_ID, Router, router_of
-from pd_router.control.workers import Role, Worker
 from pd_router.dataplane.aborts import find_abort
 from pd_router.dataplane.http1 import Response
 from pd_router.dataplane.logprobs import merge_body, merged_events, prefill_logprobs
+from pd_router.dataplane.path import (
+    DELIVERED,
+    REQUEST_ID,
+    REQUEST_PATH,
+    UPSTREAM_ID,
+    RequestPath,
+)
 from pd_router.dataplane.policies import prompt_key
 from pd_router.dataplane.requests import (
     CHAT,
@@ -42,11 +47,12 @@ from pd_router.dataplane.requests import (
     router_rid,
 )
 from pd_router.dataplane.retry import attempts, backoff_secs
+from pd_router.dataplane.target import Target
 from pd_router.dataplane.upstream import (
     UPSTREAM_ERRORS,
+    ErrorCounter,
     LegFailed,
     LegResult,
-    abort,
     abort_failure,
     fetch_decode,
     fetch_prefill,
@@ -63,6 +69,7 @@ from pd_router.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from pd_router.roles import Role
 
 log = logging.getLogger("pd_router.dataplane.proxy")
 
@@ -88,12 +95,12 @@ async def handle_chat(request: web.Request) -> web.StreamResponse:
 
 
 async def serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    router = router_of(request)
+    path = request.app[REQUEST_PATH]
     started = asyncio.get_running_loop().time()
     body = parse_body(await request.read())
     items, samples = endpoint.count_items(body)
-    async with router.admission.admitted():
-        exchange = Exchange(router, request, endpoint, body, items, samples, started)
+    async with path.admission.admitted():
+        exchange = Exchange(path, request, endpoint, body, items, samples, started)
         return await exchange.run()
 
 
@@ -122,7 +129,7 @@ class Exchange:
 
     def __init__(
         self,
-        router: Router,
+        path: RequestPath,
         request: web.Request,
         endpoint: Endpoint,
         body: dict[str, Any],
@@ -130,7 +137,7 @@ class Exchange:
         samples: int,
         started: float,
     ) -> None:
-        self.router = router
+        self.path = path
         self.request = request
         self.endpoint = endpoint
         self.body = body
@@ -141,8 +148,8 @@ class Exchange:
         self.upstream_id = request[UPSTREAM_ID]
         self.client_rid = body.get("rid")
         request_id = {"X-Request-Id": self.request_id}
-        self.prefill_headers = {**router.leg_headers[Role.PREFILL], **request_id}
-        self.decode_headers = {**router.leg_headers[Role.DECODE], **request_id}
+        self.prefill_headers = {**path.leg_headers[Role.PREFILL], **request_id}
+        self.decode_headers = {**path.leg_headers[Role.DECODE], **request_id}
         self.stream = bool(body.get("stream"))
         # When the current attempt's prefill answered (loop time), to split TTFT between pools.
         self.prefilled_at: float | None = None
@@ -150,14 +157,15 @@ class Exchange:
         self._prompt_key: str | None = None
 
     async def run(self) -> web.StreamResponse:
-        retry = self.router.config.retry
-        avoid: list[Worker] = []
+        retry = self.path.retry
+        pools = self.path.pools
+        avoid: list[Target] = []
         attempt = 0
         last: LegFailed | None = None
         while True:
             try:
-                prefill = self.router.pick(Role.PREFILL, avoid, self.routing_prompt)
-                decode = self.router.pick(Role.DECODE, avoid, self.routing_prompt)
+                prefill = pools.pick(Role.PREFILL, avoid, self.routing_prompt)
+                decode = pools.pick(Role.DECODE, avoid, self.routing_prompt)
             except NoWorkers:
                 if last is None:
                     raise
@@ -193,13 +201,13 @@ class Exchange:
                     },
                 )
                 if failure.wrong_role:
-                    self.router.health.suspect(failure.worker)
+                    pools.suspect(failure.worker)
                 attempt += 1
                 if not failure.retryable or attempt >= attempts(retry):
                     return failure_response(failure)
                 avoid.append(failure.worker)
                 last = failure
-            self.router.metrics.retries_total.inc()
+            self.path.metrics.metrics.retries_total.inc()
             await asyncio.sleep(backoff_secs(retry, attempt))
 
     def routing_prompt(self) -> str:
@@ -209,7 +217,7 @@ class Exchange:
             self._prompt_key = prompt_key(self.body)
         return self._prompt_key
 
-    def prepare(self, attempt: int, prefill: Worker) -> tuple[bytes, list[str]]:
+    def prepare(self, attempt: int, prefill: Target) -> tuple[bytes, list[str]]:
         """The body for this attempt (new rooms, the rid workers know it by) and its rids."""
         inject_bootstrap(self.body, prefill, self.items, self.samples)
         if self.client_rid is not None:
@@ -223,13 +231,12 @@ class Exchange:
 
     def cleanup(
         self,
-        legs: list[tuple[asyncio.Task, Worker, bool]],
+        legs: list[tuple[asyncio.Task, Target, bool]],
         rids: list[str],
     ) -> list[asyncio.Task]:
         """Cancel unfinished legs and send ``/abort_request`` to each worker flagged for it;
         returns the tasks to wait for."""
         pending = []
-        session = self.router.session
         for task, worker, must_abort in legs:
             if not task.done():
                 task.cancel()
@@ -237,29 +244,29 @@ class Exchange:
             else:
                 retrieve(task)
             if must_abort or not task.done():
-                self.router.spawn(abort(session, worker, rids))
+                self.path.abort(worker, rids)
         return pending
 
     def observe_ttft(self) -> None:
         seconds = asyncio.get_running_loop().time() - self.started
-        self.router.metrics.ttft_seconds.observe(seconds)
+        self.path.metrics.metrics.ttft_seconds.observe(seconds)
         if self.stream:
             prefilled = self.prefilled_at
-            self.router.latency.observe_ttft(
+            self.path.latency.observe_ttft(
                 seconds, None if prefilled is None else prefilled - self.started
             )
 
-    def prefill_ended(self, prefill: Worker, task: asyncio.Task) -> None:
+    def prefill_ended(self, prefill: Target, task: asyncio.Task) -> None:
         """The prefill leg ended (answered, failed or cancelled): the prefill is no longer in
         flight for it; an answer marks when the decode's part of TTFT began."""
-        self.router.registry.release(prefill)
+        self.path.pools.release(prefill)
         if not task.cancelled() and task.exception() is None:
             self.prefilled_at = asyncio.get_running_loop().time()
 
     def start_legs(
         self,
-        prefill: Worker,
-        decode: Worker,
+        prefill: Target,
+        decode: Target,
         payload: bytes,
         decode_leg: Callable[..., Awaitable[T]],
     ) -> tuple[asyncio.Task[LegResult], asyncio.Task[T]]:
@@ -267,11 +274,11 @@ class Exchange:
         the prefill's answer is always read whole, the decode's by ``decode_leg``. The prefill
         is released when its leg ends (a done callback runs even for a task cancelled before
         it started), the decode by the attempt once its leg ended."""
-        registry = self.router.registry
-        registry.acquire(prefill)
-        registry.acquire(decode)
+        pools = self.path.pools
+        pools.acquire(prefill)
+        pools.acquire(decode)
         path = self.endpoint.path
-        legs = self.router.upstream
+        legs = self.path.legs
         p_task = asyncio.create_task(
             fetch_prefill(legs, prefill, prefill.url + path, payload, self.prefill_headers)
         )
@@ -285,9 +292,9 @@ class Exchange:
     # --- non-streaming ----------------------------------------------------------------------
 
     async def unary_attempt(
-        self, prefill: Worker, decode: Worker, payload: bytes, rids: list[str]
+        self, prefill: Target, decode: Target, payload: bytes, rids: list[str]
     ) -> web.Response:
-        registry = self.router.registry
+        pools = self.path.pools
         p_task, d_task = self.start_legs(prefill, decode, payload, fetch_decode)
         client_gone = False
         try:
@@ -301,7 +308,7 @@ class Exchange:
             )
             if pending:
                 await asyncio.wait(pending)
-            registry.release(decode)
+            pools.release(decode)
         body = d_result.body
         if self.merge and p_result is not None:
             body = merge_body(body, prefill_logprobs(p_result.body))
@@ -311,10 +318,10 @@ class Exchange:
     # --- streaming --------------------------------------------------------------------------
 
     async def stream_attempt(
-        self, prefill: Worker, decode: Worker, payload: bytes, rids: list[str]
+        self, prefill: Target, decode: Target, payload: bytes, rids: list[str]
     ) -> web.StreamResponse:
-        router = self.router
-        registry = router.registry
+        pools = self.path.pools
+        count_error = self.path.metrics.count_upstream_error
         p_task, d_task = self.start_legs(prefill, decode, payload, open_stream)
         first_task: asyncio.Task | None = None
         d_resp: Response | None = None
@@ -327,7 +334,7 @@ class Exchange:
                 p_result = await p_task
                 pieces = merged_events(pieces, prefill_logprobs(p_result.body))
             first_task = asyncio.create_task(
-                first_piece(pieces, decode, d_resp.content_type, router)
+                first_piece(pieces, decode, d_resp.content_type, count_error)
             )
             first = await guarded(first_task, p_task)
             try:
@@ -363,7 +370,7 @@ class Exchange:
                     d_resp.close()
             if pending:
                 await asyncio.wait(pending)
-            registry.release(decode)
+            pools.release(decode)
 
     async def start_stream(self, d_resp: Response) -> web.StreamResponse:
         response = web.StreamResponse(status=d_resp.status, headers=SSE_HEADERS)
@@ -378,7 +385,7 @@ class Exchange:
         response: web.StreamResponse,
         first: bytes,
         pieces: AsyncIterator[bytes],
-        decode: Worker,
+        decode: Target,
     ) -> tuple[bool, bool]:
         """Copy the decode's stream to the client; returns (decode finished, client gone).
         Events are counted by their blank-line ends, for the time per output token. The answer
@@ -403,7 +410,7 @@ class Exchange:
             return False, True
         except UPSTREAM_ERRORS as exc:
             failure = transport_failure(Role.DECODE, decode, exc)
-            record_outcome(decode, failure, self.router.count_upstream_error)
+            record_outcome(decode, failure, self.path.metrics.count_upstream_error)
             log.warning(
                 "decode stream broke after the first byte",
                 extra={
@@ -418,8 +425,8 @@ class Exchange:
                 return False, True
             return False, False
         self.request[DELIVERED] = response.status
-        record_outcome(decode, None, self.router.count_upstream_error)
-        self.router.latency.observe_stream(loop.time() - first_at, events)
+        record_outcome(decode, None, self.path.metrics.count_upstream_error)
+        self.path.latency.observe_stream(loop.time() - first_at, events)
         return True, False
 
 
@@ -441,7 +448,7 @@ async def join_unary(
 
 
 async def first_piece(
-    pieces: AsyncIterator[bytes], decode: Worker, content_type: str, router: Router
+    pieces: AsyncIterator[bytes], decode: Target, content_type: str, count_error: ErrorCounter
 ) -> bytes:
     """The decode's first bytes; a stream that breaks or ends before them, or whose first
     event is an abort the worker gave a 5xx status (a KV hand-off that failed), is a retryable
@@ -452,17 +459,17 @@ async def first_piece(
         piece = b""
     except UPSTREAM_ERRORS as exc:
         failure = transport_failure(Role.DECODE, decode, exc)
-        raise recorded(decode, failure, router.count_upstream_error) from exc
+        raise recorded(decode, failure, count_error) from exc
     if not piece:
         failure = LegFailed(
             Role.DECODE, decode, "disconnect",
             f"decode worker {decode.url} ended its stream without data", retryable=True,
         )  # fmt: skip
-        raise recorded(decode, failure, router.count_upstream_error)
+        raise recorded(decode, failure, count_error)
     abort = find_abort(piece, content_type)
     if abort is not None and abort.status is not None and abort.status >= 500:
         failure = abort_failure(Role.DECODE, decode, abort)
-        raise recorded(decode, failure, router.count_upstream_error)
+        raise recorded(decode, failure, count_error)
     return piece
 
 

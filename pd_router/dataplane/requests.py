@@ -17,8 +17,9 @@ from typing import Any
 
 import orjson
 
-from pd_router.control.workers import DEFAULT_BOOTSTRAP_PORT, Worker
+from pd_router.dataplane.target import Target
 from pd_router.errors import BadRequest
+from pd_router.roles import DEFAULT_BOOTSTRAP_PORT
 
 # Deepest nesting orjson serialises: the router re-serialises every body it forwards, so a body
 # nested deeper cannot be routed (orjson parses up to 1024 levels).
@@ -269,7 +270,7 @@ COMPLETIONS = Endpoint("completions", "/v1/completions", completion_items, nativ
 CHAT = Endpoint("chat_completions", "/v1/chat/completions", chat_items, native=False)
 
 
-def inject_bootstrap(body: dict[str, Any], prefill: Worker, items: int | None, n: int) -> None:
+def inject_bootstrap(body: dict[str, Any], prefill: Target, items: int | None, n: int) -> None:
     """Point the decode at ``prefill`` with fresh random 63-bit rooms.
 
     One room per item of a batch without parallel sampling; with ``n > 1``, one room per prompt

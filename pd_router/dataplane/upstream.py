@@ -19,7 +19,6 @@ import aiohttp
 import orjson
 
 from pd_protocol.wire import MISDIRECTED_STATUS
-from pd_router.control.workers import Role, Worker
 from pd_router.dataplane.aborts import Abort, find_abort
 from pd_router.dataplane.http1 import Http1Pool, LegLimits, PoolTimeout, Response
 from pd_router.dataplane.http1_conn import (
@@ -29,6 +28,8 @@ from pd_router.dataplane.http1_conn import (
     UpstreamConnectError,
     UpstreamDisconnected,
 )
+from pd_router.dataplane.target import Target
+from pd_router.roles import Role
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
 UPSTREAM_ERRORS = (
@@ -92,7 +93,7 @@ class LegFailed(Exception):
     def __init__(
         self,
         role: Role,
-        worker: Worker,
+        worker: Target,
         kind: str,
         message: str,
         *,
@@ -146,7 +147,7 @@ def classify_exception(exc: BaseException) -> tuple[str, bool, Verdict]:
     return "disconnect", True, Verdict.FAILURE
 
 
-def transport_failure(role: Role, worker: Worker, exc: BaseException) -> LegFailed:
+def transport_failure(role: Role, worker: Target, exc: BaseException) -> LegFailed:
     kind, retryable, verdict = classify_exception(exc)
     detail = str(exc) or type(exc).__name__
     return LegFailed(
@@ -159,7 +160,7 @@ def transport_failure(role: Role, worker: Worker, exc: BaseException) -> LegFail
     )
 
 
-def status_failure(role: Role, worker: Worker, result: LegResult) -> LegFailed:
+def status_failure(role: Role, worker: Target, result: LegResult) -> LegFailed:
     """A non-2xx answer. 502/503/504 are retried on a new pair, and so is any 5xx of a prefill:
     it failed before a token was made (SGLang: a KV hand-off that failed), as a prefill
     stream's abort event with a 5xx is. A 421 says the worker now serves the other role
@@ -192,7 +193,7 @@ def status_kind(status: int) -> str:
     return CLIENT_ERROR if status in CLIENT_ERROR_STATUSES else "http_4xx"
 
 
-def abort_failure(role: Role, worker: Worker, abort: Abort) -> LegFailed:
+def abort_failure(role: Role, worker: Target, abort: Abort) -> LegFailed:
     """A 2xx answer that reports the request aborted. With a 4xx status it is the request's
     error (passed to the client as that status); with a 5xx the worker failed it (retried on a
     new pair); without a status it was aborted on purpose (``/abort_request``): not retried,
@@ -211,7 +212,7 @@ def abort_failure(role: Role, worker: Worker, abort: Abort) -> LegFailed:
     return LegFailed(role, worker, "abort", message, retryable=False, verdict=Verdict.NONE)
 
 
-def record_outcome(worker: Worker, failure: LegFailed | None, count_error: ErrorCounter) -> None:
+def record_outcome(worker: Target, failure: LegFailed | None, count_error: ErrorCounter) -> None:
     """Feed the circuit breaker and the error metric: a worker that rejects a bad request is
     still a working one and had no upstream error, and the router's own failures are not the
     worker's."""
@@ -228,7 +229,7 @@ def record_outcome(worker: Worker, failure: LegFailed | None, count_error: Error
         worker.circuit.release_trial()
 
 
-def recorded(worker: Worker, failure: LegFailed, count_error: ErrorCounter) -> LegFailed:
+def recorded(worker: Target, failure: LegFailed, count_error: ErrorCounter) -> LegFailed:
     """``failure``, after it was fed to the worker's circuit and the error metric (to raise)."""
     record_outcome(worker, failure, count_error)
     return failure
@@ -237,7 +238,7 @@ def recorded(worker: Worker, failure: LegFailed, count_error: ErrorCounter) -> L
 async def _read(
     legs: Legs,
     role: Role,
-    worker: Worker,
+    worker: Target,
     url: str,
     payload: bytes,
     headers: dict[str, str],
@@ -265,7 +266,7 @@ async def _read(
 
 
 async def fetch_decode(
-    legs: Legs, worker: Worker, url: str, payload: bytes, headers: dict[str, str]
+    legs: Legs, worker: Target, url: str, payload: bytes, headers: dict[str, str]
 ) -> LegResult:
     """A non-streaming decode leg: its answer comes whole when the generation ends, so no
     first-byte timeout applies, only the total (a frozen decode is found by the health probes).
@@ -276,7 +277,7 @@ async def fetch_decode(
 
 
 async def fetch_prefill(
-    legs: Legs, worker: Worker, url: str, payload: bytes, headers: dict[str, str]
+    legs: Legs, worker: Target, url: str, payload: bytes, headers: dict[str, str]
 ) -> LegResult:
     """A prefill leg, streaming or not (read whole). An answer that reports the request
     aborted is a failed leg: the decode would wait for KV that never comes."""
@@ -289,7 +290,7 @@ async def fetch_prefill(
 
 
 async def open_stream(
-    legs: Legs, worker: Worker, url: str, payload: bytes, headers: dict[str, str]
+    legs: Legs, worker: Target, url: str, payload: bytes, headers: dict[str, str]
 ) -> Response:
     """POST ``payload`` to a streaming decode and return the response once its head arrived
     with a 2xx status (the caller reads the body, records the outcome and releases or closes
@@ -313,7 +314,7 @@ async def open_stream(
     raise recorded(worker, status_failure(role, worker, result), legs.count_error)
 
 
-async def abort(session: aiohttp.ClientSession, worker: Worker, rids: list[str]) -> None:
+async def abort(session: aiohttp.ClientSession, worker: Target, rids: list[str]) -> None:
     """Ask ``worker`` to drop the request's rids (client gone or other leg failed); best effort,
     the worker may already have finished or be unreachable."""
     for rid in rids:

@@ -303,11 +303,18 @@ class ConversionManager:
         backoff. Asking the worker first would put one more round trip between the last
         request ending and the switch."""
         conv.progress["router_inflight_at_start"] = conv.worker.inflight
+        started = time.monotonic()
         await protocol.close_admission(conv)
         if conv.request.drain:
             await self._wait_router_idle(conv, deadline)
             await self._wait_peers_idle(conv, deadline)
-        conv.timings["router_idle_at"] = time.monotonic()
+        # When the router's last request on the worker ended (or the drain began, if that was
+        # later): now in one process; in a multi-process router, when the last data plane's
+        # did, its report coming after.
+        idle_at = conv.worker.idle_at
+        conv.timings["router_idle_at"] = (
+            max(idle_at, started) if idle_at is not None else time.monotonic()
+        )
         conv.timings["drain_s"] = conv.phases[-1].end()
         logger.info("conversion %s: drained in %.3fs", conv.id, conv.timings["drain_s"])
 

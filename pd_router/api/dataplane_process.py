@@ -1,0 +1,150 @@
+"""One data plane of a multi-process router (``--workers N``), started by the control process
+(:mod:`pd_router.api.processes`) with its listening socket and its channel.
+
+It serves the generation endpoints from the pools the control process pushes (it waits for the
+first snapshot before it accepts a connection) and reports back (:mod:`pd_router.dataplane.
+reports`); every other path goes to the control process (:mod:`pd_router.api.forward`).
+
+It stops on SIGTERM or SIGINT (exit status 0) and when the control process goes away (exit
+status 1): it stops accepting and lets the requests in flight finish, up to the shutdown
+deadline. Without the control process nothing probes the workers, decides their circuits or
+honours a conversion any more, so routing on from the last snapshot could send traffic to a
+worker another router is switching; the orchestrator restarts the whole router instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+from collections.abc import Coroutine
+from typing import Any
+
+import aiohttp
+
+from pd_router.api.forward import ControlForwarder
+from pd_router.api.server import build_dataplane_app, start_server
+from pd_router.config import RouterConfig
+from pd_router.dataplane.channel import Channel, ChannelClosed
+from pd_router.dataplane.concurrency import RequestAdmission
+from pd_router.dataplane.http1_conn import WorkerUnavailable
+from pd_router.dataplane.legs import leg_setup
+from pd_router.dataplane.path import RequestMetrics, RequestPath
+from pd_router.dataplane.policies import make_policy
+from pd_router.dataplane.reports import Reports
+from pd_router.dataplane.snapshot import SnapshotPools
+from pd_router.dataplane.upstream import abort
+from pd_router.metrics import RouterMetrics
+from pd_router.roles import Role
+
+log = logging.getLogger("pd_router.dataplane")
+
+FIRST_SNAPSHOT_TIMEOUT_SECS = 30.0
+
+
+class Background:
+    """Fire-and-forget tasks (aborts), kept until they end."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+async def serve_dataplane(
+    config: RouterConfig,
+    index: int,
+    listen: socket.socket,
+    channel_socket: socket.socket,
+    control_socket: str,
+) -> int:
+    """Serve until told to stop (0) or until the control process is gone (1)."""
+    channel = await Channel.over(channel_socket)
+    metrics = RouterMetrics()
+    request_metrics = RequestMetrics(metrics)
+    reports = Reports(channel, metrics)
+    setup = leg_setup(config, request_metrics.count_upstream_error)
+    pool = setup.pool
+    pools = SnapshotPools(
+        {
+            role: make_policy(config.policy_of(role), config.cache_aware, shared=True)
+            for role in Role
+        },
+        wake=reports.wake,
+        suspect=reports.suspect,
+        count_refusal=reports.count_refusal,
+        on_unavailable=lambda url: pool.abort_target(
+            url, WorkerUnavailable(f"worker {url} left service")
+        ),
+    )
+    session = aiohttp.ClientSession(
+        headers=setup.worker_headers, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
+    )
+    background = Background()
+    path = RequestPath(
+        pools=pools,
+        legs=setup.legs,
+        leg_headers=setup.leg_headers,
+        retry=config.retry,
+        admission=RequestAdmission(config.admission, metrics),
+        latency=reports,
+        metrics=request_metrics,
+        abort=lambda worker, rids: background.spawn(abort(session, worker, rids)),
+    )
+    forwarder = ControlForwarder(control_socket)
+    await forwarder.start()
+    app = build_dataplane_app(config, path, forwarder)
+    try:
+        first = await asyncio.wait_for(channel.receive(), FIRST_SNAPSHOT_TIMEOUT_SECS)
+        take(first, pools, reports)
+        server = await start_server(app, sock=listen)
+    except (ChannelClosed, TimeoutError):
+        log.error("data plane %d: no snapshot from the control process; exiting", index)
+        await forwarder.stop()
+        await session.close()
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    follow = loop.create_task(follow_control(channel, pools, reports))
+    reporting = loop.create_task(reports.run(pools))
+    stopped = loop.create_task(stop.wait())
+    await asyncio.wait((follow, stopped), return_when=asyncio.FIRST_COMPLETED)
+    control_gone = follow.done()
+    if control_gone:
+        log.error("data plane %d: the control process is gone; stopping", index)
+    await server.stop()
+    for task in (follow, reporting, stopped):
+        task.cancel()
+    reports.send(pools)
+    channel.close()
+    await forwarder.stop()
+    await session.close()
+    pool.close()
+    return 1 if control_gone else 0
+
+
+def take(message: dict[str, Any], pools: SnapshotPools, reports: Reports) -> None:
+    """Apply one message of the control process."""
+    kind = message.get("t")
+    if kind == "snapshot":
+        pools.apply(message["v"], message["workers"])
+        reports.send(pools, force=True)
+    elif kind == "inflight":
+        pools.apply_inflight(message["totals"])
+    elif kind == "metrics?":
+        reports.send_metrics(message["n"])
+
+
+async def follow_control(channel: Channel, pools: SnapshotPools, reports: Reports) -> None:
+    """Apply what the control process sends until its channel closes."""
+    try:
+        while True:
+            take(await channel.receive(), pools, reports)
+    except ChannelClosed:
+        return

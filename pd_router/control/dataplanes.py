@@ -1,0 +1,263 @@
+"""The control process's side of the data planes: the snapshots it pushes, the reports it reads.
+
+Every change to the registry that a data plane routes by (membership, role, state, health,
+admission, bootstrap port, circuit) makes a new snapshot version, pushed to every data plane at
+once; each data plane answers with a report naming the version it now routes from (its ack).
+
+In-flight. The registry's in-flight count of a worker is the sum of the data planes' last
+reports, plus one for every data plane that has not yet acked the version in which the worker
+stopped being pickable: until it has, it may still pick the worker. So a conversion's drain
+(and a removal), which waits for that count to reach zero, ends only once every data plane
+stopped picking the worker and has nothing in flight on it, as the replicas' drain reports do
+across routers. A data plane that exits takes its in-flight requests with it: its share is
+dropped at once, so nothing waits for a report that will not come.
+
+The rest of a report goes where the one-process request path would have put it: leg outcomes to
+the worker's circuit, TTFT/TPOT samples and refusals to the latency recorder the autopilot
+reads; a leg answered for the other role makes the health monitor read the worker's role now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any
+
+from pd_router.control.health import HealthMonitor
+from pd_router.control.latency import LatencyRecorder
+from pd_router.control.workers import UnknownWorker, Worker, WorkerRegistry, WorkerState
+from pd_router.dataplane.channel import Channel, ChannelClosed, Message
+
+log = logging.getLogger("pd_router.dataplanes")
+
+INFLIGHT_PUSH_SECS = 0.025
+METRICS_TIMEOUT_SECS = 2.0
+
+
+class DataPlaneLink:
+    """One data plane as the control process knows it."""
+
+    def __init__(self, index: int, channel: Channel, version: int) -> None:
+        self.index = index
+        self.channel = channel
+        # The snapshot version it routes from: the one it acked, or the first one it was sent
+        # (it cannot pick before it has one).
+        self.acked = version
+        self.inflight: dict[str, int] = {}
+        self.idle_at: dict[str, float] = {}
+        # Its metric samples as last collected (kept when it exits: counters never go back).
+        self.samples: list[list] = []
+        self.reader: asyncio.Task | None = None
+
+
+class DataPlanes:
+    """The links to the data planes, and what their reports change in the registry."""
+
+    def __init__(
+        self, registry: WorkerRegistry, health: HealthMonitor, latency: LatencyRecorder
+    ) -> None:
+        self._registry = registry
+        self._health = health
+        self._latency = latency
+        self._links: dict[int, DataPlaneLink] = {}
+        self.version = 0
+        self._snapshot: Message = {"t": "snapshot", "v": 0, "workers": []}
+        # The version in which each worker stopped being pickable (absent while it is).
+        self._stopped_at: dict[str, int] = {}
+        self._pickable: set[str] = set()
+        self._totals: dict[str, int] = {}
+        self._pushed_totals: dict[str, int] = {}
+        # The counters and histograms of data planes that exited, as last collected.
+        self._retired: list[list] = []
+        self._metrics_requests = 0
+        self._metrics_waiters: dict[int, tuple[asyncio.Future, dict[int, list]]] = {}
+        self._pusher: asyncio.Task | None = None
+        registry.on_change(self.push)
+
+    # --- links ------------------------------------------------------------------------------
+
+    def attach(self, index: int, channel: Channel) -> None:
+        """Start talking to data plane ``index``: send it the current snapshot, read its
+        reports until its channel closes."""
+        self.detach(index)
+        link = DataPlaneLink(index, channel, self.version)
+        self._links[index] = link
+        channel.send(self._snapshot)
+        link.reader = asyncio.get_running_loop().create_task(self._read(link))
+        if self._pusher is None:
+            self._pusher = asyncio.get_running_loop().create_task(self._push_totals())
+
+    def detach(self, index: int) -> None:
+        """Forget data plane ``index`` (it exited): its in-flight requests are gone with it."""
+        link = self._links.pop(index, None)
+        if link is None:
+            return
+        link.channel.close()
+        self._retired.extend(s for s in link.samples if s[1] in ("counter", "histogram"))
+        if link.reader is not None and link.reader is not asyncio.current_task():
+            link.reader.cancel()
+        for future, replies in self._metrics_waiters.values():
+            if not future.done() and set(replies) >= set(self._links):
+                future.set_result(None)
+        self._recount()
+
+    @property
+    def indexes(self) -> list[int]:
+        return sorted(self._links)
+
+    async def stop(self) -> None:
+        if self._pusher is not None:
+            self._pusher.cancel()
+        for index in list(self._links):
+            self.detach(index)
+
+    # --- snapshots --------------------------------------------------------------------------
+
+    def push(self) -> None:
+        """Make a new snapshot version of the registry and send it to every data plane."""
+        self.version += 1
+        workers = []
+        pickable = set()
+        for worker in self._registry:
+            entry = entry_of(worker)
+            workers.append(entry)
+            if entry["pickable"]:
+                pickable.add(worker.url)
+        for url in self._pickable - pickable:
+            self._stopped_at.setdefault(url, self.version)
+        for url in pickable:
+            self._stopped_at.pop(url, None)
+        for url in [url for url in self._stopped_at if url not in self._known()]:
+            del self._stopped_at[url]
+        self._pickable = pickable
+        self._snapshot = {"t": "snapshot", "v": self.version, "workers": workers}
+        for link in self._links.values():
+            link.channel.send(self._snapshot)
+        self._recount()
+
+    def _known(self) -> set[str]:
+        return {worker.url for worker in self._registry}
+
+    # --- reports ----------------------------------------------------------------------------
+
+    async def _read(self, link: DataPlaneLink) -> None:
+        try:
+            while True:
+                message = await link.channel.receive()
+                kind = message.get("t")
+                if kind == "report":
+                    self._take_report(link, message)
+                elif kind == "suspect":
+                    self._suspect(message["url"])
+                elif kind == "metrics":
+                    self._take_metrics(link, message)
+        except ChannelClosed:
+            pass
+        except Exception:
+            log.exception("bad message from data plane %d", link.index)
+        if self._links.get(link.index) is link:
+            self.detach(link.index)
+
+    def _take_report(self, link: DataPlaneLink, report: Message) -> None:
+        link.acked = max(link.acked, report["v"])
+        link.inflight = report["inflight"]
+        link.idle_at = report["idle_at"]
+        for url, ok in report["outcomes"]:
+            worker = self._find(url)
+            if worker is not None:
+                if ok:
+                    worker.circuit.record_success()
+                else:
+                    worker.circuit.record_failure()
+        for seconds, prefilled_after in report["ttft"]:
+            self._latency.observe_ttft(seconds, prefilled_after)
+        for seconds, events in report["tpot"]:
+            self._latency.observe_stream(seconds, events)
+        for role, count in report["refused"].items():
+            for _ in range(count):
+                self._latency.count_refusal(role)
+        self._recount()
+
+    def _suspect(self, url: str) -> None:
+        worker = self._find(url)
+        if worker is not None:
+            self._health.suspect(worker)
+
+    def _find(self, url: str) -> Worker | None:
+        try:
+            return self._registry.get(url)
+        except UnknownWorker:
+            return None
+
+    def _recount(self) -> None:
+        """Set each worker's in-flight count from the reports and the missing acks."""
+        links = list(self._links.values())
+        totals = {}
+        for worker in self._registry:
+            url = worker.url
+            stopped = self._stopped_at.get(url)
+            count = sum(link.inflight.get(url, 0) for link in links)
+            if stopped is not None:
+                count += sum(1 for link in links if link.acked < stopped)
+            totals[url] = count
+            if count != worker.inflight or count == 0:
+                idle_at = max((link.idle_at.get(url, 0.0) for link in links), default=0.0)
+                self._registry.set_inflight(worker, count, idle_at or time.monotonic())
+        self._totals = totals
+
+    async def _push_totals(self) -> None:
+        """Send the router-wide in-flight counts to the data planes when they changed."""
+        while True:
+            await asyncio.sleep(INFLIGHT_PUSH_SECS)
+            if self._totals != self._pushed_totals:
+                self._pushed_totals = dict(self._totals)
+                message = {"t": "inflight", "totals": self._pushed_totals}
+                for link in self._links.values():
+                    link.channel.send(message)
+
+    # --- metrics ----------------------------------------------------------------------------
+
+    async def collect_metrics(self) -> list[list]:
+        """Every data plane's metric samples: the live ones' asked for now (a scrape), and the
+        counters of those that exited as they were last collected."""
+        self._metrics_requests += 1
+        request = self._metrics_requests
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        replies: dict[int, list] = {}
+        self._metrics_waiters[request] = (future, replies)
+        for link in self._links.values():
+            link.channel.send({"t": "metrics?", "n": request})
+        try:
+            if self._links:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(future, METRICS_TIMEOUT_SECS)
+        finally:
+            del self._metrics_waiters[request]
+        live = [sample for link in self._links.values() for sample in link.samples]
+        return live + self._retired
+
+    def _take_metrics(self, link: DataPlaneLink, message: Message) -> None:
+        waiter = self._metrics_waiters.get(message["n"])
+        if waiter is None:
+            return
+        future, replies = waiter
+        link.samples = message["samples"]
+        replies[link.index] = link.samples
+        if not future.done() and set(replies) >= set(self._links):
+            future.set_result(None)
+
+
+def entry_of(worker: Worker) -> dict[str, Any]:
+    """A worker as a snapshot carries it."""
+    circuit = worker.circuit
+    return {
+        "url": worker.url,
+        "role": worker.role.value,
+        "bootstrap_port": worker.bootstrap_port,
+        "pickable": worker.state is WorkerState.ACTIVE and worker.healthy and worker.admitting,
+        "usable": worker.healthy and worker.state is not WorkerState.FAILED,
+        "circuit": circuit.state.value,
+        "half_open_at": circuit.half_open_at,
+    }

@@ -1,0 +1,133 @@
+"""What the request path needs, and nothing more: :class:`RequestPath`.
+
+The handlers of the generation endpoints reach their collaborators through it: the pools to
+pick from (:class:`Pools`: the registry itself in a one-process router, the control process's
+last snapshot in a data plane), the legs, the admission of requests, the latency sink the
+autopilot reads from (the recorder itself, or a data plane's reports), the request metrics and
+how to tell a worker to abort. Nothing in the data plane sees the router's control side.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from pd_router.dataplane.concurrency import RequestAdmission
+from pd_router.dataplane.policies import Policy
+from pd_router.dataplane.retry import RetryConfig
+from pd_router.dataplane.target import Target
+from pd_router.dataplane.upstream import Legs
+from pd_router.errors import NoWorkers
+from pd_router.metrics import RouterMetrics
+from pd_router.roles import Role
+
+
+class Pools(Protocol):
+    def pick(
+        self, role: Role, avoid: Iterable[Target] = (), prompt: Callable[[], str] | None = None
+    ) -> Target:
+        """A worker of ``role`` by its pool's policy (NoWorkers if none)."""
+        ...
+
+    def acquire(self, target: Target) -> None: ...
+    def release(self, target: Target) -> None: ...
+
+    def suspect(self, target: Target) -> None:
+        """The worker answered for the other role: have its role read now."""
+        ...
+
+
+def choose(
+    role: Role,
+    selectable: Sequence[Target],
+    panic: Callable[[], Sequence[Target]],
+    avoid: Iterable[Target],
+    policy: Policy,
+    prompt: Callable[[], str] | None,
+    count_refusal: Callable[[str], None],
+) -> Target:
+    """The pick of a pool, wherever its workers come from: one of ``selectable`` (or, when
+    none is, of the ``panic`` pool: workers kept out only by their circuits), preferring those
+    not in ``avoid`` (they already failed this request), chosen by ``policy``; NoWorkers (and
+    a refusal counted) if there is none. ``prompt`` is called only for a policy that needs
+    it."""
+    workers = selectable or panic()
+    if avoid and len(workers) > 1:
+        avoided = set(avoid)
+        fresh = [w for w in workers if w not in avoided]
+        if fresh:
+            workers = fresh
+    if not workers:
+        count_refusal(role.value)
+        raise NoWorkers(f"no available {role.value} worker (none active, healthy and closed)")
+    if policy.needs_prompt and prompt is not None:
+        return policy.select(workers, prompt())
+    return policy.select(workers)
+
+
+class LatencySink(Protocol):
+    def observe_ttft(self, seconds: float, prefilled_after: float | None) -> None: ...
+    def observe_stream(self, seconds_after_first: float, events: int) -> None: ...
+    def count_refusal(self, role: str) -> None: ...
+
+
+class RequestMetrics:
+    """The request path's metrics, their labelled children cached (no label lookup per
+    request)."""
+
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+        self._requests: dict[tuple[str, int], Any] = {}
+        self._durations: dict[str, Any] = {}
+        self._upstream_errors: dict[tuple[str, str], Any] = {}
+
+    def observe_request(self, endpoint: str, status: int, seconds: float) -> None:
+        key = (endpoint, status)
+        counter = self._requests.get(key)
+        if counter is None:
+            counter = self.metrics.requests_total.labels(endpoint, str(status))
+            self._requests[key] = counter
+        counter.inc()
+        histogram = self._durations.get(endpoint)
+        if histogram is None:
+            histogram = self.metrics.request_duration_seconds.labels(endpoint)
+            self._durations[endpoint] = histogram
+        histogram.observe(seconds)
+
+    def count_upstream_error(self, role: Role, kind: str) -> None:
+        key = (role.value, kind)
+        counter = self._upstream_errors.get(key)
+        if counter is None:
+            counter = self.metrics.upstream_errors_total.labels(role.value, kind)
+            self._upstream_errors[key] = counter
+        counter.inc()
+
+
+@dataclass(slots=True)
+class RequestPath:
+    """The collaborators of the generation handlers."""
+
+    pools: Pools
+    legs: Legs
+    leg_headers: dict[Role, dict[str, str]]
+    retry: RetryConfig
+    admission: RequestAdmission
+    latency: LatencySink
+    metrics: RequestMetrics
+    # Fire-and-forget ``/abort_request`` of these rids to a worker.
+    abort: Callable[[Target, list[str]], None]
+
+
+REQUEST_PATH = web.AppKey("request_path", RequestPath)
+REQUEST_ID = web.RequestKey("request_id", str)
+# The id workers know a request by (its ``rid``): the request id itself when the router made it,
+# the client's id plus a unique suffix otherwise, so two requests that carry the same
+# X-Request-Id never collide on a worker (SGLang rejects a duplicate rid).
+UPSTREAM_ID = web.RequestKey("upstream_id", str)
+# The status of a streamed answer whose end reached the client (its ``data: [DONE]`` event or
+# its last byte): a client that closes the connection after it is not an abort, whatever the
+# handler was still doing (reading the worker's end of stream, releasing the legs).
+DELIVERED = web.RequestKey("delivered", int)

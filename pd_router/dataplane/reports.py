@@ -1,0 +1,92 @@
+"""What a data plane tells the control process, in batches over its channel.
+
+A report (``{"t": "report"}``) carries the snapshot version this process routes from (its
+ack), its in-flight count per worker and when each idle one became idle, the leg outcomes for
+the circuits, the TTFT and TPOT samples and the refusals for lack of a worker that the
+autopilot reads. One goes out every ``interval`` when something changed, at once after a
+snapshot was taken (the ack a conversion's drain waits for) and when a worker out of selection
+became idle here. A leg answered for the other role is told at once (``{"t": "suspect"}``), and
+the metrics go out when the control process asks for them (a scrape).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+from pd_router.dataplane.channel import Channel
+from pd_router.dataplane.snapshot import SnapshotPools
+from pd_router.metrics import RouterMetrics, samples
+
+REPORT_INTERVAL_SECS = 0.025
+
+
+class Reports:
+    """The batch of one data plane; also the request path's latency sink."""
+
+    def __init__(
+        self, channel: Channel, metrics: RouterMetrics, interval: float = REPORT_INTERVAL_SECS
+    ) -> None:
+        self._channel = channel
+        self._metrics = metrics
+        self._interval = interval
+        self._urgent = asyncio.Event()
+        self._ttft: list[list[Any]] = []
+        self._tpot: list[list[float]] = []
+        self._refused: dict[str, int] = {}
+        self._last_counts: dict[str, int] = {}
+
+    # --- the latency sink (LatencyRecorder's methods the request path calls) ----------------
+
+    def observe_ttft(self, seconds: float, prefilled_after: float | None) -> None:
+        self._ttft.append([seconds, prefilled_after])
+
+    def observe_stream(self, seconds_after_first: float, events: int) -> None:
+        self._tpot.append([seconds_after_first, events])
+
+    def count_refusal(self, role: str) -> None:
+        self._refused[role] = self._refused.get(role, 0) + 1
+
+    # --- sending ----------------------------------------------------------------------------
+
+    def wake(self) -> None:
+        """Send the next report now rather than at the end of the interval."""
+        self._urgent.set()
+
+    def suspect(self, url: str) -> None:
+        self._channel.send({"t": "suspect", "url": url})
+
+    def send_metrics(self, request: int) -> None:
+        self._channel.send({"t": "metrics", "n": request, "samples": samples(self._metrics)})
+
+    def send(self, pools: SnapshotPools, *, force: bool = False) -> None:
+        """Report what changed since the last report (``force``: report even if nothing did)."""
+        counts, idle = pools.inflight_report()
+        outcomes = pools.take_outcomes()
+        if not (force or outcomes or self._ttft or self._tpot or self._refused) and (
+            counts == self._last_counts
+        ):
+            return
+        self._last_counts = counts
+        self._channel.send(
+            {
+                "t": "report",
+                "v": pools.version,
+                "inflight": counts,
+                "idle_at": idle,
+                "outcomes": outcomes,
+                "ttft": self._ttft,
+                "tpot": self._tpot,
+                "refused": self._refused,
+            }
+        )
+        self._ttft, self._tpot, self._refused = [], [], {}
+
+    async def run(self, pools: SnapshotPools) -> None:
+        """Report every interval (sooner when woken) until cancelled."""
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._urgent.wait(), self._interval)
+            self._urgent.clear()
+            self.send(pools)

@@ -1,0 +1,259 @@
+"""A data plane's pools: the last versioned snapshot the control process pushed, and what this
+process has in flight on each worker.
+
+The control process owns every worker's state; a snapshot says, per worker, its role, its
+bootstrap port, whether it may be picked (ACTIVE, healthy, admitting), whether requests may go
+to it at all (``usable``: a worker that turned unhealthy, FAILED or left gets its legs ended, as
+the registry's ``on_unavailable`` does in one process) and its circuit's verdict. The request
+path picks from :meth:`SnapshotPools.pick` exactly as from the registry: a :class:`Member` has
+the attributes of a worker that the legs and the policies read.
+
+Router-wide in-flight: :attr:`Member.inflight` is this process's own count plus what the other
+data planes had in flight when the control process last summed their reports (pushed every
+report interval), so ``least_inflight`` and ``power_of_two`` balance the whole router's load.
+
+Circuits: the control process decides (it sums every data plane's leg outcomes); a member's
+:class:`SharedCircuit` holds its verdict, lets one trial at a time through a half-open circuit
+from this process, turns an open one half-open when its cool-down ends, and queues the
+outcomes for the next report.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pd_router.dataplane.path import choose
+from pd_router.dataplane.policies import Policy
+from pd_router.roles import Role, bootstrap_host
+
+CLOSED = "closed"
+OPEN = "open"
+HALF_OPEN = "half_open"
+
+
+class SharedCircuit:
+    """The control process's verdict on one worker, and this process's outcomes for it."""
+
+    __slots__ = ("_half_open_at", "_outcomes", "_state", "_trial", "url")
+
+    def __init__(self, url: str, outcomes: list[list[Any]]) -> None:
+        self.url = url
+        self._outcomes = outcomes
+        self._state = CLOSED
+        self._half_open_at: float | None = None
+        self._trial = False
+
+    def update(self, state: str, half_open_at: float | None) -> None:
+        if state != self._state:
+            self._trial = False
+        self._state = state
+        self._half_open_at = half_open_at
+
+    @property
+    def state(self) -> str:
+        half_open_at = self._half_open_at
+        if self._state == OPEN and half_open_at is not None and time.monotonic() >= half_open_at:
+            self._state = HALF_OPEN
+        return self._state
+
+    def allows(self) -> bool:
+        if self._state == CLOSED:
+            return True
+        state = self.state
+        return state == HALF_OPEN and not self._trial
+
+    def on_dispatch(self) -> None:
+        if self._state == HALF_OPEN:
+            self._trial = True
+
+    def record_success(self) -> None:
+        self._trial = False
+        self._outcomes.append([self.url, True])
+
+    def record_failure(self) -> None:
+        self._trial = False
+        self._outcomes.append([self.url, False])
+
+    def release_trial(self) -> None:
+        self._trial = False
+
+
+class Member:
+    """One worker as a data plane routes to it (what the legs and the policies read)."""
+
+    __slots__ = (
+        "bootstrap_host",
+        "bootstrap_port",
+        "circuit",
+        "idle_at",
+        "inflight",
+        "local",
+        "pickable",
+        "reported",
+        "role",
+        "url",
+        "usable",
+    )
+
+    def __init__(self, url: str, role: Role, circuit: SharedCircuit) -> None:
+        self.url = url
+        self.role = role
+        self.bootstrap_port: int | None = None
+        self.bootstrap_host = bootstrap_host(url)
+        self.circuit = circuit
+        self.pickable = False
+        self.usable = False
+        # This process's requests in flight on the worker, the count last reported, the
+        # router-wide count (the others' share as last summed, plus ``local``) and when
+        # ``local`` last fell to zero (monotonic).
+        self.local = 0
+        self.reported = 0
+        self.inflight = 0
+        self.idle_at = 0.0
+
+
+UnavailableCallback = Callable[[str], None]
+
+
+class SnapshotPools:
+    """The pools of one data plane: pick, count in flight, apply what the control process
+    pushes. ``wake`` asks for a report now (a worker out of selection became idle here: a
+    conversion waits for it); ``suspect`` tells the control process a worker answered for the
+    other role; ``on_unavailable(url)`` ends the legs still running on a worker that left
+    service."""
+
+    def __init__(
+        self,
+        policies: dict[Role, Policy],
+        *,
+        wake: Callable[[], None],
+        suspect: Callable[[str], None],
+        on_unavailable: UnavailableCallback,
+        count_refusal: Callable[[str], None],
+    ) -> None:
+        self.policies = policies
+        self.version = 0
+        self.outcomes: list[list[Any]] = []
+        self._wake = wake
+        self._suspect = suspect
+        self._on_unavailable = on_unavailable
+        self._count_refusal = count_refusal
+        self._members: dict[str, Member] = {}
+        # Members no longer in the snapshot, kept while requests are in flight on them.
+        self._gone: set[str] = set()
+        self._pools: dict[Role, list[Member]] = {role: [] for role in Role}
+
+    # --- what the control process pushes ---------------------------------------------------
+
+    def apply(self, version: int, workers: Iterable[dict[str, Any]]) -> None:
+        """Take snapshot ``version`` (its worker entries) as the pools."""
+        seen = set()
+        for entry in workers:
+            url = entry["url"]
+            seen.add(url)
+            role = Role(entry["role"])
+            member = self._members.get(url)
+            self._gone.discard(url)
+            if member is None:
+                member = Member(url, role, SharedCircuit(url, self.outcomes))
+                self._members[url] = member
+            elif member.role is not role:
+                self.policies[member.role].forget(url)
+                member.role = role
+            member.bootstrap_port = entry["bootstrap_port"]
+            member.pickable = entry["pickable"]
+            member.circuit.update(entry["circuit"], entry["half_open_at"])
+            self._set_usable(member, entry["usable"])
+        for url in [url for url in self._members if url not in seen]:
+            member = self._members[url]
+            self._set_usable(member, False)
+            member.pickable = False
+            self.policies[member.role].forget(url)
+            if member.local == 0:
+                del self._members[url]
+            else:
+                self._gone.add(url)
+        self._pools = {
+            role: [m for m in self._members.values() if m.pickable and m.role is role]
+            for role in Role
+        }
+        self.version = version
+
+    def apply_inflight(self, totals: dict[str, int]) -> None:
+        """The router-wide in-flight counts the control process summed from every report."""
+        for url, total in totals.items():
+            member = self._members.get(url)
+            if member is not None:
+                member.inflight = max(member.local, total - member.reported + member.local)
+
+    def _set_usable(self, member: Member, usable: bool) -> None:
+        if member.usable and not usable:
+            self._on_unavailable(member.url)
+        member.usable = usable
+
+    # --- the request path ------------------------------------------------------------------
+
+    def pick(
+        self,
+        role: Role,
+        avoid: Iterable[Member] = (),
+        prompt: Callable[[], str] | None = None,
+    ) -> Member:
+        """As the one-process router picks: a selectable member of ``role`` (its circuit
+        allowing), the ones in ``avoid`` only when nothing else is left; when every
+        circuit keeps the pool out, the pickable members anyway (panic mode)."""
+        pool = self._pools[role]
+        return choose(
+            role,
+            [m for m in pool if m.circuit.allows()],
+            lambda: without(pool, avoid),
+            avoid,
+            self.policies[role],
+            prompt,
+            self._count_refusal,
+        )
+
+    def acquire(self, member: Member) -> None:
+        member.local += 1
+        member.inflight += 1
+        member.circuit.on_dispatch()
+
+    def release(self, member: Member) -> None:
+        member.local -= 1
+        member.inflight = max(0, member.inflight - 1)
+        if member.local == 0:
+            member.idle_at = time.monotonic()
+            if not member.pickable:
+                self._wake()
+
+    def suspect(self, member: Member) -> None:
+        self._suspect(member.url)
+
+    # --- what the reports carry ------------------------------------------------------------
+
+    def inflight_report(self) -> tuple[dict[str, int], dict[str, float]]:
+        """This process's in-flight count per worker, and when each idle one became idle;
+        members that left the snapshot are dropped once they reported idle."""
+        counts = {}
+        idle = {}
+        for url, member in list(self._members.items()):
+            counts[url] = member.local
+            member.reported = member.local
+            if member.local == 0:
+                idle[url] = member.idle_at
+                if url in self._gone:
+                    self._gone.discard(url)
+                    del self._members[url]
+        return counts, idle
+
+    def take_outcomes(self) -> list[list[Any]]:
+        outcomes = self.outcomes[:]
+        self.outcomes.clear()
+        return outcomes
+
+
+def without(members: list[Member], avoid: Iterable[Member]) -> list[Member]:
+    avoided = set(avoid)
+    return [m for m in members if m not in avoided]

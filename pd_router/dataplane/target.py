@@ -1,0 +1,26 @@
+"""A worker as the request path and the policies see it: the registry's worker in a one-process
+router, a snapshot's member in a data plane (:mod:`pd_router.dataplane.snapshot`)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from pd_router.roles import Role
+
+
+class Verdicts(Protocol):
+    """The worker's circuit, as the legs feed it."""
+
+    def on_dispatch(self) -> None: ...
+    def record_success(self) -> None: ...
+    def record_failure(self) -> None: ...
+    def release_trial(self) -> None: ...
+
+
+class Target(Protocol):
+    url: str
+    role: Role
+    bootstrap_host: str
+    bootstrap_port: int | None
+    inflight: int
+    circuit: Verdicts

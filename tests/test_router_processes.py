@@ -1,0 +1,220 @@
+"""A router of one control process and three data-plane processes on one port (``[server]
+workers = 3``): every process routes from the control process's snapshots, a conversion drains
+across all of them, the admin API and the metrics show the whole router whichever process
+accepted the request, a data plane that dies is replaced, the data planes stop when the control
+process dies, and SIGTERM lets streams in flight finish. Real router processes in front of
+reference workers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import httpx
+
+from pd_router.roles import Role
+from tests.conversion_helpers import (
+    LONG,
+    CheckedLoad,
+    conversion_status,
+    convert,
+    sample,
+    wait_for_busy,
+)
+from tests.router_helpers import assert_paired, generate_body, sse_events, wait_until
+from tests.router_process import RouterProcess, router_process
+
+PROCESSES = {"server": {"workers": 3}}
+TOKENS = 4
+
+
+def dataplane_pids(router: RouterProcess) -> set[int]:
+    with open(f"/proc/{router.pid}/task/{router.pid}/children") as f:
+        return {int(pid) for pid in f.read().split()}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+async def fresh_connection_requests(url: str, prompts: list[str]) -> list[httpx.Response]:
+    """One request per new connection, so the kernel spreads them over the data planes."""
+    answers = []
+    for prompt in prompts:
+        async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
+            answers.append(await http.post("/generate", json=generate_body(prompt, TOKENS)))
+    return answers
+
+
+async def test_metrics_count_every_processs_requests(pd_cluster):
+    async with router_process(
+        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
+    ) as router:
+        answers = await fresh_connection_requests(router.url, [f"m {n}" for n in range(24)])
+        assert [a.status_code for a in answers] == [200] * 24
+        async with router.client() as http:
+            served = await sample(
+                http, "pd_router_requests_total", endpoint="/generate", status="200"
+            )
+        assert served == 24
+
+
+async def test_admin_key_is_checked_whichever_process_accepts(pd_cluster):
+    key = {"Authorization": "Bearer sesame"}
+    async with router_process(
+        prefill=pd_cluster.prefill_urls,
+        decode=pd_cluster.decode_urls,
+        admin_api_key="sesame",
+        **PROCESSES,
+    ) as router:
+        for _ in range(6):
+            async with router.client() as http:
+                assert (await http.get("/workers")).status_code == 401
+            async with router.client(headers=key) as http:
+                listed = (await http.get("/workers")).json()["workers"]
+            assert sorted(w["url"] for w in listed) == sorted(pd_cluster.urls)
+
+
+async def test_conversions_under_load_fail_no_request(cluster_factory):
+    cluster = cluster_factory(prefill=2, decode=2, speed=0.2)
+    async with router_process(
+        prefill=cluster.prefill_urls,
+        decode=cluster.decode_urls,
+        conversion={"min_prefill": 1, "min_decode": 1},
+        **PROCESSES,
+    ) as router:
+        async with CheckedLoad(router.url, concurrency=12, tokens=8) as load:
+            await load.wait_for_requests(20)
+            async with router.client() as http:
+                for url in (cluster.decode_urls[0], cluster.prefill_urls[0]) * 2:
+                    answer = await convert(http, server_url=url)
+                    assert answer.status_code == 200, answer.text
+                    assert answer.json()["success"], answer.text
+        assert load.result.failed == 0, load.result.errors[:3]
+        assert load.result.ok > 20
+
+
+async def test_a_role_changed_outside_the_router_reaches_every_process(cluster_factory):
+    cluster = cluster_factory(prefill=2, decode=2, speed=0.0)
+    switched = cluster.decode_urls[0]
+    async with router_process(
+        prefill=cluster.prefill_urls,
+        decode=cluster.decode_urls,
+        prefill_policy="round_robin",
+        **PROCESSES,
+    ) as router:
+        async with httpx.AsyncClient(timeout=10.0) as operator:
+            reply = await operator.post(
+                switched + "/pd_role_switch", json={"new_role": Role.PREFILL.value}
+            )
+        assert reply.json()["success"]
+        async with router.client() as http:
+
+            async def moved() -> bool:
+                workers = (await http.get("/workers")).json()["workers"]
+                return any(w["url"] == switched and w["role"] == "prefill" for w in workers)
+
+            await wait_until(moved, 5.0, "the control process moved it")
+        prompts = [f"drift {n}" for n in range(18)]
+        answers = await fresh_connection_requests(router.url, prompts)
+        sources = set()
+        for prompt, answer in zip(prompts, answers, strict=True):
+            assert answer.status_code == 200, answer.text
+            sources.add(assert_paired(answer.json(), prompt, TOKENS))
+        assert switched in sources
+
+
+async def test_a_killed_data_plane_is_replaced_and_its_drain_does_not_hang(cluster_factory):
+    cluster = cluster_factory(prefill=1, decode=2, speed=0.05)
+    async with router_process(
+        prefill=cluster.prefill_urls, decode=cluster.decode_urls, **PROCESSES
+    ) as router:
+        before = dataplane_pids(router)
+        assert len(before) == 3
+        async with router.client() as http:
+            long = asyncio.create_task(http.post("/generate", json=LONG))
+            busy = await wait_for_busy(cluster.decode_urls)
+            started = await convert(http, server_url=busy, new_role="prefill", wait=False)
+            conversion = started.json()["id"]
+            await asyncio.sleep(0.3)
+            assert await conversion_status(http, conversion) == "draining"
+            for pid in before:
+                os.kill(pid, signal.SIGKILL)
+            await asyncio.gather(long, return_exceptions=True)
+
+        async def succeeded() -> bool:
+            try:
+                async with router.client() as http:
+                    return await conversion_status(http, conversion) == "succeeded"
+            except httpx.HTTPError:
+                return False
+
+        await wait_until(succeeded, 10.0, "the conversion ended without the killed requests")
+        await wait_until(lambda: len(dataplane_pids(router) - before) == 3, 10.0, "replaced")
+        answers = await fresh_connection_requests(router.url, ["after 1", "after 2"])
+        assert [a.status_code for a in answers] == [200, 200]
+
+
+async def test_data_planes_stop_when_the_control_process_dies(pd_cluster):
+    async with router_process(
+        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
+    ) as router:
+        dataplanes = dataplane_pids(router)
+        router.process.send_signal(signal.SIGKILL)
+        await router.process.wait()
+        await wait_until(
+            lambda: not any(alive(pid) for pid in dataplanes), 10.0, "data planes exited"
+        )
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            try:
+                await http.get(router.url + "/health")
+            except httpx.ConnectError:
+                pass
+            else:
+                raise AssertionError("the port still answers")
+
+
+async def test_sigterm_lets_streams_in_flight_finish(cluster_factory):
+    cluster = cluster_factory(prefill=1, decode=1, speed=0.05)
+    async with router_process(
+        prefill=cluster.prefill_urls, decode=cluster.decode_urls, **PROCESSES
+    ) as router:
+        body = generate_body("until the end", 20, stream=True)
+
+        async def stream() -> str:
+            async with httpx.AsyncClient(base_url=router.url, timeout=30.0) as http:
+                return (await http.post("/generate", json=body)).text
+
+        streams = [asyncio.create_task(stream()) for _ in range(4)]
+        await wait_for_busy(cluster.decode_urls)
+        router.process.send_signal(signal.SIGTERM)
+        texts = await asyncio.gather(*streams)
+        assert all(sse_events(text)[-1] == "[DONE]" for text in texts)
+        assert await asyncio.wait_for(router.process.wait(), 10.0) == 0
+
+
+async def test_cache_aware_sends_a_prefix_to_one_prefill_whichever_process_routes(
+    cluster_factory,
+):
+    cluster = cluster_factory(prefill=2, decode=1, speed=0.0)
+    async with router_process(
+        prefill=cluster.prefill_urls,
+        decode=cluster.decode_urls,
+        prefill_policy="cache_aware",
+        **PROCESSES,
+    ) as router:
+        for group in range(3):
+            system = f"system prompt of group {group} " * 8
+            prompts = [f"{system} question {n}" for n in range(6)]
+            answers = await fresh_connection_requests(router.url, prompts)
+            sources = {
+                assert_paired(answer.json(), prompt, TOKENS)
+                for prompt, answer in zip(prompts, answers, strict=True)
+            }
+            assert len(sources) == 1, (group, sources)
