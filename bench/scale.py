@@ -10,8 +10,8 @@ router's, the workers and generators share it; the report says so). The load com
 several bench/loadgen.py processes, one per generator core, sharing one measurement window.
 
 Setups: ``smg`` (``smg launch --pd-disaggregation ... --policy round_robin``, its tokio threads
-one per router core), ``N`` (one pd-router with ``--workers N``; ``1`` passes no flag, so it
-also runs on a pd-router that has none), ``Ns`` (N separate pd-router processes on N ports,
+one per router core), ``N`` (one pd-router with ``--workers N``; ``1`` passes the flag only to a
+pd-router that knows it), ``Ns`` (N separate pd-router processes on N ports,
 the clients spread over them: what N processes give without a shared view).
 
 Reported per concurrency, mode and setup: req/s, p50/p99 latency, errors, router CPU per
@@ -236,10 +236,12 @@ class ScaleConfig:
     client: str = "fast"
 
 
-def setup_peers(setup: Setup, cores: Sequence[int]) -> list[Peer]:
-    """The routers of one setup, each pinned to the router cores, each with its own name."""
+def setup_peers(setup: Setup, cores: Sequence[int], workers_flag: bool = True) -> list[Peer]:
+    """The routers of one setup, each pinned to the router cores, each with its own name;
+    ``--workers N`` is passed for N > 1, and for N = 1 where the pd-router knows the flag."""
     base = PEERS[SMG] if setup.kind == SMG else PEERS["pd-router"]
-    extra = ["--workers", str(setup.count)] if setup.kind == "workers" and setup.count > 1 else []
+    explicit = setup.kind == "workers" and (setup.count > 1 or workers_flag)
+    extra = ["--workers", str(setup.count)] if explicit else []
 
     def build(bin_dir: Path, topology, host: str, port: int) -> list[str]:
         return pinned([*base.build_argv(bin_dir, topology, host, port), *extra], cores)
@@ -309,7 +311,7 @@ def run_segment(
 
 
 def measure(
-    cfg: ScaleConfig, log_dir: Path, stack: contextlib.ExitStack
+    cfg: ScaleConfig, log_dir: Path, stack: contextlib.ExitStack, workers_flag: bool
 ) -> tuple[dict[Key, Cell], dict[Setup, list[RouterProcess]], list[int]]:
     """Start the workers and every setup; run the interleaved rounds; the routers stay up
     (in ``stack``) for the profile."""
@@ -329,7 +331,7 @@ def measure(
     for setup in cfg.setups:
         routers = [
             stack.enter_context(running_router(peer, topology, log_dir))
-            for peer in setup_peers(setup, cfg.plan.router)
+            for peer in setup_peers(setup, cfg.plan.router, workers_flag)
         ]
         for router in routers:
             router.wait_ready()
@@ -672,9 +674,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ScaleConfig, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     cfg, profile_s = parse_args(argv)
     skipped: dict[str, str] = {}
-    if any(s.kind == "workers" and s.count > 1 for s in cfg.setups) and not (
-        pd_router_has_workers_flag()
-    ):
+    workers_flag = pd_router_has_workers_flag()
+    if any(s.kind == "workers" and s.count > 1 for s in cfg.setups) and not workers_flag:
         skipped = {
             s.name: "this pd-router has no --workers"
             for s in cfg.setups
@@ -693,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as stack:
         try:
-            cells, groups, pids = measure(cfg, log_dir, stack)
+            cells, groups, pids = measure(cfg, log_dir, stack, workers_flag)
         except RouterStartError as exc:
             print(f"router start failed: {exc}", file=sys.stderr)
             return 1

@@ -60,17 +60,23 @@ def test_setups_name_smg_worker_counts_and_separate_processes(bench_modules: Non
     assert [s.processes for s in setups] == [1, 1, 6, 6]
 
 
-def test_only_a_multi_process_setup_passes_the_workers_flag(bench_modules: None) -> None:
+def test_the_workers_flag_goes_to_a_pd_router_that_knows_it_or_needs_it(
+    bench_modules: None,
+) -> None:
     from peers import Topology
     from proc_cpu import pinned
     from scale import Setup, setup_peers
 
     topology = Topology(prefills=(("http://127.0.0.1:1", 2),), decodes=("http://127.0.0.1:3",))
-    one, six = (setup_peers(Setup("workers", n), [3]) for n in (1, 6))
+    old_one, one, six = (
+        setup_peers(Setup("workers", n), [3], workers_flag=flag)
+        for n, flag in ((1, False), (1, True), (6, False))
+    )
     separate = setup_peers(Setup("separate", 2), [3])
-    argv_one = one[0].argv(topology, "127.0.0.1", 8000)
+    argv_old = old_one[0].argv(topology, "127.0.0.1", 8000)
     prefix = pinned([], [3])
-    assert argv_one[: len(prefix)] == prefix and "--workers" not in argv_one
+    assert argv_old[: len(prefix)] == prefix and "--workers" not in argv_old
+    assert one[0].argv(topology, "127.0.0.1", 8000)[-2:] == ["--workers", "1"]
     assert six[0].argv(topology, "127.0.0.1", 8000)[-2:] == ["--workers", "6"]
     assert len({peer.name for peer in separate}) == 2
 
