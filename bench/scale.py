@@ -459,7 +459,9 @@ def ratio(numerator: float, denominator: float) -> float:
 
 
 def goal_lines(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
-    """The goals of issue 17 that this run's setups can answer, each with its figures."""
+    """The goals of issue 17 that this run's setups can answer, each with its figures: the
+    largest --workers N against smg where each data plane has a router core of its own, one
+    process against smg where the router has one core, N processes against one."""
     names = {s.name for s in cfg.setups}
     one = Setup("workers", 1).name
     many = [s for s in cfg.setups if s.kind == "workers" and s.count > 1]
@@ -470,8 +472,8 @@ def goal_lines(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
             where = f"c{concurrency} {mode}"
             figures = {name: cells[(name, concurrency, mode)].figures for name in names}
             smg = figures.get(SMG)
-            if smg is not None and many:
-                top = max(many, key=lambda s: s.count)
+            top = max(many, key=lambda s: s.count, default=None)
+            if smg is not None and top is not None and top.count <= cores:
                 ours = figures[top.name]
                 fast = ratio(ours.rps, smg.rps)
                 cheap = ratio(ours.cpu_ms_per_request, smg.cpu_ms_per_request)
@@ -481,7 +483,7 @@ def goal_lines(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
                     f"- {where}: {top.name} vs smg: {fast:.2f}x req/s (goal >= 1.5), "
                     f"{cheap:.2f}x CPU/request (<= 1), {tail:.2f}x p99 (<= 1): {_met(met)}"
                 )
-            if smg is not None and one in names:
+            if smg is not None and one in names and cores == 1:
                 lead = ratio(figures[one].rps, smg.rps)
                 lines.append(
                     f"- {where}: {one} vs smg: {lead:.2f}x req/s (2-core goal >= 1.1): "

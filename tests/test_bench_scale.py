@@ -112,30 +112,51 @@ def test_merged_generators_sum_requests_and_keep_the_busiest_generator(
     assert merged["loadgen_peak"] == pytest.approx(0.9)
 
 
+def _cell(completed: int, cpu_s: float, latency_ms: float):
+    from scale import Cell
+
+    c = Cell()
+    c.figures.completed, c.figures.window_s, c.figures.router_cpu_s = completed, 1.0, cpu_s
+    c.figures.latencies_ms = [latency_ms] * 10
+    return c
+
+
+def _goal_lines(setups: str, cores: int, router_cores: int, cells: dict) -> list[str]:
+    from overhead import BenchConfig
+    from scale import ScaleConfig, goal_lines, parse_setups, plan_cores
+
+    load = BenchConfig((), ("stream",), 64, 1, 1, 1, 16, 2, 2, 0, "stub", Path("."))
+    plan = plan_cores(range(cores), router_cores)
+    cfg = ScaleConfig(load, parse_setups(setups), (64,), plan, 2, 5)
+    return goal_lines(cfg, {(name, 64, "stream"): c for name, c in cells.items()})
+
+
 def test_goals_compare_the_largest_worker_count_with_smg_and_with_one_process(
     bench_modules: None,
 ) -> None:
-    from overhead import BenchConfig
-    from scale import Cell, ScaleConfig, goal_lines, parse_setups, plan_cores
-
-    def cell(completed: int, cpu_s: float, latency_ms: float) -> Cell:
-        c = Cell()
-        c.figures.completed, c.figures.window_s, c.figures.router_cpu_s = completed, 1.0, cpu_s
-        c.figures.latencies_ms = [latency_ms] * 10
-        return c
-
-    load = BenchConfig((), ("stream",), 64, 1, 1, 1, 16, 2, 2, 0, "stub", Path("."))
-    setups = parse_setups("smg,1,6")
-    cfg = ScaleConfig(load, setups, (64,), plan_cores(range(16), 6), 2, 5)
     cells = {
-        ("smg", 64, "stream"): cell(10000, 5.0, 20.0),
-        ("pd-router --workers 1", 64, "stream"): cell(3000, 1.0, 30.0),
-        ("pd-router --workers 6", 64, "stream"): cell(16000, 6.0, 15.0),
+        "smg": _cell(10000, 5.0, 20.0),
+        "pd-router --workers 1": _cell(3000, 1.0, 30.0),
+        "pd-router --workers 6": _cell(16000, 6.0, 15.0),
     }
-    lines = goal_lines(cfg, cells)
+    lines = _goal_lines("smg,1,6", 16, 6, cells)
     assert (
         "1.60x req/s (goal >= 1.5), 0.75x CPU/request (<= 1), 0.75x p99 (<= 1): **met**"
         in (lines[0])
     )
-    assert lines[1].endswith("0.30x req/s (2-core goal >= 1.1): **not met**")
-    assert "5.33x req/s (goal >= 5.10, 0.85 x 6): **met**" in lines[2]
+    assert "5.33x req/s (goal >= 5.10, 0.85 x 6): **met**" in lines[1]
+    assert len(lines) == 2  # the 2-core goal (one process vs smg) needs a 1-core router
+
+
+def test_on_a_one_core_router_one_process_must_lead_smg_and_two_must_not_be_slower(
+    bench_modules: None,
+) -> None:
+    cells = {
+        "smg": _cell(1000, 0.5, 20.0),
+        "pd-router --workers 1": _cell(1200, 0.4, 30.0),
+        "pd-router --workers 2": _cell(1100, 0.45, 25.0),
+    }
+    lines = _goal_lines("smg,1,2", 2, 1, cells)
+    assert len(lines) == 2  # no 1.5x-smg goal: two data planes share one core
+    assert lines[0].endswith("1.20x req/s (2-core goal >= 1.1): **met**")
+    assert "0.92x req/s (goal >= 1.00, not slower" in lines[1] and lines[1].endswith("**not met**")
