@@ -383,7 +383,7 @@ def profile_setup(
     out_dir: Path,
 ) -> str:
     """py-spy one data-plane process under non-streaming load at the highest concurrency;
-    the sample shares as microseconds of that process's CPU per request it served."""
+    the sample shares as microseconds of the data planes' CPU per request."""
     pd_routers = [s for s in groups if s.kind != SMG]
     if not pd_routers:
         return "_no pd-router setup to profile_\n"
@@ -425,20 +425,25 @@ def profile_report(
     seconds: float,
     raw: Path,
 ) -> str:
-    """Where the microseconds of one request go in the profiled process, assuming the
-    requests spread evenly over the data planes (their CPU, listed, shows how evenly)."""
+    """Where the microseconds of one request go: the data planes' CPU over the profile's
+    window per request served in it (py-spy pauses the process it samples, so that process
+    alone serves less than its share), the user part split by the profiled process's
+    user-space samples."""
     summary = summarize(raw)
-    user_s, system_s = spent[pid]
-    served = rps * seconds / max(1, len(spent))
+    served = rps * seconds
+    user_s = sum(user for user, _ in spent.values())
+    system_s = sum(system for _, system in spent.values())
     user_us = 1e6 * user_s / served if served else float("nan")
     system_us = 1e6 * system_s / served if served else float("nan")
-    spread = ", ".join(f"{sum(cpu) / seconds:.2f}" for cpu in spent.values())
+    spread = ", ".join(
+        f"{sum(cpu) / seconds:.2f}{'*' if p == pid else ''}" for p, cpu in spent.items()
+    )
     lines = [
         f"{setup.name}, non-streaming at concurrency {concurrency}: {rps:.0f} req/s under the "
-        f"profiler. Data-plane processes' CPU over the {seconds:.0f} s (cores): {spread}. The "
-        f"profiled process (pid {pid}) spent **{user_us + system_us:.1f} us of CPU per request** "
-        f"it served (1/{len(spent)} of all): {user_us:.1f} us user, {system_us:.1f} us kernel. "
-        f"User time split by the profile's user-space samples ({summary.user} of "
+        f"profiler. Data planes' CPU over the {seconds:.0f} s, in cores: {spread} (* the "
+        f"profiled one, pid {pid}). Together they spent **{user_us + system_us:.1f} us of CPU "
+        f"per request**: {user_us:.1f} us user, {system_us:.1f} us kernel. The user time is "
+        f"split by the profiled process's user-space samples ({summary.user} of "
         f"{summary.total}); raw stacks: `{shown(raw)}`.",
         "",
         "| us/request | share of user time | where (deepest Python frame, native callees in) |",
