@@ -1,23 +1,30 @@
-# One venv for everything; the stamp re-installs when pyproject.toml changes.
+# One venv for everything. Its stamps re-install when pyproject.toml changes: STAMP is the
+# package with the test tools (what the demo, lint and the benchmarks need), TORCH_STAMP adds the
+# torch extra (torch, tokenizers, mooncake: about 900 MB) for the tests and the torch demo.
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
+TORCH_STAMP := $(VENV)/.installed-torch
 
 .PHONY: install browser demo demo-torch test lint bench bench-worker bench-overhead bench-convert bench-rebalance screenshot clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(VENV)/bin/python -m pip install --quiet -e '.[test,torch]'
+	$(VENV)/bin/python -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)
 
-install: $(STAMP)
+$(TORCH_STAMP): $(STAMP)
+	$(VENV)/bin/python -m pip install --quiet -e '.[test,torch]'
+	@touch $(TORCH_STAMP)
+
+install: $(TORCH_STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/pd-router demo
 
 # The torch engine behind the router: outputs checked against a colocated model, one conversion.
-demo-torch: $(STAMP)
+demo-torch: $(TORCH_STAMP)
 	$(VENV)/bin/python bench/demo_torch.py
 
 # Tools some tests drive for real: headless Chromium (the status page), Prometheus' promtool
@@ -37,7 +44,7 @@ browser:
 		else echo "not installed:$$missing: the tests that need them will be skipped"; fi; \
 	fi
 
-test: $(STAMP) browser
+test: $(TORCH_STAMP) browser
 	$(VENV)/bin/python -m pytest -q
 
 lint: $(STAMP)
@@ -58,7 +65,7 @@ bench-convert: $(STAMP)
 
 # KV bytes per second over mooncake's TransferEngine (TCP) vs the plain-TCP transport (~20 s).
 .PHONY: bench-kv-transfer
-bench-kv-transfer: $(STAMP) browser
+bench-kv-transfer: $(TORCH_STAMP) browser
 	$(VENV)/bin/python bench/kv_transfer.py
 
 # The autopilot against static P:D splits on a phase-shifting trace (~13 min; plots with matplotlib).

@@ -11,6 +11,8 @@ one configuration after the other, through:
 
 - pd-router ``least_inflight`` (the default policy: prefix-blind),
 - pd-router ``cache_aware``,
+- pd-router ``cache_aware`` with ``--workers 4`` (a control process and four data planes, each
+  with its own tree),
 - smg 1.13 ``smg launch --pd-disaggregation --policy cache_aware``,
 
 with every worker's cache flushed before each configuration. Closed loop: ``--concurrency``
@@ -114,11 +116,12 @@ class Run:
         self.late_misses += other.late_misses
 
 
-def with_policy(name: str, base: Peer, policy: str) -> Peer:
-    """``base`` started with ``--policy policy`` (the last --policy on a command line wins)."""
+def with_policy(name: str, base: Peer, policy: str, *more: str) -> Peer:
+    """``base`` started with ``--policy policy`` (the last --policy on a command line wins)
+    and ``more`` arguments."""
 
     def argv(bin_dir: Path, topology: Topology, host: str, port: int) -> list[str]:
-        return [*base.build_argv(bin_dir, topology, host, port), "--policy", policy]
+        return [*base.build_argv(bin_dir, topology, host, port), "--policy", policy, *more]
 
     return dataclasses.replace(base, name=name, build_argv=argv)
 
@@ -129,6 +132,9 @@ CONFIGURATIONS: dict[str, Peer] = {
     ),
     "pd-router cache_aware": with_policy(
         "pd-router cache_aware", PEERS["pd-router"], "cache_aware"
+    ),
+    "pd-router cache_aware 4 processes": with_policy(
+        "pd-router cache_aware 4 processes", PEERS["pd-router"], "cache_aware", "--workers", "4"
     ),
     "smg cache_aware": with_policy("smg cache_aware", PEERS["smg"], "cache_aware"),
 }

@@ -22,6 +22,7 @@ replicas are routing to. It reports:
     .venv/bin/python bench/convert_under_load.py                 # 2P2D, 32 clients, 120 flips
     .venv/bin/python bench/convert_under_load.py --native        # workers without extensions
     .venv/bin/python bench/convert_under_load.py --replicas 3 --flips 100   # 3 routers on etcd
+    .venv/bin/python bench/convert_under_load.py --router-workers 4   # 1 control + 4 data planes
 
 Exit status 1 if a request failed, a conversion did not succeed or a goal was missed (with
 ``--replicas``, the two latency goals are reported but not judged: they are a single router's).
@@ -305,13 +306,20 @@ def start_routers(
     cluster: WorkerCluster, args: argparse.Namespace, stack: contextlib.ExitStack
 ) -> list[str]:
     """One router, or etcd and ``args.replicas`` routers on one cluster; their urls."""
+    processes = args.router_workers
     if not args.replicas:
-        return [stack.enter_context(running_router(cluster, drain_timeout_secs=DRAIN_TIMEOUT_SECS))]
+        return [
+            stack.enter_context(
+                running_router(cluster, drain_timeout_secs=DRAIN_TIMEOUT_SECS, processes=processes)
+            )
+        ]
     etcd_url = stack.enter_context(running_etcd(args.etcd_binary))
     extra = cluster_toml(etcd_url, CLUSTER_NAME)
     urls = [
         stack.enter_context(
-            running_router(cluster, drain_timeout_secs=DRAIN_TIMEOUT_SECS, extra=extra)
+            running_router(
+                cluster, drain_timeout_secs=DRAIN_TIMEOUT_SECS, extra=extra, processes=processes
+            )
         )
         for _ in range(args.replicas)
     ]
@@ -330,6 +338,9 @@ def main() -> int:
         "--replicas", type=int, default=0, help="N pd-router replicas on one etcd cluster"
     )
     parser.add_argument("--etcd-binary", default="etcd", help="etcd for --replicas")
+    parser.add_argument(
+        "--router-workers", type=int, default=1, help="data-plane processes of each router"
+    )
     args = parser.parse_args()
     if args.replicas < 0:
         parser.error("--replicas takes N >= 1 (0, the default: one router without etcd)")

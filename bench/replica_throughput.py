@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
@@ -55,7 +56,7 @@ from overhead import (
     start_backend,
     table_row,
 )
-from peers import PEERS, Peer, Topology
+from peers import PEERS, ArgvBuilder, Peer, Topology
 from router_process import wait_replicas
 
 BASELINE_ROUTERS = 1
@@ -94,14 +95,28 @@ def replica_argv(
     return [*argv, "--etcd", etcd_url, "--cluster", cluster]
 
 
-def router_peers(configuration: Configuration, etcd_url: str) -> list[Peer]:
-    """The routers of one configuration, each with its own name (its log file's)."""
+def with_processes(build: ArgvBuilder, processes: int) -> ArgvBuilder:
+    """``build`` with ``--workers processes`` (data planes per router) when more than one."""
+    if processes == 1:
+        return build
+
+    def argv(bin_dir: Path, topology: Topology, host: str, port: int) -> list[str]:
+        return [*build(bin_dir, topology, host, port), "--workers", str(processes)]
+
+    return argv
+
+
+def router_peers(configuration: Configuration, etcd_url: str, processes: int = 1) -> list[Peer]:
+    """The routers of one configuration, each with its own name (its log file's) and
+    ``processes`` data planes."""
     if configuration.routers == 1:
-        return [PEERS["pd-router"]]
-    build = (
+        alone = PEERS["pd-router"]
+        return [dataclasses.replace(alone, build_argv=with_processes(alone.build_argv, processes))]
+    build = with_processes(
         functools.partial(replica_argv, etcd_url, configuration.cluster)
         if configuration.replicas
-        else PEERS["pd-router"].build_argv
+        else PEERS["pd-router"].build_argv,
+        processes,
     )
     return [
         Peer(
@@ -122,12 +137,13 @@ def start_configuration(
     topology: Topology,
     log_dir: Path,
     stack: contextlib.ExitStack,
+    processes: int = 1,
 ) -> list[RouterProcess]:
     """Start one configuration's routers; return once each serves a first /generate and,
     for replicas, every one lists all the others."""
     routers = [
         stack.enter_context(running_router(peer, topology, log_dir))
-        for peer in router_peers(configuration, etcd_url)
+        for peer in router_peers(configuration, etcd_url, processes)
     ]
     for router in routers:
         router.wait_ready()
@@ -138,16 +154,22 @@ def start_configuration(
 
 
 def measure(
-    cfg: BenchConfig, configurations: Sequence[Configuration], etcd_binary: str, log_dir: Path
+    cfg: BenchConfig,
+    configurations: Sequence[Configuration],
+    etcd_binary: str,
+    log_dir: Path,
+    processes: int = 1,
 ) -> dict[tuple[str, str], Figures]:
-    """Start the backend, etcd and every configuration; run the interleaved rounds."""
+    """Start the backend, etcd and every configuration (each router with ``processes`` data
+    planes); run the interleaved rounds."""
     figures = {(c.name, mode): Figures() for c in configurations for mode in cfg.modes}
     with contextlib.ExitStack() as stack:
         cluster = stack.enter_context(start_backend(cfg))
         topology, pids = backend_topology(cluster)
         etcd_url = stack.enter_context(running_etcd(etcd_binary))
         groups = [
-            (c, start_configuration(c, etcd_url, topology, log_dir, stack)) for c in configurations
+            (c, start_configuration(c, etcd_url, topology, log_dir, stack, processes))
+            for c in configurations
         ]
         for round_no in range(cfg.rounds):
             shift = round_no % len(groups)
@@ -220,7 +242,9 @@ def parse_configurations(text: str) -> tuple[Configuration, ...]:
     return tuple(dict.fromkeys(configurations))
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, tuple[Configuration, ...], str]:
+def parse_args(
+    argv: Sequence[str] | None,
+) -> tuple[BenchConfig, tuple[Configuration, ...], str, int]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
@@ -233,6 +257,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, tuple[Configura
     add_load_options(parser)
     parser.add_argument("--backend", choices=tuple(BACKENDS), default="pd_worker")
     parser.add_argument("--etcd-binary", default="etcd", help="etcd for the replicas")
+    parser.add_argument(
+        "--router-workers", type=int, default=1, help="data-plane processes of each router"
+    )
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="default: %(default)s")
     args = parser.parse_args(argv)
     try:
@@ -260,16 +287,16 @@ def parse_args(argv: Sequence[str] | None) -> tuple[BenchConfig, tuple[Configura
         backend=args.backend,
         results_dir=args.results_dir,
     )
-    return cfg, configurations, args.etcd_binary
+    return cfg, configurations, args.etcd_binary, args.router_workers
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    cfg, configurations, etcd_binary = parse_args(argv)
+    cfg, configurations, etcd_binary, processes = parse_args(argv)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     log_dir = cfg.results_dir / f"replicas-{stamp}"
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
-        figures = measure(cfg, configurations, etcd_binary, log_dir)
+        figures = measure(cfg, configurations, etcd_binary, log_dir, processes)
     except (RouterStartError, EtcdStartError) as exc:
         print(f"start failed: {exc}", file=sys.stderr)
         return 1

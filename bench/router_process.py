@@ -32,9 +32,10 @@ def router_toml(
     *,
     drain_timeout_secs: float,
     extra: str = "",
+    processes: int = 1,
 ) -> str:
     """The router's config: conversions allowed down to one worker per pool, one at a time,
-    health probes every second, plus ``extra`` (more TOML)."""
+    health probes every second, ``processes`` data planes, plus ``extra`` (more TOML)."""
     lines = [
         'host = "127.0.0.1"',
         f"port = {port}",
@@ -46,6 +47,8 @@ def router_toml(
         f"drain_timeout_secs = {drain_timeout_secs}",
         "[health]",
         "interval_secs = 1.0",
+        "[server]",
+        f"workers = {processes}",
     ]
     for url, bootstrap_port in prefill.items():
         lines += ["[[prefill]]", f'url = "{url}"', f"bootstrap_port = {bootstrap_port}"]
@@ -67,13 +70,20 @@ def running_router(
     drain_timeout_secs: float,
     extra: str = "",
     log_path: Path | None = None,
+    processes: int = 1,
 ) -> Iterator[str]:
-    """The router over ``cluster`` (its output to ``log_path``, else inherited); yields its url
-    once every worker is healthy, stops it with SIGINT on exit."""
+    """The router over ``cluster`` with ``processes`` data planes (its output to ``log_path``,
+    else inherited); yields its url once every worker is healthy, stops it with SIGINT on
+    exit."""
     port = free_port()
     prefill = {url: cluster.bootstrap_port(url) for url in cluster.prefill_urls}
     config = router_toml(
-        port, prefill, cluster.decode_urls, drain_timeout_secs=drain_timeout_secs, extra=extra
+        port,
+        prefill,
+        cluster.decode_urls,
+        drain_timeout_secs=drain_timeout_secs,
+        extra=extra,
+        processes=processes,
     )
     with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
         f.write(config)

@@ -142,17 +142,21 @@ def _role_field(body: dict[str, Any], name: str) -> str | None:
     return value.lower()
 
 
-def _number_field(body: dict[str, Any], name: str) -> float | None:
+def _number_field(body: dict[str, Any], name: str, *, signed: bool = False) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or (value < 0 and not signed):
         raise ExtensionError(f"{name} must be a non-negative number", field=name)
     return float(value)
 
 
-def _switch_body(body: dict[str, Any], new_role: str | None) -> dict[str, Any]:
-    """The native /pd_role_switch body, with its optional fields type-checked."""
+def _switch_body(
+    body: dict[str, Any], new_role: str | None, *, native: bool = False
+) -> dict[str, Any]:
+    """The native /pd_role_switch body, with its optional fields type-checked. On the native
+    route a negative ``decode_cuda_graph_memory_gb`` is the server's to refuse, as SGLang does
+    (in its own words, and only when the switch would capture decode graphs)."""
     switch: dict[str, Any] = {"new_role": new_role or ""}
     graph_bs = body.get("decode_cuda_graph_bs")
     if graph_bs is not None:
@@ -164,7 +168,7 @@ def _switch_body(body: dict[str, Any], new_role: str | None) -> dict[str, Any]:
                 field="decode_cuda_graph_bs",
             )
         switch["decode_cuda_graph_bs"] = graph_bs
-    memory_gb = _number_field(body, "decode_cuda_graph_memory_gb")
+    memory_gb = _number_field(body, "decode_cuda_graph_memory_gb", signed=native)
     if memory_gb is not None:
         switch["decode_cuda_graph_memory_gb"] = memory_gb
     return switch
@@ -180,7 +184,7 @@ def parse_switch_body(body: object) -> dict[str, Any]:
         raise ExtensionError("new_role is required", field="new_role")
     if new_role not in ROLES:
         raise ExtensionError("new_role must be 'prefill' or 'decode'", field="new_role")
-    return _switch_body(body, new_role)
+    return _switch_body(body, new_role, native=True)
 
 
 def _parse_convert_body(body: object, bootstrap_port: int | None) -> _ConvertRequest:

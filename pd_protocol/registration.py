@@ -13,8 +13,14 @@ the live role and bootstrap port come from ``current()``, the fields a router ma
 conversion) are kept, and the epoch is kept, or bumped when the live role differs from the
 stored one.
 
-While etcd is unreachable the refresh loop retries with a bounded backoff and logs one warning;
-the worker keeps serving throughout.
+While etcd is unreachable or stalls, the refresh loop retries well within the TTL (a short
+outage costs nothing) and logs one warning; the worker keeps serving throughout. Once the lease
+may have expired (one TTL after the last refresh that etcd took), the next call to reach etcd
+grants a new lease and moves the record onto it, so the record is usually back before etcd has
+even deleted it; :meth:`SelfRegistration.stats` says how long the worker went unregistered. A
+graceful stop marks the record ``removing`` before it revokes the lease, so routers take the
+worker out of their pools at once rather than waiting out the grace period they give a record
+that goes without a word.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -52,6 +59,7 @@ from pd_protocol.etcd_client import (
 logger = logging.getLogger(__name__)
 
 RETRY_INITIAL_S = 0.1
+RETRY_MAX_S = 0.5
 PUT_ATTEMPTS = 5
 WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
@@ -80,7 +88,23 @@ def registered_record(
     """
     if stored is None:
         return WorkerRecord(url=url, role=role, bootstrap_port=bootstrap_port, source="self")
+    if stored.state == "removing":
+        # A removal that ended with the worker still serving (or a stop that could not revoke
+        # its lease): the worker registers afresh, keeping only the epoch.
+        stored = stored.evolve(state="active", conversion=None, owner=None, to_role=None)
     return stored.in_role(role, bootstrap_port).evolve(source="self")
+
+
+@dataclass(frozen=True)
+class RegistrationStats:
+    """How a registration fared: whether its lease is alive as far as the worker knows (renewed
+    within its TTL), how often it lapsed, and for how long in all the worker went without a
+    registration (from the moment its lease could have expired to the record being put again;
+    the current gap included)."""
+
+    registered: bool
+    lapses: int
+    unregistered_secs: float
 
 
 @dataclass(frozen=True)
@@ -190,9 +214,17 @@ class SelfRegistration:
         self._current = current
         self._ttl = ttl
         self._lease: int | None = None
+        # When the call that last granted or refreshed the lease was sent: etcd counts the TTL
+        # from a moment after it, so the lease lives at least until one TTL after this.
+        self._renewed_at = 0.0
         # Whether the record was put under the current lease (a grant may succeed and the put
         # fail: the next attempt puts it under the same lease).
         self._registered = False
+        # The record last put: what is put again when etcd lost it (its epoch goes on).
+        self._last: WorkerRecord | None = None
+        self._unregistered_since: float | None = None
+        self._unregistered_secs = 0.0
+        self._lapses = 0
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -208,6 +240,29 @@ class SelfRegistration:
     def refresh_interval(self) -> float:
         return self._ttl / 3
 
+    def stats(self) -> RegistrationStats:
+        now = time.monotonic()
+        gap = 0.0 if self._unregistered_since is None else now - self._unregistered_since
+        return RegistrationStats(
+            registered=self._registered and not self._lapsed(now),
+            lapses=self._lapses,
+            unregistered_secs=self._unregistered_secs + gap,
+        )
+
+    def _lapsed(self, now: float) -> bool:
+        """Whether the lease may have expired: no refresh etcd took for one TTL."""
+        return self._lease is not None and now >= self._renewed_at + self._ttl
+
+    def _lapse(self, gone: bool) -> None:
+        """The lease expired (``gone``: etcd said so) or may have: register again, counting
+        the time without a registration from the moment it could have expired."""
+        if self._registered:
+            self._lapses += 1
+            self._unregistered_since = min(time.monotonic(), self._renewed_at + self._ttl)
+        self._registered = False
+        if gone:
+            self._lease = None
+
     async def start(self) -> None:
         """Register now and keep the registration alive in a background task.
 
@@ -221,6 +276,7 @@ class SelfRegistration:
             await self._register()
         except EtcdError as exc:
             registered = False
+            self._unregistered_since = time.monotonic()
             logger.warning(
                 "%s could not register in etcd yet (%s): it serves and registers once etcd answers",
                 self._url,
@@ -237,10 +293,13 @@ class SelfRegistration:
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        registered = self._registered
         lease, self._lease, self._registered = self._lease, None, False
         if lease is None:
             return
         try:
+            if registered:
+                await self._announce_leaving(lease)
             await self._call(lambda client: client.revoke_lease(lease))
         except LeaseNotFound:
             pass
@@ -256,11 +315,14 @@ class SelfRegistration:
             logger.info("%s unregistered from etcd", self._url)
 
     async def _keep_alive(self, failing: bool) -> None:
-        """Refresh the lease every ttl/3; register again when it is lost; ride out outages
-        (``failing``: the outage began before this loop, and was logged already)."""
+        """Refresh the lease every ttl/3; register again when it is lost or may have expired;
+        ride out outages, retrying well within the TTL (``failing``: the outage began before
+        this loop, and was logged already)."""
         delay = RETRY_INITIAL_S
         unreachable = failing
         while True:
+            if self._registered and self._lapsed(time.monotonic()):
+                self._lapse(gone=False)
             try:
                 if self._registered and self._lease is not None:
                     await self._refresh(self._lease)
@@ -268,7 +330,7 @@ class SelfRegistration:
                     await self._register()
             except LeaseNotFound:
                 logger.info("lease of %s is gone: registering again", self._url)
-                self._lease, self._registered = None, False
+                self._lapse(gone=True)
                 await asyncio.sleep(RETRY_INITIAL_S)
                 continue
             except EtcdError as exc:
@@ -281,7 +343,7 @@ class SelfRegistration:
                     )
                     unreachable = True
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, self.refresh_interval)
+                delay = min(delay * 2, RETRY_MAX_S, self.refresh_interval)
                 continue
             if unreachable:
                 logger.info("etcd answers again: %s is registered", self._url)
@@ -290,21 +352,29 @@ class SelfRegistration:
             await asyncio.sleep(self.refresh_interval)
 
     async def _refresh(self, lease: int) -> None:
+        sent = time.monotonic()
         await self._call(lambda client: client.keepalive(lease))
+        self._renewed_at = sent
 
     async def _register(self) -> None:
-        """Put the record under this worker's lease (granted first when there is none), as a
-        compare-and-swap against what is stored, so a router's concurrent change is not lost."""
-        if self._lease is None:
+        """Put the record under this worker's lease (a new one when there is none or the last
+        may have expired), as a compare-and-swap against what is stored, so a router's
+        concurrent change is not lost. A record still held by the old lease moves onto the new
+        one, and the old lease's expiry then deletes nothing."""
+        if self._lease is None or self._lapsed(time.monotonic()):
+            sent = time.monotonic()
             lease = await self._call(lambda client: client.grant_lease(self._ttl))
-            self._lease = lease.id
+            self._lease, self._renewed_at = lease.id, sent
         lease_id = self._lease
         for _ in range(PUT_ATTEMPTS):
             stored = await self._call(lambda client: client.get(self.key))
             role, bootstrap_port = self._current()
-            record = registered_record(self._url, role, bootstrap_port, _decoded(stored))
+            record = registered_record(
+                self._url, role, bootstrap_port, _decoded(stored) or self._last
+            )
             if await self._put(record, stored, lease_id):
-                self._registered = True
+                self._registered, self._last = True, record
+                self._registered_again()
                 logger.info(
                     "%s registered in etcd as %s (bootstrap port %s, lease %x)",
                     self._url,
@@ -314,6 +384,33 @@ class SelfRegistration:
                 )
                 return
         raise RegistrationConflict(f"{self.key} changed under {PUT_ATTEMPTS} attempts to put it")
+
+    def _registered_again(self) -> None:
+        if self._unregistered_since is None:
+            return
+        gap = time.monotonic() - self._unregistered_since
+        self._unregistered_since = None
+        self._unregistered_secs += gap
+        logger.info("%s registered again after %.1fs unregistered", self._url, gap)
+
+    async def _announce_leaving(self, lease: int) -> None:
+        """Mark the record ``removing`` (if it is still this worker's), so routers stop
+        sending to the worker now instead of taking the record's going for a lapse."""
+        stored = await self._call(lambda client: client.get(self.key))
+        record = _decoded(stored)
+        if stored is None or record is None or stored.lease != lease:
+            return
+        leaving = record.evolve(state="removing").encode()
+        revision = stored.mod_revision
+        try:
+            await self._call(
+                lambda client: client.txn(
+                    [if_unchanged(self.key, revision)], [put_op(self.key, leaving, lease=lease)]
+                )
+            )
+        except EtcdRequestError as exc:
+            # The lease went meanwhile (the record with it): nothing left to mark.
+            logger.info("%s not marked as leaving: %s", self._url, exc)
 
     async def _put(self, record: WorkerRecord, stored: KeyValue | None, lease: int) -> bool:
         """Whether the compare-and-swap put held; LeaseNotFound when the lease is gone."""

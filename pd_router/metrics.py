@@ -115,6 +115,12 @@ class RouterMetrics:
             PREFIX + "cluster_etcd_errors_total", "etcd calls that failed, by operation.",
             ["operation"], registry=r,
         )  # fmt: skip
+        self.cluster_unregistered_workers = Gauge(
+            PREFIX + "cluster_unregistered_workers",
+            "Workers this replica routes to while the cluster holds no record of them (their "
+            "lease expired: a grace period, or the last healthy worker of a pool).",
+            registry=r,
+        )
 
     def forget_worker(self, worker: str, role: str, states: Iterable[str]) -> None:
         """Drop a removed worker's labelled series (``worker_state`` for each of ``states``) so

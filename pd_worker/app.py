@@ -32,7 +32,7 @@ from pd_worker import metrics, openai_api
 from pd_worker import server_info as info
 from pd_worker.config import WorkerConfig
 from pd_worker.control import EngineBackend, tokenizer_switch
-from pd_worker.engine import Engine
+from pd_worker.engine import SWITCH_REPLY_ROUTING, Engine
 from pd_worker.errors import (
     BadRequest,
     ContractError,
@@ -503,6 +503,7 @@ async def pd_role_switch(request: web.Request) -> web.Response:
             return _native_switch_reply(await tokenizer_switch(state.engine, body))
         return _native_switch_reply(
             {
+                **SWITCH_REPLY_ROUTING,
                 "success": False,
                 "message": exc.body["message"],
                 "old_role": state.engine.role_name,

@@ -95,7 +95,6 @@ class BootstrapServer:
     def __init__(
         self,
         host: str,
-        port: int,
         rooms: RoomRegistry,
         source: str,
         *,
@@ -105,7 +104,6 @@ class BootstrapServer:
         after_send: Callable[[Room], None] = lambda room: None,
     ) -> None:
         self._host = host
-        self._port = port
         self._rooms = rooms
         self._source = source
         self._room_wait_secs = room_wait_secs
@@ -120,9 +118,17 @@ class BootstrapServer:
         """Open decode connections (a decode keeps its pooled ones open between pulls)."""
         return len(self._connections)
 
-    async def start(self) -> None:
-        """Bind the listener (raises OSError when the port is taken)."""
-        self._server = await asyncio.start_server(self._serve, self._host, self._port)
+    @property
+    def port(self) -> int:
+        """The port the listener is bound to (known once started)."""
+        if self._server is None:
+            raise RuntimeError("bootstrap server not started")
+        return self._server.sockets[0].getsockname()[1]
+
+    async def start(self, port: int) -> None:
+        """Bind the listener to ``port`` (0: a free port the system picks); raises OSError
+        when the port is taken."""
+        self._server = await asyncio.start_server(self._serve, self._host, port)
 
     async def stop(self) -> None:
         """Close the listener and every open connection."""

@@ -1,11 +1,11 @@
 """``pd-worker`` command line: ``serve`` one worker, or start a whole ``cluster`` of processes.
 
-    pd-worker serve --role prefill --port 30000 --bootstrap-port 8998 [--enable-pd-role-switch]
+    pd-worker serve --role prefill --port 30001 [--bootstrap-port 8998] [--enable-pd-role-switch]
                     [--engine timing|torch [--kv-transfer mooncake|tcp] [--model-config PATH]]
                     [--profile h100-8b] [--speed 0.1] [--prefill-secs-per-token ...] [other knobs]
                     [--etcd URL [--etcd URL ...] --cluster NAME [--cluster-prefix P]
                      [--advertise-url URL] [--etcd-lease-ttl SECS]]
-    pd-worker cluster --prefill 2 --decode 2 [--base-port 30000] [--speed 1.0] [--profile NAME]
+    pd-worker cluster --prefill 2 --decode 2 [--base-port N] [--speed 1.0] [--profile NAME]
                       [--engine timing|torch] [--kv-transfer mooncake|tcp]
 
 Bad arguments print one line and exit with status 2.
@@ -19,13 +19,14 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from dataclasses import fields
 from typing import NoReturn
 
 from pd_protocol.cluster import DEFAULT_LEASE_TTL_SECS, DEFAULT_PREFIX
 from pd_protocol.registration import FlagNames, RegistrationSettings
 from pd_protocol.wire import ROLES
-from pd_worker.config import WorkerConfig
+from pd_worker.config import DEFAULT_BOOTSTRAP_PORT, DEFAULT_PORT, WorkerConfig
 from pd_worker.data_plane import ENGINES, PlaneUnavailable
 from pd_worker.kv_transfer import TRANSPORTS
 from pd_worker.timing import PROFILES, TimingModel, profile
@@ -113,14 +114,16 @@ def _build_parser() -> argparse.ArgumentParser:
         "--role", "--disaggregation-mode", dest="role", choices=ROLES, default="prefill"
     )
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=30000)
     serve.add_argument(
-        "--bootstrap-port",
-        "--disaggregation-bootstrap-port",
-        dest="bootstrap_port",
-        type=int,
-        default=8998,
-    )
+        "--port", type=int, default=DEFAULT_PORT,
+        help=f"HTTP port (default {DEFAULT_PORT}; pd-router defaults to 30000)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--bootstrap-port", "--disaggregation-bootstrap-port", dest="bootstrap_port", type=int,
+        default=None,
+        help=f"KV bootstrap port (default: {DEFAULT_BOOTSTRAP_PORT} for a prefill, or a free "
+        "port when another process holds it; a free port for a decode)",
+    )  # fmt: skip
     serve.add_argument("--enable-pd-role-switch", action="store_true")
     serve.add_argument("--enable-faults", action="store_true", help="serve POST /fault (tests)")
     serve.add_argument("--admin-api-key", default=None)
@@ -217,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     registration = _registration(parser, args)
+    # torch's CPU build warns on import when NumPy is absent; the torch engine never uses NumPy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -262,9 +267,12 @@ async def serve(
         site = web.TCPSite(runner, config.host, config.port, ssl_context=config.ssl_context())
         await site.start()
         logging.getLogger("pd_worker").info(
-            "%s worker on %s, bootstrap port %d", config.role, config.url, config.bootstrap_port
+            "%s worker on %s, bootstrap port %d",
+            config.role,
+            config.url,
+            app[WORKER].engine.bootstrap_port,
         )
-        async with registered(app[WORKER].engine, registration):
+        async with registered(app[WORKER].engine, registration, app[WORKER].registry):
             await stop.wait()
     finally:
         await runner.cleanup()

@@ -9,6 +9,10 @@ from pd_protocol.wire import ROLES
 from pd_worker.data_plane import ENGINES
 from pd_worker.timing import TimingModel
 
+# Not SGLang's 30000: that is pd-router's default port too, and the router goes in front.
+DEFAULT_PORT = 30001
+# SGLang's default bootstrap port, taken by a prefill launched without one (when free).
+DEFAULT_BOOTSTRAP_PORT = 8998
 DEFAULT_DECODE_CUDA_GRAPH_BS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 256)
 
 
@@ -18,8 +22,9 @@ class WorkerConfig:
 
     role: str = "prefill"
     host: str = "127.0.0.1"
-    port: int = 30000
-    bootstrap_port: int = 8998
+    port: int = DEFAULT_PORT
+    # None: chosen when the worker starts (Engine._bind_bootstrap).
+    bootstrap_port: int | None = None
     enable_pd_role_switch: bool = False
     model_path: str = "pd-worker/toy-model"
     served_model_name: str | None = None
@@ -45,7 +50,7 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         for name in ("port", "bootstrap_port"):
             value = getattr(self, name)
-            if not 0 < value < 65536:
+            if value is not None and not 0 < value < 65536:
                 raise ValueError(f"{name} must be in 1..65535, got {value}")
         if self.port == self.bootstrap_port:
             raise ValueError("port and bootstrap_port must differ")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pd_protocol.extension import Load
-from pd_worker.engine import Engine
+from pd_worker.engine import SWITCH_REPLY_ROUTING, Engine
 
 
 async def tokenizer_switch(engine: Engine, request: dict[str, Any]) -> dict[str, Any]:
@@ -21,6 +21,7 @@ async def tokenizer_switch(engine: Engine, request: dict[str, Any]) -> dict[str,
     reported as ``"ok"`` (the scheduler's "already in target role" too)."""
     if not engine.config.enable_pd_role_switch:
         return {
+            **SWITCH_REPLY_ROUTING,
             "success": False,
             "message": "--enable-pd-role-switch is not set on this server",
             "old_role": engine.config.role,
@@ -55,7 +56,7 @@ class EngineBackend:
         return await tokenizer_switch(self._engine, request)
 
     def bootstrap_port(self) -> int | None:
-        return self._engine.config.bootstrap_port
+        return self._engine.bootstrap_port
 
     def switch_supported(self) -> bool:
         return self._engine.config.enable_pd_role_switch

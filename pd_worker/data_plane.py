@@ -57,6 +57,10 @@ class DataPlane(Protocol):
         """Runs as the bootstrap server hands a room's payload to a decode."""
         ...
 
+    async def after_teardown(self) -> None:
+        """Runs between a switch's teardown of the old role and the build of the new one."""
+        ...
+
     def tokenize(self, text: str) -> list[int]:
         """A text prompt's token ids for this plane's model."""
         ...
@@ -85,6 +89,10 @@ class TimingPlane:
     async def before_send(self, room: Room) -> None:
         """The modeled time the KV of the room's tokens takes over the wire."""
         await self._timing.wait(self._timing.transfer_secs(room.num_tokens))
+
+    async def after_teardown(self) -> None:
+        """The modeled time the rest of a real switch takes (``switch_secs``)."""
+        await self._timing.wait(self._timing.switch_secs)
 
     def tokenize(self, text: str) -> list[int]:
         """The toy tokenizer: one token per UTF-8 byte."""

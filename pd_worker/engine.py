@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,7 +21,7 @@ from typing import Any
 
 from pd_protocol.wire import ROLES
 from pd_worker.bootstrap import BootstrapServer, Room, RoomRegistry
-from pd_worker.config import DEFAULT_DECODE_CUDA_GRAPH_BS, WorkerConfig
+from pd_worker.config import DEFAULT_BOOTSTRAP_PORT, DEFAULT_DECODE_CUDA_GRAPH_BS, WorkerConfig
 from pd_worker.data_plane import DataPlane, PlaneUnavailable, Role, TimingPlane
 from pd_worker.errors import BadRequest, WorkerError
 from pd_worker.faults import Faults
@@ -32,6 +34,11 @@ PREFILL_STAGES = ("waiting", "running", "inflight")
 DECODE_STAGES = ("prealloc", "transfer", "waiting", "running")
 ABORT_MESSAGE = "Abort request by AbortReq."
 KV_PUBLISH_EXIT_CODE = 3
+
+log = logging.getLogger("pd_worker")
+# The keys SGLang's /pd_role_switch reply carries first (its request base type's rid and
+# http_worker_ipc, both null on a switch).
+SWITCH_REPLY_ROUTING: dict[str, None] = {"rid": None, "http_worker_ipc": None}
 
 
 class SwitchTeardownFailed(Exception):
@@ -83,7 +90,6 @@ class Engine:
         self.running_slots = asyncio.Semaphore(self.timing.max_running_requests)
         self.bootstrap = BootstrapServer(
             config.host,
-            config.bootstrap_port,
             self.rooms,
             config.url,
             room_wait_secs=self.timing.bootstrap_timeout_secs,
@@ -114,7 +120,7 @@ class Engine:
     async def start(self) -> None:
         """Bind the bootstrap port and start the role; the worker serves from then on."""
         began = time.perf_counter()
-        await self.bootstrap.start()
+        await self._bind_bootstrap()
         self.role.start()
         self.startup_time = {
             "load_weight": time.process_time(),
@@ -123,6 +129,35 @@ class Engine:
             "cuda_graph": dict.fromkeys(GRAPH_PHASES, 0.0),
         }
         self.serving = True
+
+    async def _bind_bootstrap(self) -> None:
+        """Bind the bootstrap port given at launch; without one, a prefill takes SGLang's
+        default (8998) unless another process holds it and a decode takes a free port (it
+        serves no KV before it becomes a prefill), so workers started on one host do not
+        collide. The port taken is reported in /server_info and /pd_role, where routers read
+        it."""
+        if self.config.bootstrap_port is not None:
+            await self.bootstrap.start(self.config.bootstrap_port)
+            return
+        if self.role_name == "prefill":
+            try:
+                await self.bootstrap.start(DEFAULT_BOOTSTRAP_PORT)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+            await self.bootstrap.start(0)
+            log.warning(
+                "bootstrap port %d is in use; this prefill serves KV on port %d instead",
+                DEFAULT_BOOTSTRAP_PORT, self.bootstrap.port,
+            )  # fmt: skip
+            return
+        await self.bootstrap.start(0)
+
+    @property
+    def bootstrap_port(self) -> int:
+        """The port the bootstrap server listens on."""
+        return self.bootstrap.port
 
     async def stop(self) -> None:
         self.serving = False
@@ -331,6 +366,7 @@ class Engine:
 
         def reply(success: bool, message: str, safe_to_restore: bool = False) -> dict[str, Any]:
             return {
+                **SWITCH_REPLY_ROUTING,
                 "success": success,
                 "message": message,
                 "old_role": old_role,
@@ -393,7 +429,7 @@ class Engine:
             await self.role.teardown()
             if self.faults.take_switch_failure():
                 raise SwitchTeardownFailed("injected fault: teardown of the old role failed")
-            await self.timing.wait(self.timing.switch_secs)
+            await self.plane.after_teardown()
             self.role_name = new_role
             self.prefix_cache.clear()
             self.role = self.plane.make_role(self, new_role)

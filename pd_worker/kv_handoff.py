@@ -21,8 +21,10 @@ class BadHandoff(ValueError):
 
 @dataclass(frozen=True)
 class KVHandoff:
-    """A torch prefill's room payload."""
+    """A torch prefill's room payload; ``transport`` is the kind of KV transport ``endpoint``
+    belongs to (``--kv-transfer``), which the decode's must match."""
 
+    transport: str
     endpoint: str
     pool_ptr: int
     ranges: list[ByteRun]
@@ -32,6 +34,7 @@ class KVHandoff:
     def encode(self) -> bytes:
         return orjson.dumps(
             {
+                "transport": self.transport,
                 "endpoint": self.endpoint,
                 "pool_ptr": self.pool_ptr,
                 "ranges": self.ranges,
@@ -45,6 +48,7 @@ class KVHandoff:
         try:
             body = orjson.loads(payload)
             return cls(
+                str(body["transport"]),
                 str(body["endpoint"]),
                 int(body["pool_ptr"]),
                 [(int(offset), int(length)) for offset, length in body["ranges"]],

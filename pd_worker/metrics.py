@@ -1,13 +1,16 @@
-"""``GET /metrics``: SGLang's ``sglang:`` gauges and counters, read from the engine when scraped."""
+"""``GET /metrics``: SGLang's ``sglang:`` gauges and counters, read from the engine when scraped,
+and with ``--etcd`` how the worker's self-registration fares (``pd_worker_registered``,
+``pd_worker_registration_lapses_total``, ``pd_worker_unregistered_seconds_total``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pd_protocol.registration import RegistrationStats
 from pd_worker.engine import Engine
 
 LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank")
@@ -59,6 +62,32 @@ class EngineCollector(Collector):
             family = CounterMetricFamily(f"sglang:{name}", f"SGLang {name}", labels=LABELS)
             family.add_metric(self._labels(), float(value))
             yield family
+
+
+class RegistrationCollector(Collector):
+    """The worker's etcd self-registration, read from it when scraped."""
+
+    def __init__(self, stats: Callable[[], RegistrationStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        yield GaugeMetricFamily(
+            "pd_worker_registered",
+            "1 while the worker's etcd registration holds (its lease renewed within its TTL).",
+            value=1.0 if stats.registered else 0.0,
+        )
+        yield CounterMetricFamily(
+            "pd_worker_registration_lapses",
+            "Times the worker's etcd lease expired, or may have, before it was renewed.",
+            value=float(stats.lapses),
+        )
+        yield CounterMetricFamily(
+            "pd_worker_unregistered_seconds",
+            "Seconds the worker served without an etcd registration (from the moment its lease "
+            "could have expired, or its start, to its record being put again).",
+            value=stats.unregistered_secs,
+        )
 
 
 def build_registry(engine: Engine) -> CollectorRegistry:

@@ -38,14 +38,30 @@ def parse_generate(
 ) -> tuple[list[GenItem], bool, bool]:
     """Items of a ``/generate`` body (an object, as its validation ensured), whether it is a
     batch, and whether it streams; ``tokenizer`` turns a text prompt into the engine's ids."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise ContractError(f"invalid type: {serde_unexpected(stream)}, expected a boolean")
     prompts, batch = _prompts(body, tokenizer)
     n = _sampling_n(prompts)
     batch = batch or n > 1
     rids = item_rids(body.get("rid"), len(prompts), n, batch)
     items = build_items(body, prompts, n, rids)
-    if not isinstance(body.get("stream", False), bool | None):
-        raise ContractError("stream: invalid type, expected a boolean")
     return items, batch, wants_stream(body)
+
+
+def serde_unexpected(value: Any) -> str:
+    """How SGLang's contract gate (serde's ``Unexpected``) names a JSON value of the wrong type."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"boolean `{'true' if value else 'false'}`"
+    if isinstance(value, int):
+        return f"integer `{value}`"
+    if isinstance(value, float):
+        return f"floating point `{value}`"
+    if isinstance(value, str):
+        return f'string "{value}"'
+    return "sequence" if isinstance(value, list) else "map"
 
 
 def wants_stream(body: Any) -> bool:
@@ -196,7 +212,7 @@ def _max_new_tokens(sampling: dict[str, Any]) -> int:
 def _prompts(body: dict[str, Any], tokenizer: Tokenize) -> tuple[list[Prompt], bool]:
     text, input_ids = body.get("text"), body.get("input_ids")
     if (text is None) == (input_ids is None):
-        raise BadRequest("Either text or input_ids should be provided.")
+        raise BadRequest("Either text, input_ids or input_embeds should be provided.")
     if text is not None:
         batch = isinstance(text, list)
         texts = text if batch else [text]
@@ -204,6 +220,8 @@ def _prompts(body: dict[str, Any], tokenizer: Tokenize) -> tuple[list[Prompt], b
             raise ContractError("text must be a string or a non-empty list of strings")
         ids_list = [tokenizer(t) for t in texts]
     else:
+        if input_ids == []:
+            raise BadRequest("input_ids cannot be empty.")
         batch = isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list)
         ids_list = input_ids if batch else [input_ids]
         if not all(_is_id_list(ids) for ids in ids_list):

@@ -58,6 +58,7 @@ def server_info(config: WorkerConfig, engine: Engine) -> dict[str, Any]:
     scheduler_startup = engine.startup_time
     return {
         **args,
+        "disaggregation_bootstrap_port": engine.bootstrap_port,
         "launch_command": None,
         "status": "ready",
         "max_total_num_tokens": engine.kv_pool.capacity,

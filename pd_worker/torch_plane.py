@@ -57,6 +57,9 @@ class TorchPlane:
     async def before_send(self, room: Room) -> None:
         """Nothing to model: the decode reads the bytes itself after the payload names them."""
 
+    async def after_teardown(self) -> None:
+        """Nothing to model: the switch's work is real (the roles' teardown and build)."""
+
     def state(self) -> dict[str, Any]:
         return {
             "weights_data_ptr": self.model.weight_ptrs(),

@@ -109,7 +109,12 @@ class TorchPrefillRole:
             raise RequestAborted("the prefill has no KV transport (role torn down)")
         pool = self._plane.pool
         return KVHandoff(
-            self._transport.endpoint, pool.data_ptr, pool.byte_ranges(slots), first, len(slots)
+            self._transport.kind,
+            self._transport.endpoint,
+            pool.data_ptr,
+            pool.byte_ranges(slots),
+            first,
+            len(slots),
         )
 
     async def _wait_released(self, item: GenItem, released: asyncio.Future[None]) -> None:
@@ -261,7 +266,7 @@ class TorchDecodeRole:
             handoff = KVHandoff.decode(pulled.payload)
             if handoff.num_tokens != len(slots):
                 raise BadHandoff(f"{handoff.num_tokens} KV tokens for a {len(slots)}-token prompt")
-            await self._read_kv(handoff, slots)
+            await self._read_kv(handoff, slots, pulled.source)
         except (KVTransferError, KVTransferFailed, BadHandoff) as exc:
             self._engine.stats.num_bootstrap_failed_reqs += 1
             if pulled is not None:
@@ -280,9 +285,14 @@ class TorchDecodeRole:
         with contextlib.suppress(KVTransferError):
             await self._puller.release(host, port, room_id, timeout_secs)
 
-    async def _read_kv(self, handoff: KVHandoff, slots: list[int]) -> None:
+    async def _read_kv(self, handoff: KVHandoff, slots: list[int], source: str) -> None:
         if self._transport is None:
             raise KVTransferFailed("the decode has no KV transport (role torn down)")
+        if handoff.transport != self._transport.kind:
+            raise KVTransferFailed(
+                f"the prefill {source} moves KV over {handoff.transport} but this decode over "
+                f"{self._transport.kind}: start every worker with the same --kv-transfer"
+            )
         pool = self._plane.pool
         transfers = pair_runs(handoff.ranges, pool.byte_ranges(slots))
         await self._transport.pull(handoff.endpoint, handoff.pool_ptr, pool.data_ptr, transfers)

@@ -3,15 +3,18 @@
 ``etcd_server`` (function scope) yields a started :class:`EtcdServer` on free ports with a
 temporary data dir; tests that use it skip with the reason when no ``etcd`` binary is installed.
 The server can be stopped and started again on the same ports and data, so a test can take etcd
-away from a client and give it back with its revisions intact. Short heartbeat and election
+away from a client and give it back with its revisions intact, or frozen for a while
+(``stalled``). Short heartbeat and election
 timeouts make the single member elect itself in a few hundred milliseconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -78,7 +81,7 @@ class EtcdServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise EtcdDidNotStart(f"etcd exited {self.process.returncode}: {self._log_tail()}")
-            if self._healthy():
+            if self.healthy():
                 return self
             time.sleep(0.02)
         self.stop()
@@ -96,7 +99,8 @@ class EtcdServer:
             self.process.wait()
         self.process = None
 
-    def _healthy(self) -> bool:
+    def healthy(self) -> bool:
+        """Whether etcd answers its /health now (within a second) and reports healthy."""
         conn = http.client.HTTPConnection(LOOPBACK, self.client_port, timeout=1.0)
         try:
             conn.request("GET", "/health")
@@ -106,6 +110,18 @@ class EtcdServer:
             return False
         finally:
             conn.close()
+
+    @contextlib.contextmanager
+    def stalled(self) -> Iterator[None]:
+        """etcd frozen (SIGSTOP) inside the block, as a slow disk or a stuck leader leave it:
+        connections are accepted and nothing is answered; it resumes (SIGCONT) on exit, and
+        then expires every lease whose TTL ran out meanwhile."""
+        assert self.process is not None, "etcd is not running"
+        self.process.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.process.send_signal(signal.SIGCONT)
 
     def _log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-2000:]

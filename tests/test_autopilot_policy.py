@@ -377,3 +377,13 @@ def test_a_pool_whose_queue_drains_gets_no_second_server_while_its_latency_lags(
         prefills, decodes = decision.desired["prefill"], decision.desired["decode"]
     assert [d.at for d in conversions(decisions)] == [30.0]
     assert "over, falling," in decisions[-3].reason
+
+
+def test_loads_follow_the_pools_while_a_conversion_runs_without_joining_the_window():
+    policy = AutopilotPolicy(CONFIG, 1, 1)
+    run(policy, trace([100.0] * 4, cluster(2, 2, kv=0.2)))
+    before = policy.loads["decode"].measure.value
+    policy.step(Sample(at=20.0, workers=cluster(2, 2, kv=0.7), converting=True))
+    assert policy.loads["decode"].measure.value > before
+    policy.step(Sample(at=25.0, workers=cluster(2, 2, kv=0.2), prefill_p90_ms=100.0))
+    assert policy.loads["decode"].measure.value == before

@@ -1,7 +1,8 @@
 """How a replica takes in its cluster's records, on recorded etcd events and a real registry
 (no etcd, no processes): the view keeps what etcd said, the mirror moves workers between this
-replica's pools, holds the ones a peer's conversion drains and reports them drained, and drops
-the ones whose record went."""
+replica's pools, holds the ones a peer's conversion drains and reports them drained, keeps the
+ones whose record went for a grace period (the last healthy one of a pool for good) and takes
+them back when their record returns."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from pd_router.metrics import RouterMetrics
 
 KEYS = ClusterKeys("test")
 URL = "http://10.0.0.1:30000"
+OTHER = "http://10.0.0.2:30000"
+# How long a worker whose record went stays in its pool here (a replica: two lease TTLs).
+GRACE_SECS = 0.2
 
 
 class Replica:
@@ -32,11 +36,13 @@ class Replica:
         self.tasks: list[asyncio.Task] = []
         self.mirror = Mirror(
             self.registry,
+            self.view,
             "r2",
             probe=self._probe,
             report_drained=self._report,
             spawn=self._spawn,
             removal_timeout_secs=5.0,
+            grace_secs=GRACE_SECS,
         )
         self.revision = 0
 
@@ -65,7 +71,7 @@ class Replica:
     def _apply(self, event: WatchEvent) -> None:
         url = self.view.apply(event)
         if url is not None:
-            self.mirror.changed(url, self.view)
+            self.mirror.changed(url)
 
     async def settle(self) -> None:
         await asyncio.sleep(0)
@@ -75,9 +81,13 @@ class Replica:
     def worker(self) -> Worker:
         return self.registry.get(URL)
 
+    def departures(self) -> dict[str, str]:
+        """{url: why it left} of the workers that left for lack of a record."""
+        return {d["url"]: d["reason"] for d in self.mirror.as_dict()["departed"]}
 
-def record(**fields: Any) -> WorkerRecord:
-    return WorkerRecord(URL, **{"role": "prefill", "bootstrap_port": 8998, **fields})
+
+def record(url: str = URL, **fields: Any) -> WorkerRecord:
+    return WorkerRecord(url, **{"role": "prefill", "bootstrap_port": 8998, **fields})
 
 
 @pytest.fixture
@@ -129,10 +139,107 @@ async def test_the_end_of_a_peers_conversion_moves_the_worker_to_its_new_pool(re
     assert replica.registry.selectable(Role.DECODE) == [worker]
 
 
-async def test_a_worker_whose_record_went_leaves_every_pool(replica):
+async def test_a_worker_whose_record_went_serves_through_its_grace_period_then_leaves(replica):
+    await replica.put(record())
+    await replica.put(record(url=OTHER))
+    await replica.delete(KEYS.worker(URL))
+    worker = replica.worker()
+    assert worker in replica.registry.selectable(Role.PREFILL)
+    assert list(replica.mirror.as_dict()["unregistered"]) == [URL]
+    await asyncio.sleep(GRACE_SECS * 1.5)
+    await replica.settle()
+    assert [w.url for w in replica.registry] == [OTHER]
+    assert replica.departures() == {URL: f"no record in the cluster for {GRACE_SECS:g}s"}
+
+
+async def test_an_unhealthy_worker_whose_record_went_leaves_at_once(replica):
+    await replica.put(record())
+    await replica.put(record(url=OTHER))
+    replica.registry.set_health(replica.worker(), False)
+    await replica.delete(KEYS.worker(URL))
+    assert [w.url for w in replica.registry] == [OTHER]
+    assert "unhealthy" in replica.departures()[URL]
+
+
+async def test_a_worker_behind_an_open_circuit_whose_record_went_leaves_at_once(replica):
+    await replica.put(record())
+    await replica.put(record(url=OTHER))
+    circuit = replica.worker().circuit
+    for _ in range(circuit.config.failure_threshold):
+        circuit.record_failure()
+    await replica.delete(KEYS.worker(URL))
+    assert [w.url for w in replica.registry] == [OTHER]
+    assert "open circuit" in replica.departures()[URL]
+
+
+async def test_a_failed_probe_ends_the_grace_period_at_once(replica):
+    await replica.put(record())
+    await replica.put(record(url=OTHER))
+    await replica.delete(KEYS.worker(URL))
+    replica.registry.set_health(replica.worker(), False)
+    await replica.settle()
+    assert [w.url for w in replica.registry] == [OTHER]
+    assert "probe failed" in replica.departures()[URL]
+
+
+async def test_the_last_healthy_worker_of_a_pool_stays_without_a_record(replica):
+    await replica.put(record())
+    await replica.put(record(url=OTHER))
+    replica.registry.set_health(replica.registry.get(OTHER), False)
+    await replica.delete(KEYS.worker(URL))
+    await asyncio.sleep(GRACE_SECS * 2.5)
+    assert replica.registry.selectable(Role.PREFILL) == [replica.worker()]
+    kept = replica.mirror.as_dict()["unregistered"][URL]["kept"]
+    assert kept == "the last healthy prefill worker"
+
+
+async def test_a_record_put_again_within_the_grace_period_changes_nothing(replica):
+    await replica.put(record(epoch=2))
+    await replica.delete(KEYS.worker(URL))
+    await replica.put(record(epoch=2))
+    await asyncio.sleep(GRACE_SECS * 1.5)
+    worker = replica.worker()
+    assert (worker.state, worker.epoch) == (WorkerState.ACTIVE, 2)
+    assert replica.mirror.as_dict() == {"unregistered": {}, "departed": []}
+
+
+async def test_a_record_put_again_takes_back_a_worker_leaving_with_requests_in_flight(replica):
+    await replica.put(record())
+    await replica.put(record(url=OTHER))
+    worker = replica.worker()
+    replica.registry.acquire(worker)
+    await replica.delete(KEYS.worker(URL))
+    await asyncio.sleep(GRACE_SECS * 1.5)
+    assert worker.state is WorkerState.REMOVING
+    await replica.put(record())
+    assert worker.state is WorkerState.ACTIVE
+    replica.registry.release(worker)
+    await replica.settle()
+    assert replica.registry.selectable(Role.PREFILL) == [worker, replica.registry.get(OTHER)]
+
+
+async def test_a_record_put_again_in_another_role_moves_the_worker_there(replica):
     await replica.put(record())
     await replica.delete(KEYS.worker(URL))
+    await replica.put(record(role="decode", bootstrap_port=None))
+    worker = replica.worker()
+    assert (worker.role, worker.state) == (Role.DECODE, WorkerState.ACTIVE)
+    assert replica.mirror.as_dict()["unregistered"] == {}
+
+
+async def test_a_record_marked_removing_takes_the_worker_out_at_once(replica):
+    """A worker that stops says so before its record goes: no grace period."""
+    await replica.put(record())
+    await replica.put(record(state="removing"))
     assert len(replica.registry) == 0
+
+
+async def test_a_full_read_without_a_workers_record_starts_its_grace_period(replica):
+    await replica.put(record())
+    replica.view.reset([], replica.revision + 1)
+    replica.mirror.sync_all()
+    assert replica.worker().state is WorkerState.ACTIVE
+    assert list(replica.mirror.as_dict()["unregistered"]) == [URL]
 
 
 async def test_a_conversion_this_replica_runs_is_left_to_it(replica):

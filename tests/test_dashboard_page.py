@@ -187,6 +187,19 @@ async def test_page_in_chromium_shows_every_live_worker_in_its_pool(router, clus
 
 
 @needs_chromium
+async def test_page_in_chromium_offers_no_convert_button_for_a_conversion_that_would_be_refused(
+    cluster,
+):
+    last_prefill = cluster.prefill_urls[0]
+    async with running_router(prefill=[last_prefill], decode=cluster.decode_urls) as router:
+        page = await render(router.url + "/dashboard")
+    assert "Convert to" not in page.cards[last_prefill].text
+    assert "no conversion" in page.cards[last_prefill].text
+    for url in cluster.decode_urls:
+        assert "Convert to prefill" in page.cards[url].text
+
+
+@needs_chromium
 async def test_page_in_chromium_shows_an_unreachable_worker_first_in_its_pool_as_unhealthy(
     cluster, free_port
 ):

@@ -24,7 +24,7 @@ def test_runs_of_different_total_size_are_refused():
 
 
 def test_a_handoff_survives_the_room_payload_round_trip():
-    handoff = KVHandoff("127.0.0.1:4000", 140000000, [(0, 2048), (8192, 4096)], 171, 3)
+    handoff = KVHandoff("tcp", "127.0.0.1:4000", 140000000, [(0, 2048), (8192, 4096)], 171, 3)
     assert KVHandoff.decode(handoff.encode()) == handoff
 
 

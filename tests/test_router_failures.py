@@ -296,16 +296,14 @@ async def test_retry_with_no_worker_left_reports_the_real_failure(cluster):
         assert prefill in response.json()["error"]["message"]
 
 
-async def test_stream_whose_first_event_is_a_failed_kv_handoff_is_retried(
-    cluster_factory, free_port
-):
+async def test_stream_whose_first_event_is_a_failed_kv_handoff_is_retried(cluster_factory):
     cluster = cluster_factory(prefill=2, decode=1, speed=0.0, bootstrap_timeout_secs=1.0)
     broken, good = cluster.prefill_urls
-    # The first prefill is configured with a bootstrap port nobody listens on: the decode's
-    # KV pull fails and its stream opens with an abort event carrying a 500.
-    prefill = [(broken, free_port()), (good, cluster.bootstrap_port(good))]
+    # The first prefill's bootstrap server never answers: the decode's KV pull times out and
+    # its stream opens with an abort event carrying a 500.
+    await fault(broken, hang_bootstrap=True)
     async with (
-        running_router(cluster, prefill=prefill, prefill_policy="round_robin") as router,
+        running_router(cluster, prefill=[broken, good], prefill_policy="round_robin") as router,
         router.client() as http,
     ):
         body = generate_body("handoff failed first", TOKENS, stream=True)

@@ -100,12 +100,20 @@ async def test_prefill_bootstrap_port_comes_from_server_info_unless_given(cluste
         assert router.state.registry.get(prefill).bootstrap_port == discovered
 
 
-async def test_bootstrap_port_given_for_a_prefill_is_kept_over_its_server_info(cluster):
+async def test_bootstrap_port_a_prefill_reports_wins_over_a_wrong_one_given_with_a_warning(
+    cluster, caplog
+):
     prefill = cluster.prefill_urls[0]
-    given = cluster.bootstrap_port(prefill) + 1
+    real = cluster.bootstrap_port(prefill)
+    given = real + 1
     async with running_router(cluster, prefill=[(prefill, given)]) as router:
-        assert router.state.registry.get(prefill).healthy
-        assert router.state.registry.get(prefill).bootstrap_port == given
+        worker = router.state.registry.get(prefill)
+        await wait_until(lambda: worker.bootstrap_port == real, 5.0, "the reported port used")
+        async with router.client() as http:
+            response = await http.post("/generate", json=generate_body("right port", TOKENS))
+        assert assert_paired(response.json(), "right port", TOKENS) == prefill
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert f"prefill {prefill} reports bootstrap port {real}, not {given}; using {real}" in warnings
 
 
 async def test_circuit_opens_on_failures_and_closes_after_a_good_trial(cluster):

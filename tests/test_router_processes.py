@@ -10,9 +10,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 
 import httpx
+import orjson
+import pytest
 
+from pd_router.cli.main import config_from_argv
+from pd_router.config import ConfigError, load_config
 from pd_router.roles import Role
 from tests.conversion_helpers import (
     LONG,
@@ -22,8 +27,14 @@ from tests.conversion_helpers import (
     sample,
     wait_for_busy,
 )
-from tests.router_helpers import assert_paired, generate_body, sse_events, wait_until
-from tests.router_process import RouterProcess, router_process
+from tests.router_helpers import (
+    assert_paired,
+    generate_body,
+    router_overrides,
+    sse_events,
+    wait_until,
+)
+from tests.router_process import ENTRY, RouterProcess, router_process
 
 PROCESSES = {"server": {"workers": 3}}
 TOKENS = 4
@@ -52,17 +63,31 @@ async def fresh_connection_requests(url: str, prompts: list[str]) -> list[httpx.
     return answers
 
 
+def test_workers_auto_is_one_data_plane_per_usable_core():
+    argv = ["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]
+    config = config_from_argv([*argv, "--workers", "auto"])
+    assert config.server.processes == len(os.sched_getaffinity(0))
+    assert config_from_argv([*argv, "--workers", "3"]).server.processes == 3
+    assert config_from_argv(argv).server.processes == 1
+
+
+@pytest.mark.parametrize("value", [0, -2, "many", 1.5])
+def test_workers_is_auto_or_a_positive_count(value):
+    with pytest.raises(ConfigError, match=r"server\.workers"):
+        load_config(None, {"server": {"workers": value}})
+
+
 async def test_metrics_count_every_processs_requests(pd_cluster):
     async with router_process(
         prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
     ) as router:
-        answers = await fresh_connection_requests(router.url, [f"m {n}" for n in range(24)])
-        assert [a.status_code for a in answers] == [200] * 24
+        answers = await fresh_connection_requests(router.url, [f"m {n}" for n in range(12)])
+        assert [a.status_code for a in answers] == [200] * 12
         async with router.client() as http:
             served = await sample(
                 http, "pd_router_requests_total", endpoint="/generate", status="200"
             )
-        assert served == 24
+        assert served == 12
 
 
 async def test_admin_key_is_checked_whichever_process_accepts(pd_cluster):
@@ -128,6 +153,39 @@ async def test_a_role_changed_outside_the_router_reaches_every_process(cluster_f
             assert answer.status_code == 200, answer.text
             sources.add(assert_paired(answer.json(), prompt, TOKENS))
         assert switched in sources
+
+
+async def test_a_wrong_role_answer_in_a_data_plane_has_the_worker_moved_at_once(
+    cluster_factory,
+):
+    cluster = cluster_factory(prefill=2, decode=2, speed=0.0)
+    switched = cluster.decode_urls[0]
+    async with router_process(
+        prefill=cluster.prefill_urls,
+        decode=cluster.decode_urls,
+        decode_policy="round_robin",
+        health={"interval_secs": 60.0},
+        **PROCESSES,
+    ) as router:
+        async with httpx.AsyncClient(timeout=10.0) as operator:
+            reply = await operator.post(switched + "/pd_role_switch", json={"new_role": "prefill"})
+        assert reply.json()["success"]
+        prompts = [f"misrouted {n}" for n in range(8)]
+        for prompt, answer in zip(
+            prompts, await fresh_connection_requests(router.url, prompts), strict=True
+        ):
+            assert answer.status_code == 200, answer.text
+            assert_paired(answer.json(), prompt, TOKENS)
+        async with router.client() as http:
+            assert await sample(
+                http, "pd_router_upstream_errors_total", role="decode", kind="wrong_role"
+            )
+
+            async def moved() -> bool:
+                workers = (await http.get("/workers")).json()["workers"]
+                return any(w["url"] == switched and w["role"] == "prefill" for w in workers)
+
+            await wait_until(moved, 5.0, "moved without a probe")
 
 
 async def test_a_killed_data_plane_is_replaced_and_its_drain_does_not_hang(cluster_factory):
@@ -209,12 +267,27 @@ async def test_cache_aware_sends_a_prefix_to_one_prefill_whichever_process_route
         prefill_policy="cache_aware",
         **PROCESSES,
     ) as router:
-        for group in range(3):
+        for group in range(2):
             system = f"system prompt of group {group} " * 8
-            prompts = [f"{system} question {n}" for n in range(6)]
+            prompts = [f"{system} question {n}" for n in range(5)]
             answers = await fresh_connection_requests(router.url, prompts)
             sources = {
                 assert_paired(answer.json(), prompt, TOKENS)
                 for prompt, answer in zip(prompts, answers, strict=True)
             }
             assert len(sources) == 1, (group, sources)
+
+
+async def test_a_second_router_on_the_same_port_is_refused(pd_cluster):
+    async with router_process(
+        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
+    ) as router:
+        config = router_overrides(pd_cluster.prefill_urls, pd_cluster.decode_urls, **PROCESSES)
+        config["port"] = router.port
+        second = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", ENTRY, orjson.dumps(config).decode(),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, stderr = await asyncio.wait_for(second.communicate(), 20.0)
+        assert second.returncode != 0
+        assert b"Address already in use" in stderr

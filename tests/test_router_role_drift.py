@@ -96,26 +96,6 @@ async def test_prefill_restarted_with_another_bootstrap_port_is_paired_through_i
             assert await kv_sources(http, 2) == {prefill}
 
 
-async def test_configured_bootstrap_port_is_kept_when_the_prefill_restarts(
-    cluster_factory, free_port
-):
-    cluster = cluster_factory(prefill=1, decode=1, speed=0.0)
-    prefill = cluster.prefill_urls[0]
-    given = free_port()
-    async with running_router(
-        cluster, prefill=[(prefill, given)], health=NEVER_UNHEALTHY,
-        circuit={"failure_threshold": 1, "cooldown_secs": 60.0},
-    ) as router:  # fmt: skip
-        worker = router.state.registry.get(prefill)
-        await fault(prefill, fail_next=1, fail_status=500)
-        async with router.client() as http:
-            await http.post("/generate", json=generate_body("fails", TOKENS))
-        assert worker.circuit.state.value == "open"
-        await asyncio.to_thread(cluster.restart, prefill, None, free_port())
-        await wait_until(lambda: worker.circuit.state.value == "closed", 5.0, "restart seen")
-        assert worker.bootstrap_port == given
-
-
 async def test_worker_drained_by_another_router_is_out_of_selection_until_it_admits(
     cluster_factory,
 ):

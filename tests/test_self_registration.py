@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -17,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from pd_protocol.cluster import ClusterKeys, WorkerRecord
-from pd_protocol.etcd_client import EtcdClient, KeyValue
+from pd_protocol.etcd_client import EtcdClient, EventType, KeyValue, WatchEvent
 from pd_protocol.registration import (
     RegistrationSettings,
     SelfRegistration,
@@ -28,6 +29,8 @@ from tests.etcd_helpers import EtcdServer
 
 TTL = 2
 WAIT_S = 10.0
+# etcd frozen longer than the lease: it expires the lease when it resumes.
+STALL_S = TTL + 1.5
 KEYS = ClusterKeys("c1")
 URL = "http://127.0.0.1:30000"
 
@@ -98,6 +101,19 @@ async def _record(etcd: EtcdClient) -> WorkerRecord | None:
     return None if kv is None else WorkerRecord.decode(kv.value)
 
 
+async def _put_again(etcd: EtcdClient, *old_leases: int) -> WorkerRecord:
+    """The record, once it is put under a lease other than ``old_leases``."""
+
+    async def put_again() -> bool:
+        kv = await _stored(etcd)
+        return kv is not None and kv.lease not in (0, *old_leases)
+
+    await _until(put_again, "the record put again under a new lease")
+    record = await _record(etcd)
+    assert record is not None
+    return record
+
+
 # ---------------------------------------------------------------- the record, on recorded inputs
 
 
@@ -134,6 +150,12 @@ def test_a_stored_conversion_is_kept_for_the_routers_to_finish() -> None:
         "replica-a",
         "decode",
     )
+
+
+def test_a_stored_record_marked_removing_is_registered_afresh_keeping_its_epoch() -> None:
+    stored = WorkerRecord(url=URL, role="decode", epoch=2, state="removing", source="api")
+    record = registered_record(URL, "decode", None, stored)
+    assert record == WorkerRecord(url=URL, role="decode", epoch=2, source="self")
 
 
 def test_settings_without_a_cluster_name_are_refused() -> None:
@@ -248,13 +270,75 @@ async def test_a_record_put_again_over_a_routers_record_moves_the_epoch_to_the_l
     await etcd.put(KEYS.worker(URL), router_record.encode(), lease=router_lease.id)
     await etcd.revoke_lease(lease)
 
-    async def put_again() -> bool:
-        kv = await _stored(etcd)
-        return kv is not None and kv.lease not in (lease, router_lease.id)
+    record = await _put_again(etcd, lease, router_lease.id)
+    assert (record.role, record.epoch) == ("prefill", 5)
 
-    await _until(put_again, "the record put again under a new lease")
-    record = await _record(etcd)
-    assert record is not None and (record.role, record.epoch) == ("prefill", 5)
+
+async def test_a_record_lost_with_its_lease_is_put_again_with_its_epoch_moved_on(
+    endpoint: str,
+    etcd: EtcdClient,
+    session: aiohttp.ClientSession,
+    registrations: list[SelfRegistration],
+) -> None:
+    """A router converted the worker (epoch 1), then its lease went: the record put again
+    carries the epoch on, not a first registration's 0."""
+    live = LiveRole()
+    registration = await _start(registrations, session, [endpoint], live)
+    lease = registration.lease_id or 0
+    live.role = "decode"
+    await etcd.put(
+        KEYS.worker(URL), WorkerRecord(URL, "decode", epoch=1, source="self").encode(), lease=lease
+    )
+    await etcd.revoke_lease(lease)
+
+    record = await _put_again(etcd, lease)
+    assert (record.role, record.epoch) == ("decode", 1)
+
+
+async def test_an_etcd_stall_longer_than_the_ttl_is_ridden_out_and_counted_as_unregistered(
+    etcd_server: EtcdServer,
+    etcd: EtcdClient,
+    session: aiohttp.ClientSession,
+    registrations: list[SelfRegistration],
+) -> None:
+    registration = await _start(registrations, session, [etcd_server.url], LiveRole())
+    lease = registration.lease_id
+    with etcd_server.stalled():
+        await asyncio.sleep(STALL_S)
+        during = registration.stats()
+
+    async def back() -> bool:
+        kv = await _stored(etcd)
+        return kv is not None and kv.lease not in (0, lease) and registration.stats().registered
+
+    await _until(back, "registered again under a new lease")
+    after = registration.stats()
+    assert (during.registered, during.lapses) == (False, 1)
+    assert after.lapses == 1
+    assert 0 < after.unregistered_secs < STALL_S + WAIT_S
+
+
+async def test_stop_marks_the_record_removing_before_it_revokes_the_lease(
+    endpoint: str,
+    etcd: EtcdClient,
+    session: aiohttp.ClientSession,
+    registrations: list[SelfRegistration],
+) -> None:
+    """Routers then take the worker out at once, instead of waiting out the grace period they
+    give a record that goes without a word."""
+    registration = await _start(registrations, session, [endpoint], LiveRole())
+    kv = await _stored(etcd)
+    assert kv is not None
+    await registration.stop()
+    watch = etcd.watch_prefix(KEYS.worker(URL), start_revision=kv.mod_revision + 1)
+    seen: list[WatchEvent] = []
+    async with contextlib.aclosing(aiter(watch)) as events:
+        async for event in events:
+            seen.append(event)
+            if len(seen) == 2:
+                break
+    assert [e.type for e in seen] == [EventType.PUT, EventType.DELETE]
+    assert WorkerRecord.decode(seen[0].kv.value).state == "removing"
 
 
 class RouterWritesOnRead(LiveRole):
@@ -293,13 +377,8 @@ async def test_a_record_a_router_writes_during_a_put_is_read_again_before_the_pu
     live.armed = True
     await etcd.revoke_lease(lease)
 
-    async def put_again() -> bool:
-        kv = await _stored(etcd)
-        return kv is not None and kv.lease not in (0, lease)
-
-    await _until(put_again, "the record put again under a new lease")
-    record = await _record(etcd)
-    assert record is not None and (record.role, record.epoch) == ("prefill", 8)
+    record = await _put_again(etcd, lease)
+    assert (record.role, record.epoch) == ("prefill", 8)
 
 
 async def test_etcd_restarted_after_the_ttl_has_the_record_again_and_one_warning_was_logged(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 
 import httpx
 import pytest
@@ -81,6 +82,17 @@ async def torch_states(urls: list[str]) -> dict[str, dict]:
 
 def tensor_identity(state: dict) -> tuple:
     return state["kv_pool_data_ptr"], sorted(state["weights_data_ptr"].items())
+
+
+# glog's ERROR lines (mooncake's C++ logging): E, month and day, then the time.
+GLOG_ERROR = re.compile(r"^E\d{4} ", re.MULTILINE)
+
+
+def test_torch_workers_start_without_a_numpy_warning_or_an_error_line(cluster):
+    for worker in cluster.workers:
+        log = worker.log_path.read_text()
+        assert "NumPy" not in log, log
+        assert GLOG_ERROR.search(log) is None, log
 
 
 async def test_disaggregated_batch_equals_colocated_generate_token_for_token(
@@ -183,6 +195,23 @@ async def all_slots_free(cluster) -> bool:
 
 async def _free_slots(url: str, expected: int) -> bool:
     return (await torch_states([url]))[url]["free_slots"] == expected
+
+
+async def test_decode_on_another_kv_transfer_than_its_prefill_fails_saying_so(
+    cluster, module_cluster_factory
+):
+    prefill = (await live_roles(cluster))[0][0]
+    tcp = module_cluster_factory(prefill=0, decode=1, engine="torch", kv_transfer="tcp")
+    async with (
+        running_router(prefill=[prefill], decode=tcp.decode_urls) as r,
+        r.client() as http,
+    ):
+        body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": TOKENS}}
+        failed = await http.post("/generate", json=body)
+    assert failed.status_code == 502
+    message = failed.json()["error"]["message"]
+    assert f"the prefill {prefill} moves KV over mooncake but this decode over tcp" in message
+    assert "start every worker with the same --kv-transfer" in message
 
 
 async def test_plain_tcp_fallback_moves_the_same_kv(module_cluster_factory, reference):

@@ -36,14 +36,13 @@ class Prefill:
     async def start(self) -> None:
         self.server = BootstrapServer(
             LOOPBACK,
-            self.port,
             self.rooms,
             SOURCE,
             room_wait_secs=TIMEOUT_SECS,
             before_send=_no_transfer_delay,
             is_hung=lambda: self.hung,
         )
-        await self.server.start()
+        await self.server.start(self.port)
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -13,6 +13,7 @@ import aiohttp
 import httpx
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 from pd_protocol.cluster import ClusterKeys, WorkerRecord
 from pd_protocol.etcd_client import EtcdClient, KeyValue
@@ -73,6 +74,19 @@ async def _registered(etcd: EtcdClient, url: str) -> KeyValue:
     if stored is None:
         raise AssertionError(f"no record of {url}")
     return stored
+
+
+async def _put_again(etcd: EtcdClient, url: str, old_lease: int) -> WorkerRecord:
+    """The record of ``url``, once it is put under another lease than ``old_lease``."""
+
+    async def put_again() -> bool:
+        kv = await _stored(etcd, url)
+        return kv is not None and kv.lease != old_lease
+
+    await _until(put_again, "the record put again under a new lease", within=WAIT_S)
+    record = await _record(etcd, url)
+    assert record is not None
+    return record
 
 
 async def _until(condition: Callable[[], Awaitable[bool]], what: str, within: float) -> float:
@@ -146,13 +160,8 @@ async def test_a_record_put_again_after_a_role_switch_carries_the_new_role(
     # The lease is lost (as when etcd forgot it): the worker registers again, in its live role.
     await etcd.revoke_lease(first.lease)
 
-    async def put_again() -> bool:
-        kv = await _stored(etcd, url)
-        return kv is not None and kv.lease != first.lease
-
-    await _until(put_again, "the record put again under a new lease", within=WAIT_S)
-    record = await _record(etcd, url)
-    assert record is not None and record.role == "decode"
+    record = await _put_again(etcd, url, first.lease)
+    assert record.role == "decode"
 
 
 async def test_the_record_is_there_after_etcd_was_stopped_past_the_ttl_and_restarted(
@@ -168,6 +177,38 @@ async def test_the_record_is_there_after_etcd_was_stopped_past_the_ttl_and_resta
     await asyncio.sleep(2 * TTL)
     record = await _record(etcd, url)
     assert record is not None and record.role == "prefill"
+
+
+async def test_the_workers_metrics_say_how_long_an_etcd_stall_left_it_unregistered(
+    registered_cluster: Callable[..., WorkerCluster],
+    etcd_server: EtcdServer,
+    etcd: EtcdClient,
+) -> None:
+    url = registered_cluster().urls[0]
+    first = await _registered(etcd, url)
+    assert await _registration_metrics(url) == {
+        "pd_worker_registered": 1.0,
+        "pd_worker_registration_lapses_total": 0.0,
+        "pd_worker_unregistered_seconds_total": 0.0,
+    }
+    with etcd_server.stalled():
+        await asyncio.sleep(TTL + 1.5)
+
+    await _put_again(etcd, url, first.lease)
+    metrics = await _registration_metrics(url)
+    assert metrics["pd_worker_registration_lapses_total"] == 1.0
+    assert metrics["pd_worker_unregistered_seconds_total"] > 0.0
+
+
+async def _registration_metrics(url: str) -> dict[str, float]:
+    async with httpx.AsyncClient(timeout=WAIT_S) as client:
+        text = (await client.get(url + "/metrics")).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("pd_worker_")
+    }
 
 
 def test_etcd_without_a_cluster_name_is_a_usage_error() -> None:

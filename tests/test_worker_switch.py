@@ -54,6 +54,8 @@ async def test_switch_is_refused_without_the_flag(cluster_factory, client):
     status, reply = await switch(client, cluster.prefill_urls[0], new_role="decode", **GRAPH_GB)
     assert status == 400
     assert reply == {
+        "rid": None,
+        "http_worker_ipc": None,
         "success": False,
         "message": "--enable-pd-role-switch is not set on this server",
         "old_role": "prefill",
@@ -132,7 +134,10 @@ REFUSALS = [
 async def test_every_refusal_names_both_roles_and_whether_routing_may_resume(cluster, client, body):
     status, reply = await switch(client, cluster.prefill_urls[0], **body)
     assert status == 400
-    assert set(reply) == {"success", "message", "old_role", "new_role", "safe_to_restore"}
+    assert list(reply) == [
+        "rid", "http_worker_ipc", "success", "message", "old_role", "new_role", "safe_to_restore"
+    ]  # fmt: skip
+    assert reply["rid"] is None and reply["http_worker_ipc"] is None
     assert reply["success"] is False and reply["old_role"] == "prefill"
     assert reply["new_role"] == body.get("new_role", "")
     assert reply["safe_to_restore"] is True
@@ -180,11 +185,13 @@ async def test_insufficient_graph_headroom_is_refused_safely(cluster, client):
     assert reply["safe_to_restore"] is True
 
 
-async def test_negative_graph_memory_is_400(cluster, client):
+async def test_negative_graph_memory_is_refused_in_sglangs_words(cluster, client):
     status, reply = await switch(
         client, cluster.prefill_urls[0], new_role="decode", decode_cuda_graph_memory_gb=-1
     )
     assert status == 400 and reply["success"] is False
+    assert reply["message"] == "decode_cuda_graph_memory_gb must be non-negative"
+    assert reply["safe_to_restore"] is True
 
 
 async def test_prepare_only_checks_without_switching(cluster, client):
@@ -206,6 +213,8 @@ async def test_switch_keeps_engine_kv_pool_and_bootstrap_server_and_rebuilds_the
     )
     assert status == 200
     assert reply == {
+        "rid": None,
+        "http_worker_ipc": None,
         "success": True,
         "message": "ok",
         "old_role": "prefill",

@@ -26,7 +26,7 @@ from aiohttp import web
 from pd_router.api.auth import has_admin_key
 from pd_router.api.state import ROUTER, Router
 from pd_router.control.conversion.manager import Conversion, ConversionManager
-from pd_router.control.workers import Role, WorkerRegistry, WorkerState
+from pd_router.control.workers import Role, Worker, WorkerRegistry, WorkerState
 
 RECENT_CONVERSIONS = 20
 # The worker fields /metrics exposes as well (labels or values): all /status shows without the
@@ -74,7 +74,7 @@ def status_snapshot(router: Router) -> dict[str, Any]:
     conversions = recent_conversions(router.conversions)
     return {
         "pools": {role.value: pool_summary(registry, role) for role in Role},
-        "workers": unhealthy_first([worker.as_dict() for worker in registry]),
+        "workers": unhealthy_first([worker_summary(router, worker) for worker in registry]),
         "conversions": conversions if conversions is not None else [],
         "conversions_available": conversions is not None,
         "autopilot": autopilot_summary(router),
@@ -82,6 +82,14 @@ def status_snapshot(router: Router) -> dict[str, Any]:
         "redacted": False,
         "time": time.time(),
     }
+
+
+def worker_summary(router: Router, worker: Worker) -> dict[str, Any]:
+    """A worker's record and, as ``convert_refused``, why converting it now would be refused
+    (None: it would not be; the page shows no Convert button otherwise)."""
+    manager = router.conversions
+    refused = manager.refusal(worker) if manager is not None else "no conversion manager"
+    return {**worker.as_dict(), "convert_refused": refused}
 
 
 def unhealthy_first(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import socket
 from collections.abc import Coroutine
 from typing import Any
@@ -25,6 +24,7 @@ import aiohttp
 
 from pd_router.api.forward import ControlForwarder
 from pd_router.api.server import build_dataplane_app, start_server
+from pd_router.api.signals import stop_signalled
 from pd_router.config import RouterConfig
 from pd_router.dataplane.channel import Channel, ChannelClosed
 from pd_router.dataplane.concurrency import RequestAdmission
@@ -81,8 +81,12 @@ async def serve_dataplane(
             url, WorkerUnavailable(f"worker {url} left service")
         ),
     )
+    # For aborts only: the legs have their own pool.
     session = aiohttp.ClientSession(
-        headers=setup.worker_headers, cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
+        connector=aiohttp.TCPConnector(ssl=setup.worker_ssl or True),
+        headers=setup.worker_headers,
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
     )
     background = Background()
     path = RequestPath(
@@ -90,7 +94,7 @@ async def serve_dataplane(
         legs=setup.legs,
         leg_headers=setup.leg_headers,
         retry=config.retry,
-        admission=RequestAdmission(config.admission, metrics),
+        admission=RequestAdmission(config.admission.shared_by(config.server.processes), metrics),
         latency=reports,
         metrics=request_metrics,
         abort=lambda worker, rids: background.spawn(abort(session, worker, rids)),
@@ -107,13 +111,10 @@ async def serve_dataplane(
         await forwarder.stop()
         await session.close()
         return 1
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
     follow = loop.create_task(follow_control(channel, pools, reports))
     reporting = loop.create_task(reports.run(pools))
-    stopped = loop.create_task(stop.wait())
+    stopped = loop.create_task(stop_signalled())
     await asyncio.wait((follow, stopped), return_when=asyncio.FIRST_COMPLETED)
     control_gone = follow.done()
     if control_gone:

@@ -9,11 +9,9 @@ route from the snapshots it pushes and report back (:mod:`pd_router.control.data
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import pickle
-import signal
 import socket
 import sys
 import tempfile
@@ -22,6 +20,7 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from pd_router.api.info import DATAPLANES
+from pd_router.api.signals import stop_signalled
 from pd_router.api.state import ROUTER
 from pd_router.config import RouterConfig
 from pd_router.control.dataplanes import DataPlanes
@@ -75,12 +74,8 @@ async def serve_processes(
             "serving on %s:%d with %d data-plane processes",
             config.host, sockets[0].getsockname()[1], processes,
         )  # fmt: skip
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
         try:
-            await stop.wait()
+            await stop_signalled()
         finally:
             await supervisor.stop(SHUTDOWN_GRACE_SECS)
             await dataplanes.stop()

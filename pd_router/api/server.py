@@ -14,7 +14,6 @@ import asyncio
 import gc
 import logging
 import os
-import signal
 import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from pd_router.api.cors import add_cors
 from pd_router.api.dashboard import add_dashboard_routes
 from pd_router.api.forward import FORWARDED, ControlForwarder
 from pd_router.api.processes import serve_processes
+from pd_router.api.signals import stop_signalled
 from pd_router.api.state import ROUTER, Router
 from pd_router.config import RouterConfig
 from pd_router.control.health import WorkersUnreachable
@@ -311,12 +311,8 @@ async def serve_until_signalled(app: web.Application, config: RouterConfig) -> N
         "serving on %s (client connections up to %d, open file limit %d)",
         server.url, limits.max_connections, fd_limit(),
     )  # fmt: skip
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
     try:
-        await stop.wait()
+        await stop_signalled()
     finally:
         await server.stop()
 

@@ -23,6 +23,7 @@ from pd_router.control.workers import (
     Worker,
     WorkerConverting,
     WorkerRemoving,
+    WorkerState,
     normalize_url,
 )
 from pd_router.dataplane.requests import is_int, parse_body
@@ -80,12 +81,33 @@ async def handle_remove_worker(request: web.Request) -> web.Response:
     if not key:
         raise BadRequest("name the worker: DELETE /workers/{id-or-url} or ?url=")
     worker = router.registry.get(key)
+    if request.query.get("force") not in ("1", "true"):
+        refuse_below_minimum(router, worker)
     try:
         await router.cluster.begin_removal(worker)
     except (WorkerConverting, WorkerRemoving) as exc:
         raise Conflict(str(exc), details={"reason": exc.reason}) from exc
     forced = await asyncio.shield(router.spawn(remove(router, worker)))
     return json_response({"removed": worker.as_dict(), "forced": forced})
+
+
+def refuse_below_minimum(router: Router, worker: Worker) -> None:
+    """409 when removing ``worker`` would leave its pool fewer active healthy workers than its
+    minimum (``conversion.min_prefill`` / ``min_decode``, which guard conversions too); a worker
+    that is not one of them (unhealthy, failed) can always go. Checked right before the removal
+    begins, with no await between the two."""
+    if not (worker.state is WorkerState.ACTIVE and worker.healthy and worker.admitting):
+        return
+    settings = router.config.conversion
+    minimum = settings.min_prefill if worker.role is Role.PREFILL else settings.min_decode
+    remaining = router.registry.remaining_below(worker, minimum)
+    if remaining is not None:
+        raise Conflict(
+            f"removing {worker.url} would leave {remaining} active healthy {worker.role} "
+            f"worker(s); the minimum is {minimum} (conversion.min_{worker.role.value}); "
+            "add ?force=true to remove it anyway",
+            details={"reason": f"min_{worker.role.value}"},
+        )
 
 
 async def remove(router: Router, worker: Worker) -> bool:

@@ -130,7 +130,7 @@ def convert(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
         with _client(args, timeout=None) as client:
             response = client.post("/convert_pd_role", json=body)
     except httpx.HTTPError as exc:
-        print(f"error: router not reachable: {exc}", file=sys.stderr)
+        print(f"error: {_unreachable(args.router, '/convert_pd_role', exc)}", file=sys.stderr)
         return EXIT_UNREACHABLE
     reply = _body(response)
     if response.status_code == 202:
@@ -357,12 +357,19 @@ def _request_json(
     try:
         response = client.request(method, path, json=body)
     except httpx.HTTPError as exc:
-        raise _Failure(f"router not reachable: {exc}") from exc
+        raise _Failure(_unreachable(str(client.base_url), path, exc)) from exc
     reply = _body(response)
     if response.status_code != 200:
         message = reply.get("error", {}).get("message", response.text[:200])
-        raise _Failure(f"{method} {path}: HTTP {response.status_code}: {message}")
+        raise _Failure(
+            f"{method} {client.base_url.join(path)}: HTTP {response.status_code}: {message}"
+        )
     return reply
+
+
+def _unreachable(router: str, path: str, exc: httpx.HTTPError) -> str:
+    """The failure of a call that got no answer, naming the url it tried."""
+    return f"router not reachable at {router.rstrip('/')}{path}: {exc or type(exc).__name__}"
 
 
 def _body(response: httpx.Response) -> dict[str, Any]:

@@ -14,8 +14,9 @@ through and 503 for the rest. Two rules keep that from happening:
   probes saw, and the worker answers again;
 - when no worker of a pool is selectable although some are ACTIVE and healthy, so that only
   their circuits keep them out, requests go to those workers anyway (Envoy's panic mode;
-  :meth:`pd_router.api.state.Router.circuit_panic_pool`): the circuit exists to steer traffic to
-  other workers, and there are none. A success then closes the circuit it went through.
+  :meth:`pd_router.control.selection.RegistryPools.circuit_panic_pool`, and a data plane's
+  ``SnapshotPools.pick``): the circuit exists to steer traffic to other workers, and there are
+  none. A success then closes the circuit it went through.
 
 Half-open stays at one trial in flight: with the pool-wide rule a burst is no longer limited by
 it, and while other workers serve, one trial is enough to learn that a worker is back.

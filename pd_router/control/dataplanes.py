@@ -72,8 +72,10 @@ class DataPlanes:
         # The counters and histograms of data planes that exited, as last collected.
         self._retired: list[list] = []
         self._metrics_requests = 0
-        self._metrics_waiters: dict[int, tuple[asyncio.Future, dict[int, list]]] = {}
+        self._metrics_waiters: dict[int, MetricsRequest] = {}
         self._pusher: asyncio.Task | None = None
+        self._pushing = False
+        self._again = False
         registry.on_change(self.push)
 
     # --- links ------------------------------------------------------------------------------
@@ -98,14 +100,9 @@ class DataPlanes:
         self._retired.extend(s for s in link.samples if s[1] in ("counter", "histogram"))
         if link.reader is not None and link.reader is not asyncio.current_task():
             link.reader.cancel()
-        for future, replies in self._metrics_waiters.values():
-            if not future.done() and set(replies) >= set(self._links):
-                future.set_result(None)
+        for waiting in self._metrics_waiters.values():
+            waiting.answered(index)
         self._recount()
-
-    @property
-    def indexes(self) -> list[int]:
-        return sorted(self._links)
 
     async def stop(self) -> None:
         if self._pusher is not None:
@@ -116,7 +113,22 @@ class DataPlanes:
     # --- snapshots --------------------------------------------------------------------------
 
     def push(self) -> None:
-        """Make a new snapshot version of the registry and send it to every data plane."""
+        """Make a new snapshot version of the registry and send it to every data plane. A
+        change made while the snapshot is read (a circuit turning half-open as its state is
+        read) makes another one right after."""
+        if self._pushing:
+            self._again = True
+            return
+        self._pushing = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                self._push()
+        finally:
+            self._pushing = False
+
+    def _push(self) -> None:
         self.version += 1
         workers = []
         pickable = set()
@@ -199,8 +211,9 @@ class DataPlanes:
             url = worker.url
             stopped = self._stopped_at.get(url)
             count = sum(link.inflight.get(url, 0) for link in links)
-            if stopped is not None:
-                count += sum(1 for link in links if link.acked < stopped)
+            stale = 0 if stopped is None else sum(1 for link in links if link.acked < stopped)
+            count += stale
+            self._registry.set_picked_elsewhere(worker, stale > 0)
             totals[url] = count
             if count != worker.inflight or count == 0:
                 idle_at = max((link.idle_at.get(url, 0.0) for link in links), default=0.0)
@@ -223,30 +236,38 @@ class DataPlanes:
         """Every data plane's metric samples: the live ones' asked for now (a scrape), and the
         counters of those that exited as they were last collected."""
         self._metrics_requests += 1
-        request = self._metrics_requests
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
-        replies: dict[int, list] = {}
-        self._metrics_waiters[request] = (future, replies)
+        number = self._metrics_requests
+        waiting = self._metrics_waiters[number] = MetricsRequest(set(self._links))
         for link in self._links.values():
-            link.channel.send({"t": "metrics?", "n": request})
+            link.channel.send({"t": "metrics?", "n": number})
         try:
-            if self._links:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(future, METRICS_TIMEOUT_SECS)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(waiting.done.wait(), METRICS_TIMEOUT_SECS)
         finally:
-            del self._metrics_waiters[request]
+            del self._metrics_waiters[number]
         live = [sample for link in self._links.values() for sample in link.samples]
         return live + self._retired
 
     def _take_metrics(self, link: DataPlaneLink, message: Message) -> None:
-        waiter = self._metrics_waiters.get(message["n"])
-        if waiter is None:
-            return
-        future, replies = waiter
         link.samples = message["samples"]
-        replies[link.index] = link.samples
-        if not future.done() and set(replies) >= set(self._links):
-            future.set_result(None)
+        waiting = self._metrics_waiters.get(message["n"])
+        if waiting is not None:
+            waiting.answered(link.index)
+
+
+class MetricsRequest:
+    """The data planes a scrape still waits for; one that exits is not waited for."""
+
+    def __init__(self, indexes: set[int]) -> None:
+        self._waiting = indexes
+        self.done = asyncio.Event()
+        if not indexes:
+            self.done.set()
+
+    def answered(self, index: int) -> None:
+        self._waiting.discard(index)
+        if not self._waiting:
+            self.done.set()
 
 
 def entry_of(worker: Worker) -> dict[str, Any]:

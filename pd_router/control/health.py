@@ -84,11 +84,9 @@ class ProbeRecord:
     successes: int = 0
     failures: int = 0
     probed: bool = False
-    # Last reading: the process's start signature and extension epoch (restart detection), the
-    # bootstrap port it reported (a port in use that differs was configured, and is kept).
+    # Last reading: the process's start signature and extension epoch (restart detection).
     instance: str | None = None
     worker_epoch: int | None = None
-    reported_port: int | None = None
 
     def count(self, ok: bool) -> bool:
         """Count one probe outcome; returns whether it was the worker's first probe."""
@@ -243,6 +241,9 @@ class HealthMonitor:
             else:
                 log.warning("worker %s healthy again", worker.url, extra=self._fields(worker))
             self._registry.mark_recovered(worker)
+        elif worker.healthy and worker.last_error is not None:
+            # A failed probe below the failure threshold: the worker answers again.
+            self._registry.clear_error(worker)
         return worker.healthy
 
     def _log_unhealthy(self, worker: Worker, first: bool, error: str | None) -> None:
@@ -251,8 +252,8 @@ class HealthMonitor:
         fields = {**self._fields(worker), "error": error}
         if first:
             log.warning(
-                "worker %s (%s) does not answer its health probe; out of its pool until it does",
-                worker.url, worker.role.value, extra=fields,
+                "worker %s (%s) fails its health probe (%s); out of its pool until it passes",
+                worker.url, worker.role.value, error, extra=fields,
             )  # fmt: skip
         else:
             log.warning("worker %s unhealthy", worker.url, extra=fields)
@@ -321,16 +322,18 @@ class HealthMonitor:
             worker.role is Role.PREFILL
             and reading.bootstrap_port is not None
             and reading.bootstrap_port != worker.bootstrap_port
-            and worker.bootstrap_port == record.reported_port
         ):
+            # The port the worker serves KV on wins over one given for it (a decode sent to
+            # another port would wait for the KV until its bootstrap timeout).
             log.warning(
-                "prefill %s reports bootstrap port %d; using it",
-                worker.url,
-                reading.bootstrap_port,
-                extra={"worker": worker.url, "port": reading.bootstrap_port},
-            )
+                "prefill %s reports bootstrap port %d, not %s; using %d",
+                worker.url, reading.bootstrap_port, worker.bootstrap_port, reading.bootstrap_port,
+                extra={"worker": worker.url, "port": reading.bootstrap_port,
+                       "given_port": worker.bootstrap_port},
+            )  # fmt: skip
             self._registry.set_bootstrap_port(worker, reading.bootstrap_port)
-        record.reported_port = reading.bootstrap_port
+        if reading.switch_supported is not None:
+            self._registry.set_switch_supported(worker, reading.switch_supported)
         if reading.draining is worker.admitting:
             log.warning(
                 "worker %s draining; out of selection"

@@ -44,8 +44,7 @@ class RegistryPools:
         it, so the others cost nothing."""
         return choose(
             role,
-            self._registry.selectable(role),
-            lambda: self.circuit_panic_pool(role, avoid),
+            self._registry.selectable(role) or self.circuit_panic_pool(role, avoid),
             avoid,
             self.policies[role],
             prompt,

@@ -11,7 +11,8 @@ meanwhile, over.
 Talking. Each data plane gets one end of a Unix socketpair as its channel (see
 :mod:`pd_router.dataplane.channel`); the other end is handed to ``attach(index, sock)``, and
 ``detach(index)`` is called when the process exits. A data plane that exits while the router
-runs is started again after :data:`RESTART_DELAY_SECS`.
+runs is started again after :data:`RESTART_DELAY_SECS`, the delay doubling (up to
+:data:`MAX_RESTART_DELAY_SECS`) while it keeps exiting within :data:`STABLE_SECS` of its start.
 
 Stopping. :meth:`Supervisor.stop` closes the control process's copies of the sockets and sends
 SIGTERM to every data plane, which stops accepting and lets its requests in flight finish
@@ -31,14 +32,22 @@ from collections.abc import Awaitable, Callable, Sequence
 log = logging.getLogger("pd_router.supervisor")
 
 RESTART_DELAY_SECS = 0.2
+MAX_RESTART_DELAY_SECS = 10.0
+STABLE_SECS = 10.0
 STOP_KILL_AFTER_SECS = 5.0
 
 
 def reuseport_sockets(host: str, port: int, count: int, backlog: int) -> list[socket.socket]:
-    """``count`` listening sockets on one address (port 0: a free one, the same for all)."""
+    """``count`` listening sockets on one address (port 0: a free one, the same for all).
+    OSError (EADDRINUSE) if anything listens there already: SO_REUSEPORT alone would let this
+    router share the port with another one started with it."""
     family, kind, proto, _, address = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
+    if port:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
     sockets: list[socket.socket] = []
     try:
         for _ in range(count):
@@ -83,7 +92,6 @@ class Supervisor:
         self._processes: dict[int, asyncio.subprocess.Process] = {}
         self._runs: list[asyncio.Task] = []
         self._stopping = False
-        self.restarts = 0
 
     @property
     def pids(self) -> dict[int, int]:
@@ -95,7 +103,10 @@ class Supervisor:
 
     async def _run(self, index: int) -> None:
         """Keep data plane ``index`` running until the router stops."""
+        delay = RESTART_DELAY_SECS / 2  # doubled before the first restart
+        loop = asyncio.get_running_loop()
         while not self._stopping:
+            started = loop.time()
             try:
                 proc = await self._spawn(index)
             except OSError as exc:
@@ -110,8 +121,9 @@ class Supervisor:
                     "data plane %d (pid %d) exited with %s; starting it again",
                     index, proc.pid, returncode, extra={"dataplane": index},
                 )  # fmt: skip
-                self.restarts += 1
-            await asyncio.sleep(RESTART_DELAY_SECS)
+            stable = loop.time() - started >= STABLE_SECS
+            delay = RESTART_DELAY_SECS if stable else min(2 * delay, MAX_RESTART_DELAY_SECS)
+            await asyncio.sleep(delay)
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -67,19 +67,35 @@ class SwitchReply:
         return str(self.body.get("message", ""))
 
 
+class NotAWorker(ControlError):
+    """The url answers as a PD router (pd-router or mini_lb: its ``/server_info`` lists prefill
+    and decode pools), not as a prefill or decode worker."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(
+            url,
+            "/server_info",
+            "this is a PD router (its /server_info lists prefill and decode pools), not a "
+            "prefill or decode worker: give this router the workers behind that one",
+        )
+
+
 @dataclass(frozen=True)
 class RoleReading:
     """The role a worker reports for itself and its KV bootstrap port, and what tells one
     server process from the next: ``instance``, its start signature (``started_at`` of
     ``/pd_role``, else the ``startup_time`` durations of ``internal_states[0]``, which differ
     from one start to the next), and ``epoch`` (extension: role changes since it started).
-    ``draining`` (extension) is true while its admission is closed."""
+    ``draining`` (extension) is true while its admission is closed. ``switch_supported``: whether
+    it can switch roles at all (``/pd_role``, else ``enable_pd_role_switch`` of ``/server_info``;
+    None when it does not say)."""
 
     role: Role | None
     bootstrap_port: int | None
     epoch: int | None = None
     instance: str | None = None
     draining: bool = False
+    switch_supported: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -152,13 +168,17 @@ class WorkerControl:
                 epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
                 instance=_signature(body.get("started_at")),
                 draining=body.get("draining") is True,
+                switch_supported=_flag(body.get("switch_supported")),
             )
         info = await self.server_info(worker.url)
+        if _is_router(info):
+            raise NotAWorker(worker.url)
         state = _live_state(info)
         return RoleReading(
             _role(state.get("disaggregation_mode")),
             _port(info.get("disaggregation_bootstrap_port")),
             instance=_signature(state.get("startup_time", info.get("startup_time"))),
+            switch_supported=_flag(info.get("enable_pd_role_switch")),
         )
 
     async def read_load(self, worker: Worker) -> LoadReading:
@@ -292,6 +312,19 @@ def _role(value: Any) -> Role | None:
 
 def _port(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _is_router(info: dict[str, Any]) -> bool:
+    """A router's ``/server_info`` groups its workers' by pool; a worker's has its own args."""
+    return (
+        isinstance(info.get("prefill"), list)
+        and isinstance(info.get("decode"), list)
+        and "disaggregation_mode" not in info
+    )
+
+
+def _flag(value: Any) -> bool | None:
+    return value if isinstance(value, bool) else None
 
 
 def _int(value: Any) -> int:

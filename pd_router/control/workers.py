@@ -35,8 +35,9 @@ logger = logging.getLogger(__name__)
 class WorkerState(StrEnum):
     """A conversion: ACTIVE -> DRAINING -> SWITCHING -> ACTIVE (new role), DRAINING -> ACTIVE on
     abort, -> FAILED on an unsafe failure (out of every pool until re-added). A removal: ACTIVE or
-    FAILED -> REMOVING (waiting for the router's in-flight requests) -> forgotten. Only ACTIVE
-    workers are selectable."""
+    FAILED -> REMOVING (waiting for the router's in-flight requests) -> forgotten, or REMOVING ->
+    ACTIVE when the cluster record whose going began it comes back. Only ACTIVE workers are
+    selectable."""
 
     ACTIVE = "active"
     DRAINING = "draining"
@@ -52,7 +53,7 @@ TRANSITIONS: dict[WorkerState, frozenset[WorkerState]] = {
     ),
     WorkerState.SWITCHING: frozenset({WorkerState.ACTIVE, WorkerState.FAILED}),
     WorkerState.FAILED: frozenset({WorkerState.ACTIVE, WorkerState.REMOVING}),
-    WorkerState.REMOVING: frozenset(),
+    WorkerState.REMOVING: frozenset({WorkerState.ACTIVE}),
 }
 
 # The states in which a conversion holds the worker (and only those).
@@ -156,10 +157,16 @@ class Worker:
     # planes' reports in a multi-process router, None in one process).
     idle_at: float | None = None
     has_extensions: bool | None = None
+    # Whether the worker can switch roles (None: it has not said yet).
+    switch_supported: bool | None = None
     last_error: str | None = None
     conversion_id: str | None = None
     bootstrap_host: str = ""
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    # Set while no process of this router may pick the worker unless it is selectable here:
+    # always in one process; in a multi-process router, cleared from its leaving selection
+    # until every data plane acked the snapshot that says so.
+    _unpicked: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # The worker_inflight{worker,role} child for the current role, so the hot path does no
     # label lookup per request.
     _inflight_gauge: Any = field(default=None, repr=False)
@@ -167,6 +174,7 @@ class Worker:
     def __post_init__(self) -> None:
         self.bootstrap_host = bootstrap_host(self.url)
         self._idle.set()
+        self._unpicked.set()
 
     @property
     def selectable(self) -> bool:
@@ -181,6 +189,15 @@ class Worker:
         """Return once the router has no request in flight on this worker (event-driven)."""
         await self._idle.wait()
 
+    @property
+    def picked_elsewhere(self) -> bool:
+        """Whether a data plane may still pick this worker though it left selection."""
+        return not self._unpicked.is_set()
+
+    async def wait_until_unpicked(self) -> None:
+        """Return once no data plane may pick this worker any more (at once in one process)."""
+        await self._unpicked.wait()
+
     def as_dict(self) -> dict:
         return {
             "id": self.id,
@@ -194,6 +211,7 @@ class Worker:
             "inflight": self.inflight,
             "circuit": self.circuit.state.value,
             "has_extensions": self.has_extensions,
+            "switch_supported": self.switch_supported,
             "last_error": self.last_error,
             "conversion": self.conversion_id,
         }
@@ -291,6 +309,14 @@ class WorkerRegistry:
         self._require_free(worker)
         self._move(worker, WorkerState.REMOVING)
 
+    def readmit(self, worker: Worker) -> None:
+        """REMOVING -> ACTIVE: a removal that began because the worker's cluster record went is
+        called off, the record being back. Its in-flight requests never stopped."""
+        self._require_registered(worker)
+        if worker.state is not WorkerState.REMOVING:
+            raise InvalidTransition(worker, WorkerState.ACTIVE)
+        self._move(worker, WorkerState.ACTIVE)
+
     def forget(self, worker: Worker) -> None:
         """Drop a REMOVING worker and its metric series (the end of a removal)."""
         self._require_registered(worker)
@@ -340,6 +366,12 @@ class WorkerRegistry:
     def selectable(self, role: Role) -> list[Worker]:
         """ACTIVE, healthy workers of ``role`` whose circuit lets a request through."""
         return [w for w in self._by_url.values() if w.role is role and w.selectable]
+
+    def remaining_below(self, worker: Worker, minimum: int) -> int | None:
+        """How many active healthy workers ``worker``'s pool keeps without it, when that is
+        fewer than ``minimum`` (None: the pool keeps its minimum)."""
+        remaining = self.active_healthy_count(worker.role, excluding=worker)
+        return remaining if remaining < minimum else None
 
     def active_healthy_count(self, role: Role, excluding: Worker | None = None) -> int:
         return sum(
@@ -426,6 +458,16 @@ class WorkerRegistry:
         if self.registered(worker):
             worker.last_error = error
 
+    def clear_error(self, worker: Worker) -> None:
+        """The worker answers again: its last error is history, not its state."""
+        if self.registered(worker):
+            worker.last_error = None
+
+    def set_switch_supported(self, worker: Worker, supported: bool) -> None:
+        """Whether the worker reported it can switch roles."""
+        if self.registered(worker):
+            worker.switch_supported = supported
+
     def set_bootstrap_port(self, worker: Worker, port: int) -> None:
         """The KV bootstrap port a prefill reported for itself."""
         if self.registered(worker) and worker.bootstrap_port != port:
@@ -453,6 +495,7 @@ class WorkerRegistry:
         if not self.registered(worker):
             return
         worker.circuit.reset()
+        worker.last_error = None
         self.set_health(worker, True)
 
     def note_restart(self, worker: Worker, *, forget_protocol: bool) -> None:
@@ -540,6 +583,14 @@ class WorkerRegistry:
         if worker.inflight <= 0:
             worker.inflight = 0
             worker._idle.set()
+
+    def set_picked_elsewhere(self, worker: Worker, picked: bool) -> None:
+        """Whether a data plane of a multi-process router may still pick ``worker``, which
+        left selection, because it has not acked the snapshot that says so."""
+        if picked:
+            worker._unpicked.clear()
+        else:
+            worker._unpicked.set()
 
     def set_inflight(self, worker: Worker, count: int, idle_at: float) -> None:
         """The in-flight count the data planes of a multi-process router report in sum

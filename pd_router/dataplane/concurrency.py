@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import time
 from collections import deque
@@ -41,6 +42,16 @@ class AdmissionConfig:
     queue_size: int = 100
     queue_timeout_secs: float = 60.0
     rate_limit_tokens_per_second: float = 0.0
+
+    def shared_by(self, processes: int) -> AdmissionConfig:
+        """The share of one of ``processes`` data planes: each admits its part of the
+        limits, so the router as a whole keeps them (up to the spread of connections)."""
+        return dataclasses.replace(
+            self,
+            max_concurrent_requests=-(-self.max_concurrent_requests // processes),
+            queue_size=-(-self.queue_size // processes),
+            rate_limit_tokens_per_second=self.rate_limit_tokens_per_second / processes,
+        )
 
 
 class TooManyRequests(RouterError):

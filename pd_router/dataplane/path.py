@@ -42,19 +42,16 @@ class Pools(Protocol):
 
 def choose(
     role: Role,
-    selectable: Sequence[Target],
-    panic: Callable[[], Sequence[Target]],
+    workers: Sequence[Target],
     avoid: Iterable[Target],
     policy: Policy,
     prompt: Callable[[], str] | None,
     count_refusal: Callable[[str], None],
 ) -> Target:
-    """The pick of a pool, wherever its workers come from: one of ``selectable`` (or, when
-    none is, of the ``panic`` pool: workers kept out only by their circuits), preferring those
-    not in ``avoid`` (they already failed this request), chosen by ``policy``; NoWorkers (and
-    a refusal counted) if there is none. ``prompt`` is called only for a policy that needs
-    it."""
-    workers = selectable or panic()
+    """The pick of a pool, wherever its workers come from: one of ``workers`` (the selectable
+    ones, or when none is, those kept out only by their circuits), preferring those not in
+    ``avoid`` (they already failed this request), chosen by ``policy``; NoWorkers (and a
+    refusal counted) if there is none. ``prompt`` is called only for a policy that needs it."""
     if avoid and len(workers) > 1:
         avoided = set(avoid)
         fresh = [w for w in workers if w not in avoided]

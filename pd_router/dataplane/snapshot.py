@@ -207,8 +207,7 @@ class SnapshotPools:
         pool = self._pools[role]
         return choose(
             role,
-            [m for m in pool if m.circuit.allows()],
-            lambda: without(pool, avoid),
+            [m for m in pool if m.circuit.allows()] or without(pool, avoid),
             avoid,
             self.policies[role],
             prompt,

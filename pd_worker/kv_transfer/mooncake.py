@@ -13,8 +13,13 @@ is; ``host`` is only what the endpoint advertises.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
+import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -38,6 +43,12 @@ FAILURES = {
     "registered)",
     -2: "the transfer timed out",
 }
+# What the engine logs at ERROR level while initializing although nothing failed: the lookup of
+# its own segment before anything is registered.
+BENIGN_INIT_ERROR = "Local segment descriptor not found"
+
+log = logging.getLogger("pd_worker.kv_transfer")
+
 # batch_transfer_async_read's batch id when it could not open the peer or submit the batch.
 SUBMIT_FAILED = (0, (1 << 64) - 1)
 
@@ -70,7 +81,9 @@ class MooncakeTransport:
         # operator's value wins, else a stalled peer fails a pull after this many seconds.
         os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(PROGRESS_TIMEOUT_SECS))
         engine = engine_class()
-        if engine.initialize(host, P2P_HANDSHAKE, PROTOCOL, "") != 0:
+        with _native_stderr_filtered():
+            status = engine.initialize(host, P2P_HANDSHAKE, PROTOCOL, "")
+        if status != 0:
             raise TransportUnavailable(
                 f"mooncake transfer engine failed to initialize on {host} ({PROTOCOL})"
             )
@@ -140,6 +153,29 @@ class MooncakeTransport:
             self.unregister(ptr)
         self._engine = None
         self._executor.shutdown(wait=False)
+
+
+@contextlib.contextmanager
+def _native_stderr_filtered() -> Iterator[None]:
+    """Hold what the engine's C++ logging writes to stderr (file descriptor 2) inside the block,
+    then pass it on without its benign ERROR line, which goes to this module's debug log."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            lines = held.read().decode(errors="replace").splitlines(keepends=True)
+    for line in lines:
+        if BENIGN_INIT_ERROR in line:
+            log.debug("mooncake: %s", line.strip())
+        else:
+            sys.stderr.write(line)
+    sys.stderr.flush()
 
 
 def read_ranges(engine: Any, endpoint: str, copies: list[tuple[int, int, int]]) -> str | None:

@@ -41,7 +41,7 @@ Each decision carries its reason in words with the numbers it was made on.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -223,12 +223,18 @@ class AutopilotPolicy:
 
     def step(self, sample: Sample) -> Decision:
         if sample.converting:
-            # The pools are mid-change: what they show now says nothing about either split.
-            # The cooldown runs from the end of the conversion.
+            # The pools are mid-change: what they show now says nothing about either split, so
+            # the sample joins neither the window nor the over-target clocks; the loads shown
+            # are this sample's alone. The cooldown runs from the end of the conversion.
             self._last_conversion = sample.at
+            self.loads = {
+                role: self._pool_load(role, sample, (sample,), clock=False) for role in ROLES
+            }
             return self._hold(sample, "a conversion is running")
         self._remember(sample)
-        self.loads = {role: self._pool_load(role, sample) for role in ROLES}
+        self.loads = {
+            role: self._pool_load(role, sample, self._window, clock=True) for role in ROLES
+        }
         return self._decide(sample)
 
     # --- smoothing -----------------------------------------------------------------------
@@ -239,18 +245,26 @@ class AutopilotPolicy:
         while len(self._window) > 1 and self._window[0].at < horizon:
             self._window.popleft()
 
-    def _pool_load(self, role: str, now: Sample) -> PoolLoad:
+    def _pool_load(
+        self, role: str, now: Sample, samples: Iterable[Sample], *, clock: bool
+    ) -> PoolLoad:
+        """The pool's load over ``samples``; with ``clock`` its over-target clock advances
+        (not for a sample taken while a conversion runs)."""
         specs = self._specs(role)
-        series = {spec.name: self._series(role, spec) for spec in specs}
+        series = {spec.name: _series(role, spec, samples) for spec in specs}
         measures = tuple(
             Measure(spec.name, _mean(series[spec.name]), spec.target, spec.unit, spec.scales)
             for spec in specs
         )
-        refused = sum(s.no_worker_503s.get(role, 0) for s in self._window)
+        refused = sum(s.no_worker_503s.get(role, 0) for s in samples)
         ratio = max(m.ratio for m in measures)
         if refused:
             ratio = max(ratio, REFUSED_RATIO)
-        over_for = self._track_over(role, ratio, now.at)
+        if clock:
+            over_for = self._track_over(role, ratio, now.at)
+        else:
+            since = self._over_since[role]
+            over_for = 0.0 if since is None else now.at - since
         falling = not refused and self._falling(measures, series)
         return PoolLoad(role, len(now.pool(role)), measures, ratio, refused, over_for, falling)
 
@@ -287,10 +301,6 @@ class AutopilotPolicy:
             specs.append(_Spec("wait after prefill p90", "ms", c.ttft_slo_ms, False,
                                lambda s: s.decode_wait_p90_ms))  # fmt: skip
         return specs
-
-    def _series(self, role: str, spec: _Spec) -> list[float]:
-        """The measure's values over the window, oldest first."""
-        return [v for v in (spec.read(s) for s in self._window if s.pool(role)) if v is not None]
 
     def _track_over(self, role: str, ratio: float, now: float) -> float:
         """Seconds the pool has been over target: the clock starts above the band and stops
@@ -400,6 +410,11 @@ class _Spec:
     target: float
     scales: bool
     read: Callable[[Sample], float | None]
+
+
+def _series(role: str, spec: _Spec, samples: Iterable[Sample]) -> list[float]:
+    """The measure's values over ``samples``, oldest first."""
+    return [v for v in (spec.read(s) for s in samples if s.pool(role)) if v is not None]
 
 
 def _mean(values: list[float]) -> float:

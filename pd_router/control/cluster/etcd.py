@@ -56,6 +56,7 @@ from pd_router.control.workers import (
     Worker,
     WorkerRegistry,
     WorkerState,
+    normalize_url,
 )
 from pd_router.errors import ClusterUnavailable
 
@@ -77,6 +78,9 @@ RETRY_MAX_SECS = 2.0
 ORPHAN_GRACE_SECS = 0.2
 # How often a claim catches up with records that changed under it before it gives up.
 CLAIM_CATCH_UPS = 3
+# How long a worker that serves stays in the pools after its record went without a removal, in
+# lease TTLs: one for the worker to find its lease expired, one to register again.
+UNREGISTERED_GRACE_TTLS = 2
 
 
 class EtcdCluster:
@@ -110,11 +114,13 @@ class EtcdCluster:
         self.view = ClusterView(self._keys)
         self.mirror = Mirror(
             registry,
+            self.view,
             self.replica_id,
             probe=probe,
             report_drained=self._report_drained,
             spawn=spawn,
             removal_timeout_secs=config.worker_removal_timeout_secs,
+            grace_secs=UNREGISTERED_GRACE_TTLS * self._ttl,
         )
         self._clients: list[EtcdClient] = []
         self._current = 0
@@ -128,6 +134,7 @@ class EtcdCluster:
         self._slots: dict[str, str] = {}
         self._settling: set[str] = set()
         registry.on_adopted(self._publish_adopted)
+        metrics.cluster_unregistered_workers.set_function(lambda: self.mirror.unregistered_count)
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -153,6 +160,7 @@ class EtcdCluster:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+        self.mirror.stop()
         lease, self._lease = self._lease, None
         if lease is not None and self._up:
             try:
@@ -176,6 +184,7 @@ class EtcdCluster:
             "leader": self.view.leader,
             "replicas": sorted(self.view.replicas),
             "conversions": dict(sorted(self.view.locks.items())),
+            **self.mirror.as_dict(),
         }
 
     # --- following etcd ---------------------------------------------------------------------
@@ -197,7 +206,8 @@ class EtcdCluster:
                 delay = min(delay * 2, RETRY_MAX_SECS)
 
     async def _join(self) -> None:
-        """Lease, presence, the configured workers (once), a full read, an election."""
+        """Lease, presence, the configured workers (once, and again when etcd lost its data),
+        a full read, an election."""
         if self._lease is None:
             lease = await self._etcd("grant", lambda c: c.grant_lease(self._ttl))
             self._lease = lease.id
@@ -216,8 +226,16 @@ class EtcdCluster:
             await self._seed()
             self._seeded = True
         kvs, revision = await self._etcd("read", lambda c: c.get_prefix(self._keys.root))
+        if revision < self.view.revision:
+            log.warning(
+                "etcd is at revision %d, before the %d this replica saw: its data was restored "
+                "or lost; putting the workers of this replica's configuration back",
+                revision, self.view.revision,
+            )  # fmt: skip
+            await self._seed()
+            kvs, revision = await self._etcd("read", lambda c: c.get_prefix(self._keys.root))
         self.view.reset(kvs, revision)
-        self.mirror.sync_all(self.view)
+        self.mirror.sync_all()
         if not self._up:
             log.info("joined cluster %s as replica %s", self.name, self.replica_id)
         self._set_up(True)
@@ -258,7 +276,7 @@ class EtcdCluster:
         async for event in watch:
             url = self.view.apply(event)
             if url is not None:
-                self.mirror.changed(url, self.view)
+                self.mirror.changed(url)
             elif event.type is EventType.DELETE:
                 self._after_delete(event.kv.key)
             self._export()
@@ -270,10 +288,14 @@ class EtcdCluster:
             self._spawn(self._settle_orphans_soon())
 
     async def _keepalive(self) -> None:
-        """Refresh the lease every third of its TTL; etcd being away marks the replica down
-        (and up again when it answers); a lost lease ends the follow, to join afresh."""
+        """Refresh the lease every third of its TTL, and sooner while etcd does not answer, so
+        a stall shorter than the TTL costs nothing and the end of a longer one is seen at once;
+        etcd being away marks the replica down (and up again when it answers); a lost lease
+        ends the follow, to join afresh (the workers whose records went meanwhile keep serving
+        through the mirror's grace period, so nothing in flight here is dropped)."""
+        delay, retry = self._ttl / 3, RETRY_INITIAL_SECS
         while True:
-            await asyncio.sleep(self._ttl / 3)
+            await asyncio.sleep(delay)
             lease = self._lease
             if lease is None:
                 return
@@ -287,7 +309,9 @@ class EtcdCluster:
                 if self._up:
                     log.warning("etcd unreachable (%s); routing on the last state seen", exc)
                 self._set_up(False)
+                delay, retry = retry, min(retry * 2, self._ttl / 3)
                 continue
+            delay, retry = self._ttl / 3, RETRY_INITIAL_SECS
             if not self._up:
                 log.info("etcd reachable again")
                 self._set_up(True)
@@ -507,7 +531,7 @@ class EtcdCluster:
         own = self._own.pop(conversion_id, None)
         self.mirror.own_conversions.discard(conversion_id)
         if own is not None:
-            self.mirror.changed(own[0], self.view)
+            self.mirror.changed(own[0])
 
     async def _report_drained(self, conversion_id: str) -> None:
         """Say that this replica has nothing in flight on the worker ``conversion_id`` drains
@@ -580,9 +604,11 @@ class EtcdCluster:
 
     async def add_worker(self, url: str, role: Role, bootstrap_port: int | None) -> Worker:
         """Published first; the record's echo may have brought the worker into this replica's
-        registry before the publication answered, else it is added here."""
+        registry before the publication answered, else it is added here. A worker serving here
+        without a record (its grace period, or the last of its pool) gets its record back."""
         registry = self._registry
-        registry.check_addable(url)
+        if not self.mirror.without_record(normalize_url(url)):
+            registry.check_addable(url)
         with self._agreement("adding workers"):
             await self._add_worker(url, role, bootstrap_port)
         try:
@@ -618,7 +644,17 @@ class EtcdCluster:
             registry.begin_removal(worker)
 
     async def _begin_removal(self, worker: Worker) -> None:
-        stored = self._stored(worker)
+        stored = self.view.records.get(worker.url)
+        if stored is None:
+            # Serving here without a record (its grace period, or the last of its pool): a
+            # record saying it is being removed tells the other replicas too.
+            removing = WorkerRecord(
+                worker.url, worker.role.value, worker.bootstrap_port,
+                state=WorkerState.REMOVING.value, epoch=worker.epoch,
+            )  # fmt: skip
+            key = self._keys.worker(worker.url)
+            await self._etcd("remove", lambda c: c.put_if_absent(key, removing.encode()))
+            return
         removing = stored.record.evolve(state=WorkerState.REMOVING.value)
         key = stored.key
         await self._etcd(
@@ -629,10 +665,11 @@ class EtcdCluster:
         )
 
     async def end_removal(self, worker: Worker) -> None:
+        stored = self.view.records.get(worker.url)
+        key = stored.key if stored is not None else self._keys.worker(worker.url)
         try:
-            key = self._stored(worker).key
             await self._etcd("remove", lambda c: c.delete(key))
-        except (EtcdError, ConversionRefused) as exc:
+        except EtcdError as exc:
             log.warning("worker %s: removal not published: %s", worker.url, exc)
 
     def _publish_adopted(self, worker: Worker) -> None:

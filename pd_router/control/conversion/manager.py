@@ -19,6 +19,7 @@ meanwhile; how each step is done over the native or the extension protocol is in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -236,6 +237,16 @@ class ConversionManager:
             raise ConversionRefused(exc.reason, str(exc)) from exc
         return target
 
+    def refusal(self, worker: Worker) -> str | None:
+        """Why a conversion of ``worker`` would be refused whatever else runs (the worker
+        cannot switch, or its pool would fall under its minimum); None if it would not be."""
+        try:
+            self._refuse_switch_unsupported(worker)
+            self._refuse_below_minimum(worker)
+        except ConversionRefused as exc:
+            return exc.message
+        return None
+
     def _refuse_if_unsafe(self, worker: Worker) -> None:
         running = len(self._registry.converting())
         if running >= self._max_concurrent:
@@ -243,13 +254,24 @@ class ConversionManager:
                 "too_many_conversions",
                 f"{running} conversion(s) running; the limit is {self._max_concurrent}",
             )
+        self._refuse_switch_unsupported(worker)
         self._refuse_below_minimum(worker)
+
+    @staticmethod
+    def _refuse_switch_unsupported(worker: Worker) -> None:
+        """A worker that said it cannot switch roles (its probes read it) would refuse the
+        switch after its drain."""
+        if worker.switch_supported is False:
+            raise ConversionRefused(
+                "switch_not_supported",
+                f"{worker.url} cannot switch roles (launched without --enable-pd-role-switch)",
+            )
 
     def _refuse_below_minimum(self, worker: Worker) -> None:
         """The worker's pool keeps its minimum of active, healthy workers without it."""
-        remaining = self._registry.active_healthy_count(worker.role, excluding=worker)
         minimum = self._minimum[worker.role]
-        if remaining < minimum:
+        remaining = self._registry.remaining_below(worker, minimum)
+        if remaining is not None:
             raise ConversionRefused(
                 f"min_{worker.role.value}",
                 f"converting {worker.url} would leave {remaining} active healthy "
@@ -303,17 +325,24 @@ class ConversionManager:
         backoff. Asking the worker first would put one more round trip between the last
         request ending and the switch."""
         conv.progress["router_inflight_at_start"] = conv.worker.inflight
-        started = time.monotonic()
+        if conv.worker.picked_elsewhere:
+            # Closed before every data plane took the worker out of selection, the worker's
+            # admission would answer 503 to their picks meanwhile (each retried elsewhere).
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    conv.worker.wait_until_unpicked(), max(0.0, deadline - time.monotonic())
+                )
         await protocol.close_admission(conv)
+        admission_closed = time.monotonic()
         if conv.request.drain:
             await self._wait_router_idle(conv, deadline)
             await self._wait_peers_idle(conv, deadline)
-        # When the router's last request on the worker ended (or the drain began, if that was
-        # later): now in one process; in a multi-process router, when the last data plane's
-        # did, its report coming after.
+        # When the router's last request on the worker ended (or the worker's admission
+        # closed, if that was later): now in one process; in a multi-process router, when the
+        # last data plane's did, its report coming after.
         idle_at = conv.worker.idle_at
         conv.timings["router_idle_at"] = (
-            max(idle_at, started) if idle_at is not None else time.monotonic()
+            max(idle_at, admission_closed) if idle_at is not None else time.monotonic()
         )
         conv.timings["drain_s"] = conv.phases[-1].end()
         logger.info("conversion %s: drained in %.3fs", conv.id, conv.timings["drain_s"])
