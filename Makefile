@@ -6,7 +6,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 TORCH_STAMP := $(VENV)/.installed-torch
 
-.PHONY: install browser demo demo-torch test lint bench bench-worker bench-overhead bench-convert bench-rebalance screenshot clean
+.PHONY: install browser kube-apiserver demo demo-torch test lint bench bench-worker bench-overhead bench-convert bench-rebalance screenshot clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -44,7 +44,13 @@ browser:
 		else echo "not installed:$$missing: the tests that need them will be skipped"; fi; \
 	fi
 
-test: $(TORCH_STAMP) browser
+# A kube-apiserver for the Kubernetes discovery tests, built once from Debian's source package
+# (about 6 minutes and 1.3 GB of memory the first time, then cached in ~/.cache/pd-router);
+# when it cannot be built those tests skip, saying why.
+kube-apiserver: browser
+	@tests/k8s/build_kube_apiserver.sh >/dev/null || echo "no kube-apiserver: the Kubernetes tests will be skipped"
+
+test: $(TORCH_STAMP) browser kube-apiserver
 	$(VENV)/bin/python -m pytest -q
 
 lint: $(STAMP)

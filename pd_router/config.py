@@ -22,6 +22,8 @@ from urllib.parse import urlsplit
 from pd_router.control.autopilot.policy import MODES, AutopilotConfig
 from pd_router.control.circuit import CircuitConfig
 from pd_router.control.cluster.config import ClusterConfig
+from pd_router.control.discovery.config import PROVIDERS, DiscoveryConfig
+from pd_router.control.discovery.selectors import Selector, SelectorError
 from pd_router.control.workers import normalize_url
 from pd_router.dataplane.concurrency import AdmissionConfig
 from pd_router.dataplane.http1 import LegLimits
@@ -110,6 +112,10 @@ class RouterConfig:
     request_id_headers: tuple[str, ...] = ()
     worker_removal_timeout_secs: float = 300.0
     admin_api_key: str | None = field(default=None, repr=False)
+    # A file holding the admin key (read at start-up; instead of admin_api_key).
+    admin_api_key_file: str | None = None
+    # Serve the admin API without a key on an address other hosts can reach.
+    allow_unauthenticated: bool = False
     worker_api_key: str | None = field(default=None, repr=False)
     log_level: str = "info"
     log_format: str = "json"
@@ -124,6 +130,7 @@ class RouterConfig:
     tls: TLSConfig = field(default_factory=TLSConfig)
     cache_aware: CacheAwareConfig = field(default_factory=CacheAwareConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def policy_of(self, role: Role) -> str:
@@ -142,6 +149,7 @@ SECTIONS: Mapping[str, type] = types.MappingProxyType(
         "tls": TLSConfig,
         "cache_aware": CacheAwareConfig,
         "cluster": ClusterConfig,
+        "discovery": DiscoveryConfig,
         "server": ServerConfig,
     }
 )
@@ -190,8 +198,26 @@ def build_config(data: dict[str, Any]) -> RouterConfig:
         else:
             kwargs[key] = value
     config = parse_section("", RouterConfig, kwargs, skip=("prefill", "decode", *SECTIONS))
+    config = with_admin_key_file(config)
     validate(config)
     return config
+
+
+def with_admin_key_file(config: RouterConfig) -> RouterConfig:
+    """``config`` with the key read from ``admin_api_key_file`` (its one line), if named."""
+    path = config.admin_api_key_file
+    if path is None:
+        return config
+    if config.admin_api_key is not None:
+        raise ConfigError("admin_api_key_file", "set admin_api_key or admin_api_key_file, not both")
+    try:
+        key = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not a text file"
+        raise ConfigError("admin_api_key_file", f"cannot read {path}: {reason}") from None
+    if not key:
+        raise ConfigError("admin_api_key_file", f"{path} is empty")
+    return dataclasses.replace(config, admin_api_key=key)
 
 
 def parse_workers(key: str, value: Any) -> tuple[WorkerSpec, ...]:
@@ -332,6 +358,7 @@ def validate(config: RouterConfig) -> None:
     validate_tls(config.tls)
     validate_cache_aware(config.cache_aware)
     validate_cluster(config.cluster)
+    validate_discovery(config.discovery)
     for key in ("admin_api_key", "worker_api_key"):
         value = getattr(config, key)
         if value is not None and not (
@@ -352,11 +379,42 @@ def validate_cluster(c: ClusterConfig) -> None:
             raise ConfigError(f"cluster.etcd[{i}]", f"not an http(s) url: {endpoint!r}")
     if c.enabled and not c.name:
         raise ConfigError("cluster.name", "required with cluster.etcd (--cluster NAME)")
+    if c.name and not c.enabled:
+        raise ConfigError("cluster.etcd", "required with cluster.name (--cluster needs --etcd URL)")
     if "/" in c.name:
         raise ConfigError("cluster.name", f"must not contain '/': {c.name!r}")
     if not c.prefix.startswith("/"):
         raise ConfigError("cluster.prefix", f"must start with '/': {c.prefix!r}")
     check_positive("cluster.lease_ttl_secs", c.lease_ttl_secs)
+
+
+def validate_discovery(d: DiscoveryConfig) -> None:
+    provider = d.active_provider
+    if provider is not None and provider not in PROVIDERS:
+        raise ConfigError("discovery.provider", f"must be one of {', '.join(PROVIDERS)}")
+    if provider == "file" and not d.file:
+        raise ConfigError("discovery.file", "required with the file provider (--discovery-file)")
+    selectors = {}
+    for key in ("selector", "prefill_selector", "decode_selector"):
+        try:
+            selectors[key] = Selector.parse(getattr(d, key))
+        except SelectorError as exc:
+            raise ConfigError(f"discovery.{key}", str(exc)) from None
+    if provider == "kubernetes" and not any(selectors.values()):
+        raise ConfigError(
+            "discovery.selector",
+            "Kubernetes discovery needs --selector or --prefill-selector/--decode-selector",
+        )
+    check_port("discovery.port", d.port)
+    check_positive("discovery.check_interval_secs", d.check_interval_secs)
+    source = d.model_id_from
+    if source is not None and source != "namespace":
+        kind, _, key = source.partition(":")
+        if kind not in ("label", "annotation") or not key:
+            raise ConfigError(
+                "discovery.model_id_from",
+                f"namespace, label:KEY or annotation:KEY, not {source!r}",
+            )
 
 
 def validate_cors(origins: tuple[str, ...]) -> None:

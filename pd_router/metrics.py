@@ -121,6 +121,22 @@ class RouterMetrics:
             "lease expired: a grace period, or the last healthy worker of a pool).",
             registry=r,
         )
+        self.discovery_discovered_total = Counter(
+            PREFIX + "discovery_discovered_total",
+            "Workers discovery registered (a Ready pod's port, a manifest entry), by provider.",
+            ["provider"], registry=r,
+        )  # fmt: skip
+        self.discovery_removed_total = Counter(
+            PREFIX + "discovery_removed_total",
+            "Discovered workers removed, by provider and reason (not_ready, not_running, "
+            "terminating, deleted, unselected, unlisted, replaced).",
+            ["provider", "reason"], registry=r,
+        )  # fmt: skip
+        self.discovery_label_patches_total = Counter(
+            PREFIX + "discovery_label_patches_total",
+            "Pod role label patches: converted, repaired, forbidden (no RBAC patch), failed.",
+            ["outcome"], registry=r,
+        )  # fmt: skip
 
     def forget_worker(self, worker: str, role: str, states: Iterable[str]) -> None:
         """Drop a removed worker's labelled series (``worker_state`` for each of ``states``) so

@@ -21,9 +21,11 @@ import signal
 import sys
 import warnings
 from dataclasses import fields
+from importlib.metadata import version
 from typing import NoReturn
 
 from pd_protocol.cluster import DEFAULT_LEASE_TTL_SECS, DEFAULT_PREFIX
+from pd_protocol.listen import ListenError, check_can_listen
 from pd_protocol.registration import FlagNames, RegistrationSettings
 from pd_protocol.wire import ROLES
 from pd_worker.config import DEFAULT_BOOTSTRAP_PORT, DEFAULT_PORT, WorkerConfig
@@ -34,6 +36,7 @@ from pd_worker.timing import PROFILES, TimingModel, profile
 REGISTRATION_FLAGS = FlagNames("--etcd", "--cluster", "--advertise-url")
 
 USAGE_ERROR = 2
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 # The torch engine's default KV pool: every slot is a real tensor row, so far fewer than the
 # timing model's modeled capacity.
 TORCH_KV_SLOTS = 4096
@@ -108,6 +111,10 @@ def _registration(
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pd-worker", description="Reference SGLang PD worker (no GPU).")
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {version('pd-router')}",
+        help="print the version and exit",
+    )  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     serve = sub.add_parser("serve", help="run one worker")
     serve.add_argument(
@@ -152,7 +159,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--model-config", default=None, metavar="PATH",
         help="the torch engine's model config (default: configs/torch-model.json)",
     )  # fmt: skip
-    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default="info")
     serve.add_argument(
         "--parent-pid", type=int, default=None, help="exit when this process is gone (clusters)"
     )
@@ -220,6 +227,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     registration = _registration(parser, args)
+    if config.engine == "torch":
+        _check_model_config(parser, config.model_config)
+    try:
+        check_can_listen(config.host, config.bootstrap_port, "--bootstrap-port")
+        check_can_listen(config.host, config.port, "--port")
+    except ListenError as exc:
+        parser.error(str(exc))
     # torch's CPU build warns on import when NumPy is absent; the torch engine never uses NumPy.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     logging.basicConfig(
@@ -229,11 +243,22 @@ def main(argv: list[str] | None = None) -> int:
         _run(serve(config, args.parent_pid, registration))
     except OSError as exc:
         print(f"pd-worker: error: cannot listen: {exc}", file=sys.stderr)
-        return 1
+        return USAGE_ERROR
     except PlaneUnavailable as exc:
         print(f"pd-worker: error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_model_config(parser: argparse.ArgumentParser, path: str | None) -> None:
+    """The torch engine's model config is read before anything starts (a usage error names
+    the file)."""
+    from pd_worker.torch_engine.config import DEFAULT_MODEL_CONFIG, ModelConfig, ModelConfigError
+
+    try:
+        ModelConfig.load(path or DEFAULT_MODEL_CONFIG)
+    except ModelConfigError as exc:
+        parser.error(f"--model-config: {exc}")
 
 
 def _run(coro: object) -> None:

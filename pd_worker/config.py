@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import ssl
 from dataclasses import dataclass, field
 
@@ -58,6 +59,10 @@ class WorkerConfig:
             raise ValueError("ssl_certfile and ssl_keyfile must be given together")
         if self.ssl_ca_certs is not None and self.ssl_certfile is None:
             raise ValueError("ssl_ca_certs needs ssl_certfile and ssl_keyfile")
+        for name in ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name}: no such file: {path}")
         try:
             self.ssl_context()
         except OSError as exc:

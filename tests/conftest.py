@@ -6,6 +6,8 @@
   :class:`~pd_worker.cluster.WorkerCluster` and returns it; all are stopped at teardown.
 - ``free_port``: a function returning a free loopback port.
 - ``etcd_server`` (function scope): a real single-member etcd (see tests/etcd_helpers.py).
+- ``kube_apiserver`` (module scope), ``kube`` (a fresh namespace): a real kube-apiserver (see
+  tests/k8s_helpers.py).
 
 Clusters are synchronous objects; use them from async tests as well (only their ``kill``,
 ``add`` and ``terminate`` calls block, briefly).
@@ -21,6 +23,7 @@ import pytest
 from pd_worker.cluster import WorkerCluster
 from pd_worker.cluster import free_port as _free_port
 from tests.etcd_helpers import etcd_server  # noqa: F401 (a fixture, registered by import)
+from tests.k8s_helpers import kube, kube_apiserver  # noqa: F401 (fixtures, as etcd_server)
 
 ClusterFactory = Callable[..., WorkerCluster]
 

@@ -189,6 +189,21 @@ async def arrange(http: httpx.AsyncClient, prefill: int) -> dict[str, list[str]]
     raise AssertionError(f"could not arrange {prefill} prefills: {current}")
 
 
+@contextlib.asynccontextmanager
+async def arranged_router(
+    cluster: WorkerCluster, prefill: int, **overrides: Any
+) -> AsyncIterator[RouterUnderTest]:
+    """A router over ``cluster`` in the roles its workers serve now (an earlier test may have
+    converted them), converted back to ``prefill`` prefills."""
+    prefill_urls, decode_urls = await live_roles(cluster)
+    async with running_router(
+        cluster, prefill=prefill_urls, decode=decode_urls, **overrides
+    ) as router:
+        async with router.client() as http:
+            await arrange(http, prefill=prefill)
+        yield router
+
+
 async def worker_entry(http: httpx.AsyncClient, url: str) -> dict[str, Any]:
     workers = (await http.get("/workers")).json()["workers"]
     return next(w for w in workers if w["url"] == url)

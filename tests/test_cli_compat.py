@@ -312,9 +312,11 @@ def test_an_inapplicable_option_gives_exactly_one_warning_naming_it():
 
 def test_each_inapplicable_option_is_named_in_its_own_warning():
     argv = [*WORKERS, "--prometheus-port", "29000", "--log-dir", "/tmp", "--dp-aware",
-            "--selector", "app=sglang", "tier=gpu", "--no-remove-unhealthy-workers"]  # fmt: skip
+            "--encode-selector", "app=sglang", "tier=gpu",
+            "--no-remove-unhealthy-workers"]  # fmt: skip
     lines = warnings_for(argv)
-    named = ["--prometheus-port", "--log-dir", "--dp-aware", "--selector", "--remove-unhealthy"]
+    named = ["--prometheus-port", "--log-dir", "--dp-aware", "--encode-selector",
+             "--remove-unhealthy"]  # fmt: skip
     assert len(lines) == len(named)
     for name in named:
         assert sum(line.startswith(name) for line in lines) == 1, name

@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import pytest
 
-from pd_router.cli import admin_client
+from pd_router.cli import admin_client, admin_http
+from pd_router.cli.convert import convert as cli_convert
 from tests.conversion_helpers import live_roles, pools
 from tests.router_helpers import running_router
 
@@ -76,13 +77,11 @@ async def cli(command: Callable[..., int], argv: list[str]) -> tuple[int, str]:
 async def test_cli_convert_prints_the_outcome_and_exits_zero(router):
     async with router.client(headers=AUTH) as http:
         decode = (await pools(http))["decode"][0]
-    code, text = await cli(
-        admin_client.convert, [decode, "--to", "prefill", "--router", router.url]
-    )
+    code, text = await cli(cli_convert, [decode, "--to", "prefill", "--router", router.url])
     assert code == 0, text
     assert f"{decode} decode -> prefill: succeeded" in text
     assert KEY not in text
-    code, _ = await cli(admin_client.convert, [decode, "--router", router.url])
+    code, _ = await cli(cli_convert, [decode, "--router", router.url])
     assert code == 0
 
 
@@ -103,10 +102,12 @@ async def test_cli_status_prints_the_pools_every_worker_and_recent_conversions(r
     assert KEY not in text
 
 
-async def test_cli_without_the_key_fails_with_an_exit_code(router, monkeypatch):
-    monkeypatch.delenv(admin_client.ADMIN_KEY_ENV, raising=False)
-    code = await asyncio.to_thread(admin_client.status, ["--router", router.url], io.StringIO())
-    assert code != 0
+async def test_cli_convert_without_the_key_fails_with_the_auth_exit_status(router, monkeypatch):
+    monkeypatch.delenv(admin_http.ADMIN_KEY_ENV, raising=False)
+    async with router.client(headers=AUTH) as http:
+        decode = (await pools(http))["decode"][0]
+    code = await asyncio.to_thread(cli_convert, [decode, "--router", router.url], io.StringIO())
+    assert code == admin_http.EXIT_AUTH
 
 
 async def test_worker_refusing_the_control_call_keeps_its_role_and_stays_healthy(

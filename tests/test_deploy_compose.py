@@ -64,7 +64,7 @@ def host_path(compose_file_dir: Path, volume: str) -> Path:
 
 
 def published_host_ports(service: dict[str, Any]) -> list[int]:
-    return [int(str(p).split(":")[0]) for p in service.get("ports", [])]
+    return [int(str(p).split(":")[-2]) for p in service.get("ports", [])]
 
 
 def worker_url_port(service: dict[str, Any]) -> int:
@@ -271,6 +271,14 @@ def test_router_command_of_each_compose_file_parses_to_its_two_pools(compose):
     assert {spec.url for spec in config.prefill} == expected["prefill"]
     assert {spec.url for spec in config.decode} == expected["decode"]
     assert config.host == "0.0.0.0"
+
+
+@pytest.mark.parametrize("name", ["compose.demo.yml", "compose.gpu.yml", "compose.ha.yml"])
+def test_every_compose_router_guards_its_admin_api_or_opens_it_on_purpose(name):
+    services = load_yaml(DOCKER / name)["services"]
+    for service in (s for n, s in services.items() if n.startswith("router")):
+        keyed = "PD_ROUTER_ADMIN_KEY" in service.get("environment", {})
+        assert keyed or "--allow-unauthenticated" in tokens(service["command"]), name
 
 
 def test_demo_worker_command_starts_a_healthy_worker_in_its_role(free_port):

@@ -8,6 +8,7 @@ run in order, as a reader would type them, against real processes:
 - servers (``pd-worker serve``, ``pd-worker cluster``, ``pd-router`` serving, a command ending
   in ``&``, ``pd-router status --watch``) start in the background and must come up (answer
   ``/health``, print their workers, or still run after a moment); they stop with the block;
+- ``export NAME=VALUE`` is run by bash and NAME kept for the block's later commands;
 - every other command must exit 0 within COMMAND_TIMEOUT_SECS (curl: with a 2xx answer);
 - a worker a router command names on a placeholder host (``http://p0:30000``) is started here
   as a reference worker in the role the command gives it, and a block that talks to a router
@@ -62,7 +63,7 @@ SKIPPED: list[tuple[str, str]] = [
     (r"-m pytest", "the test suite itself"),
     (r"^docker\b", "needs a Docker engine"),
     (r"prefill-\d|decode-\d|router-\d", "addresses a service of a docker compose file"),
-    (r"server_patch\.launch_server|^(MODEL|COMMON)=|^export ", "needs SGLang on GPUs"),
+    (r"server_patch\.launch_server|^(MODEL|COMMON)=", "needs SGLang on GPUs"),
     (r"localhost:30003", "talks to the SGLang servers of the block before (GPU)"),
     (r"^pip install|^python3\.11 -m venv|/pip install", "installs packages from the network"),
     (
@@ -70,6 +71,8 @@ SKIPPED: list[tuple[str, str]] = [
         "needs an etcd at the address written (tests/test_worker_registration.py runs it)",
     ),
 ]
+# ``export NAME=VALUE``: NAME is in the environment of the block's later commands.
+EXPORT = re.compile(r"^export (?P<name>\w+)=")
 # A block that only talks to a router assumes one at this address.
 ASSUMED_ROUTER = re.compile(r"(?:localhost|127\.0\.0\.1):(\d+)")
 
@@ -165,6 +168,16 @@ class Block:
     servers: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
     others: list[subprocess.Popen[bytes]] = field(default_factory=list)
     workers: dict[str, int] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=lambda: environment())
+
+    def export(self, command: str, name: str) -> None:
+        """Run an ``export`` line as bash would and keep the variable for later commands."""
+        done = subprocess.run(
+            ["bash", "-c", f'{command}; printf %s "${name}"'], env=self.env, cwd=ROOT,
+            capture_output=True, text=True, timeout=COMMAND_TIMEOUT_SECS,
+        )  # fmt: skip
+        assert done.returncode == 0 and done.stdout, f"{command}: {done.stderr}"
+        self.env[name] = done.stdout
 
     def stop(self) -> None:
         processes = [*self.servers.values(), *self.others]
@@ -186,9 +199,9 @@ def environment() -> dict[str, str]:
     return env
 
 
-def spawn(argv: list[str], **kwargs) -> subprocess.Popen[bytes]:
+def spawn(block: Block, argv: list[str], **kwargs) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        argv, env=environment(), cwd=ROOT, stdin=subprocess.DEVNULL, **kwargs
+        argv, env=block.env, cwd=ROOT, stdin=subprocess.DEVNULL, **kwargs
     )  # fmt: skip
 
 
@@ -216,7 +229,7 @@ def start_worker(block: Block, role: str, port: int, bootstrap: int | None = Non
             "--enable-pd-role-switch", "--log-level", "warning"]  # fmt: skip
     if bootstrap is not None:
         argv += ["--bootstrap-port", str(bootstrap)]
-    process = spawn(argv)
+    process = spawn(block, argv)
     block.others.append(process)
     wait_for(process, f"http://127.0.0.1:{port}", f"worker {role} on {port}")
     block.workers[f"http://127.0.0.1:{port}"] = port
@@ -242,16 +255,16 @@ def serve(block: Block, command: str, written: str) -> None:
         if "--port" not in argv:
             argv += ["--port", str(block.ports.port("local", WORKER_DEFAULT_PORT))]
         port = int(flag(argv, "--port"))
-        block.servers[port] = process = spawn(argv, stdout=subprocess.DEVNULL)
+        block.servers[port] = process = spawn(block, argv, stdout=subprocess.DEVNULL)
         wait_for(process, f"http://127.0.0.1:{port}", written)
         block.workers[f"http://127.0.0.1:{port}"] = port
     elif program == "pd-worker" and sub == "cluster":
-        process = spawn(argv, stdout=subprocess.PIPE)
+        process = spawn(block, argv, stdout=subprocess.PIPE)
         block.others.append(process)
         expected = int(flag(argv, "--prefill") or 2) + int(flag(argv, "--decode") or 2)
         assert len(read_lines(process, expected)) == expected, written
     elif program == "pd-router" and "--watch" in argv:
-        process = spawn(argv, stdout=subprocess.DEVNULL)
+        process = spawn(block, argv, stdout=subprocess.DEVNULL)
         block.others.append(process)
         time.sleep(WATCH_SECS)
         assert process.poll() is None, f"{written} exited with status {process.returncode}"
@@ -264,7 +277,7 @@ def serve(block: Block, command: str, written: str) -> None:
         if earlier is not None:
             earlier.terminate()
             earlier.wait(10)
-        block.servers[port] = process = spawn(argv, stdout=subprocess.DEVNULL)
+        block.servers[port] = process = spawn(block, argv, stdout=subprocess.DEVNULL)
         wait_for(process, f"http://127.0.0.1:{port}", written)
 
 
@@ -289,6 +302,8 @@ def is_server(command: str) -> bool:
     if argv[0] == "pd-worker":
         return argv[1] in ("serve", "cluster")
     if argv[0] == "pd-router":
+        if {"--help", "--help-all", "--version"} & set(argv):
+            return False
         return len(argv) == 1 or argv[1].startswith("-") or argv[1] == "serve"
     return False
 
@@ -305,7 +320,7 @@ def assumed_router(block: Block, written: list[str]) -> None:
         argv = ["pd-router", "--host", "127.0.0.1", "--port", str(port),
                 "--prefill", f"http://127.0.0.1:{prefill}",
                 "--decode", f"http://127.0.0.1:{decode}"]  # fmt: skip
-        block.servers[port] = process = spawn(argv, stdout=subprocess.DEVNULL)
+        block.servers[port] = process = spawn(block, argv, stdout=subprocess.DEVNULL)
         wait_for(process, f"http://127.0.0.1:{port}", "the router the block assumes")
 
 
@@ -338,13 +353,16 @@ def test_doc_block_runs_as_written(commands):
         assumed_router(block, [c.text for c in commands])
         texts = [block.ports.rewrite(c.text) for c in commands]
         for command, text in zip(commands, texts, strict=True):
+            if exported := EXPORT.match(text):
+                block.export(text, exported["name"])
+                continue
             if is_server(text):
                 serve(block, text, command.text)
                 continue
             # curl exits 0 on any HTTP status unless told to fail on an error status.
             checked = re.sub(r"(^|[;|&] *)curl ", r"\1curl --fail-with-body ", text)
             done = subprocess.run(
-                ["bash", "-c", checked], env=environment(), cwd=ROOT, capture_output=True,
+                ["bash", "-c", checked], env=block.env, cwd=ROOT, capture_output=True,
                 timeout=COMMAND_TIMEOUT_SECS, stdin=subprocess.DEVNULL,
             )  # fmt: skip
             assert done.returncode == 0, (

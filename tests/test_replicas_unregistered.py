@@ -51,7 +51,9 @@ async def test_the_last_healthy_worker_of_a_pool_stays_on_every_replica_without_
                 reply = await http.post("/generate", json=generate_body("still served", 2))
             assert reply.status_code == 200, reply.text
         async with httpx.AsyncClient(timeout=30.0) as http:
-            removed = await http.delete(routers[0].url + "/workers", params={"url": prefill})
+            removed = await http.delete(
+                routers[0].url + "/workers", params={"url": prefill, "force": "true"}
+            )
         assert removed.status_code == 200, removed.text
 
         async def gone_everywhere() -> bool:

@@ -12,16 +12,15 @@ import pytest
 from pd_router.control.workers import Unavailability, Worker
 from tests.conversion_helpers import (
     Call,
-    arrange,
+    arranged_router,
     convert,
-    live_roles,
     pools,
     sample,
     send_together,
     start_long_request_on_a_decode,
     worker_entry,
 )
-from tests.router_helpers import fault, running_router, wait_until
+from tests.router_helpers import fault, wait_until
 
 SPEED = 0.05
 
@@ -34,10 +33,7 @@ def cluster(module_cluster_factory):
 @pytest.fixture
 async def router(cluster):
     """A router over the cluster's live roles, arranged back to one prefill and two decodes."""
-    prefill, decode = await live_roles(cluster)
-    async with running_router(cluster, prefill=prefill, decode=decode) as r:
-        async with r.client() as http:
-            await arrange(http, prefill=1)
+    async with arranged_router(cluster, prefill=1) as r:
         yield r
     for url in cluster.urls:
         await fault(url, clear=True)

@@ -45,9 +45,12 @@ def has_admin_key(request: web.Request) -> bool:
 
 
 def require_admin(request: web.Request) -> None:
-    """Unauthorized unless the request carries the admin key (when one is configured)."""
+    """Unauthorized unless the request carries the admin key (when one is configured); the
+    message tells a missing key from a wrong one."""
     if not has_admin_key(request):
-        raise Unauthorized(
-            "admin API key required (Authorization: Bearer <key>)",
-            headers={"WWW-Authenticate": "Bearer"},
+        message = (
+            "wrong admin API key"
+            if supplied_key(request)
+            else "admin API key required (Authorization: Bearer <key>)"
         )
+        raise Unauthorized(message, headers={"WWW-Authenticate": "Bearer"})

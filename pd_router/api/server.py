@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from pd_protocol.listen import ListenError
 from pd_router.api import engine_metrics, info, loads
 from pd_router.api import workers as workers_api
 from pd_router.api.auth import is_admin_path, require_admin
@@ -32,6 +33,7 @@ from pd_router.api.processes import serve_processes
 from pd_router.api.signals import stop_signalled
 from pd_router.api.state import ROUTER, Router
 from pd_router.config import RouterConfig
+from pd_router.control.discovery.config import DiscoveryUnavailable
 from pd_router.control.health import WorkersUnreachable
 from pd_router.dataplane import proxy
 from pd_router.dataplane.admission import BodyAdmission
@@ -276,13 +278,18 @@ async def start_server(
 ) -> RunningServer:
     """Serve ``app`` in the running loop (port 0: a free port; ``sock``: on that listening
     socket instead); stop with ``.stop()``. A router application's client limits and TLS come
-    from its config, any other application gets the defaults (plain HTTP)."""
+    from its config, any other application gets the defaults (plain HTTP). ListenError when the
+    address cannot be bound."""
     config = app_config(app)
     ssl_context = server_context(config.tls)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = ClientSite(runner, host, port, client_limits(config), ssl_context, sock=sock)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ListenError(host, port, "--port", exc) from exc
     host, port = runner.addresses[0][:2]
     scheme = "https" if ssl_context is not None else "http"
     return RunningServer(app, runner, host, port, scheme)
@@ -345,4 +352,7 @@ def run_server(config: RouterConfig) -> None:
             r.run(serving)
         except WorkersUnreachable as exc:
             log.error("%s; not serving", exc, extra={"workers": exc.urls})
+            raise SystemExit(1) from None
+        except DiscoveryUnavailable as exc:
+            log.error("%s; not serving", exc)
             raise SystemExit(1) from None

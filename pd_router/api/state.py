@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -27,9 +27,12 @@ from pd_router.config import RouterConfig
 from pd_router.control.autopilot.controller import Autopilot
 from pd_router.control.cluster.etcd import EtcdCluster
 from pd_router.control.cluster.local import Cluster, LocalCluster
+from pd_router.control.discovery.config import DiscoveryUnavailable
+from pd_router.control.discovery.start import Started, start_discovery
 from pd_router.control.health import HealthMonitor, WorkersUnreachable
 from pd_router.control.latency import LatencyRecorder
 from pd_router.control.selection import RegistryPools
+from pd_router.control.worker_control import ControlError, WorkerControl, live_role
 from pd_router.control.workers import Unavailability, Worker, WorkerRegistry
 from pd_router.dataplane.concurrency import RequestAdmission
 from pd_router.dataplane.http1_conn import WorkerUnavailable
@@ -85,6 +88,7 @@ class Router:
         self.worker_ssl = setup.worker_ssl
         self.legs = setup.pool
         self._session: aiohttp.ClientSession | None = None
+        self.discovery: Started | None = None
         self.pools = RegistryPools(
             self.registry,
             {role: make_policy(config.policy_of(role), config.cache_aware) for role in Role},
@@ -154,8 +158,57 @@ class Router:
                 raise
         self.health.run_in_background()
         self.autopilot.run_in_background()
+        await self._start_discovery()
+
+    async def _start_discovery(self) -> None:
+        """Workers from Kubernetes or a manifest file, when configured: they join and leave as
+        through the admin API."""
+        if self.config.discovery.active_provider is None:
+            return
+        control = WorkerControl(self.session, self.registry, headers=self.worker_headers)
+
+        async def read_live_role(url: str) -> Role | None:
+            try:
+                return live_role(await control.server_info(url))
+            except ControlError:
+                return None
+
+        async def let_go(worker: Worker) -> bool:
+            return self.conversions is not None and await self.conversions.let_go(worker)
+
+        def on_converted(callback: Callable[[Worker, Role], None]) -> None:
+            if self.conversions is not None:
+                self.conversions.on_succeeded(callback)
+
+        try:
+            self.discovery = await start_discovery(
+                self.config.discovery, self.registry, self.cluster, self.metrics,
+                probe=self.health.check, remove=self.remove_worker, live_role=read_live_role,
+                let_go=let_go, on_converted=on_converted,
+            )  # fmt: skip
+        except DiscoveryUnavailable:
+            await self.stop()
+            raise
+
+    async def remove_worker(self, worker: Worker) -> bool:
+        """Wait for the in-flight requests of a REMOVING worker, then forget it; returns
+        whether the wait timed out (``worker_removal_timeout_secs``: requests still running
+        are then left to the registry's ``on_unavailable`` listeners)."""
+        try:
+            await asyncio.wait_for(
+                worker.wait_until_no_inflight(), self.config.worker_removal_timeout_secs
+            )
+            forced = False
+        except TimeoutError:
+            forced = True
+        if self.registry.registered(worker):
+            self.registry.forget(worker)
+        await self.cluster.end_removal(worker)
+        return forced
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.autopilot.stop()
         await self.cluster.stop()
         await self.health.stop()

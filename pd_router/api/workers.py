@@ -87,7 +87,7 @@ async def handle_remove_worker(request: web.Request) -> web.Response:
         await router.cluster.begin_removal(worker)
     except (WorkerConverting, WorkerRemoving) as exc:
         raise Conflict(str(exc), details={"reason": exc.reason}) from exc
-    forced = await asyncio.shield(router.spawn(remove(router, worker)))
+    forced = await asyncio.shield(router.spawn(router.remove_worker(worker)))
     return json_response({"removed": worker.as_dict(), "forced": forced})
 
 
@@ -108,20 +108,3 @@ def refuse_below_minimum(router: Router, worker: Worker) -> None:
             "add ?force=true to remove it anyway",
             details={"reason": f"min_{worker.role.value}"},
         )
-
-
-async def remove(router: Router, worker: Worker) -> bool:
-    """Wait for the in-flight requests of a REMOVING worker, then forget it; returns whether
-    the wait timed out (requests still running are then left to the registry's
-    ``on_unavailable`` listeners)."""
-    try:
-        await asyncio.wait_for(
-            worker.wait_until_no_inflight(), router.config.worker_removal_timeout_secs
-        )
-        forced = False
-    except TimeoutError:
-        forced = True
-    if router.registry.registered(worker):
-        router.registry.forget(worker)
-    await router.cluster.end_removal(worker)
-    return forced

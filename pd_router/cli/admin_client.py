@@ -1,16 +1,13 @@
-"""``pd-router status``, ``pd-router convert`` and ``pd-router autopilot``: the admin API from
-the command line.
+"""``pd-router status`` and ``pd-router autopilot``: the admin API from the command line, as
+tables (``pd-router convert`` is in :mod:`pd_router.cli.convert`).
 
-They talk to a running router over HTTP (httpx). The admin key comes from ``--admin-key`` or the
-``PD_ROUTER_ADMIN_KEY`` environment variable and is only ever sent in the Authorization header,
-never printed.
+Against a router with an admin key and no key given, both show what the router's status page
+shows anyone (``GET /status``, redacted) instead of failing.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import ssl
 import sys
 import time
 from collections.abc import Sequence
@@ -18,22 +15,31 @@ from typing import Any, TextIO
 
 import httpx
 
-DEFAULT_ROUTER_URL = "http://127.0.0.1:30000"
-ROUTER_URL_ENV = "PD_ROUTER_URL"
-ADMIN_KEY_ENV = "PD_ROUTER_ADMIN_KEY"
-CA_CERT_ENV = "PD_ROUTER_CACERT"
+from pd_router.cli.admin_http import (
+    ADMIN_KEY_ENV,
+    EXIT_OK,
+    AuthFailure,
+    Failure,
+    admin_parser,
+    client,
+    request_json,
+)
+
 RECENT_CONVERSIONS = 10
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_UNREACHABLE = 2
 DEFAULT_WATCH_SECS = 2.0
 CLEAR_SCREEN = "\x1b[H\x1b[2J"
+REDACTED = (
+    f"Redacted view: the router has an admin key and none was given (${ADMIN_KEY_ENV} or "
+    "--admin-key shows {hidden}).\n"
+)
 
 
 def status(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     """Print the pools, every worker and the recent conversions as tables; with ``--watch``,
     redraw them every few seconds until interrupted."""
-    parser = _parser("pd-router status", "Show pools, workers and recent conversions.")
+    parser = admin_parser(
+        "pd-router status", "Show pools, workers and recent conversions.", "[--watch [SECONDS]]"
+    )
     parser.add_argument(
         "--watch",
         nargs="?",
@@ -46,26 +52,33 @@ def status(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     if args.watch is not None:
         return _watch(args, out)
     try:
-        with _client(args) as client:
-            out.write(_status_text(client))
-    except _Failure as exc:
+        with client(args) as http:
+            out.write(_status_text(http))
+    except Failure as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        return exc.code
     return EXIT_OK
 
 
-def _status_text(client: httpx.Client) -> str:
-    workers = _request_json(client, "GET", "/workers")
-    conversions = _request_json(client, "GET", f"/conversions?limit={RECENT_CONVERSIONS}")
+def _status_text(http: httpx.Client) -> str:
+    try:
+        workers = request_json(http, "GET", "/workers")
+    except AuthFailure as exc:
+        if exc.key_sent:
+            raise
+        snapshot = request_json(http, "GET", "/status")
+        hidden = "worker errors, epochs and the conversions"
+        return REDACTED.format(hidden=hidden) + "\n" + render_status(_worker_list(snapshot), None)
+    conversions = request_json(http, "GET", f"/conversions?limit={RECENT_CONVERSIONS}")
     text = render_status(_worker_list(workers), conversions.get("conversions", []))
-    return render_cluster(_cluster(client)) + text
+    return render_cluster(_cluster(http)) + text
 
 
-def _cluster(client: httpx.Client) -> dict[str, Any]:
+def _cluster(http: httpx.Client) -> dict[str, Any]:
     """The router's ``/cluster`` (an older router has none: a router alone, then)."""
     try:
-        return _request_json(client, "GET", "/cluster")
-    except _Failure:
+        return request_json(http, "GET", "/cluster")
+    except Failure:
         return {"enabled": False}
 
 
@@ -86,11 +99,11 @@ def _watch(args: argparse.Namespace, out: TextIO) -> int:
     picture comes back by itself when the router restarts."""
     clear = CLEAR_SCREEN if out.isatty() else ""
     try:
-        with _client(args, timeout=max(args.watch, 2.0)) as client:
+        with client(args, timeout=max(args.watch, 2.0)) as http:
             while True:
                 try:
-                    body = _status_text(client)
-                except _Failure as exc:
+                    body = _status_text(http)
+                except Failure as exc:
                     body = f"error: {exc}\n"
                 stamp = time.strftime("%H:%M:%S")
                 out.write(f"{clear}pd-router {args.router}  {stamp}  (every {args.watch:g}s)\n\n")
@@ -111,54 +124,34 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
-def convert(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
-    """Convert one worker through the router and print how it went."""
-    parser = _parser("pd-router convert", "Move a worker to the other pool (drain, switch).")
-    parser.add_argument("worker", help="worker url (or id, e.g. w3) as the router knows it")
-    parser.add_argument("--to", choices=("prefill", "decode"), help="default: the other role")
-    parser.add_argument("--drain-timeout", type=float, help="seconds to wait for the drain")
-    parser.add_argument(
-        "--no-wait", action="store_true", help="return at once with the conversion id"
-    )
-    args = parser.parse_args(list(argv))
-    body: dict[str, Any] = {"server_url": args.worker, "wait": not args.no_wait}
-    if args.to:
-        body["new_role"] = args.to
-    if args.drain_timeout is not None:
-        body["drain_timeout_secs"] = args.drain_timeout
-    try:
-        with _client(args, timeout=None) as client:
-            response = client.post("/convert_pd_role", json=body)
-    except httpx.HTTPError as exc:
-        print(f"error: {_unreachable(args.router, '/convert_pd_role', exc)}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    reply = _body(response)
-    if response.status_code == 202:
-        out.write(f"conversion {reply.get('id')} started: {reply.get('location')}\n")
-        return EXIT_OK
-    if "error" in reply:
-        error = reply["error"]
-        print(f"refused ({response.status_code}): {error.get('message')}", file=sys.stderr)
-        return EXIT_FAILED
-    out.write(render_conversion(reply))
-    return EXIT_OK if reply.get("success") else EXIT_FAILED
-
-
 def autopilot(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     """Print the autopilot's mode, targets, pool loads and last decisions; ``--mode`` changes
     the mode first."""
-    parser = _parser("pd-router autopilot", "Show (or set the mode of) the P:D autopilot.")
+    parser = admin_parser(
+        "pd-router autopilot", "Show (or set the mode of) the P:D autopilot.", "[--mode MODE]"
+    )
     parser.add_argument("--mode", choices=("off", "recommend", "auto"), help="set the mode")
     args = parser.parse_args(list(argv))
     try:
-        with _client(args) as client:
+        with client(args) as http:
             if args.mode is not None:
-                _request_json(client, "PUT", "/autopilot", {"mode": args.mode})
-            out.write(render_autopilot(_request_json(client, "GET", "/autopilot")))
-    except _Failure as exc:
+                request_json(http, "PUT", "/autopilot", {"mode": args.mode})
+            out.write(_autopilot_text(http))
+    except Failure as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
+        return exc.code
     return EXIT_OK
+
+
+def _autopilot_text(http: httpx.Client) -> str:
+    try:
+        return render_autopilot(request_json(http, "GET", "/autopilot"))
+    except AuthFailure as exc:
+        if exc.key_sent:
+            raise
+    mode = request_json(http, "GET", "/status").get("autopilot", {}).get("mode")
+    hidden = "targets, pool loads and decisions"
+    return f"autopilot: {mode}\n\n" + REDACTED.format(hidden=hidden)
 
 
 # --- rendering ------------------------------------------------------------------------------
@@ -221,9 +214,10 @@ def render_autopilot(state: dict[str, Any]) -> str:
     return "".join(parts)
 
 
-def render_status(workers: list[dict[str, Any]], conversions: list[dict[str, Any]]) -> str:
+def render_status(workers: list[dict[str, Any]], conversions: list[dict[str, Any]] | None) -> str:
     """Pools, workers (unhealthy ones first, their state shown as UNHEALTHY whatever their
-    conversion state, with the last probe error below the table) and recent conversions."""
+    conversion state, with the last probe error below the table) and recent conversions
+    (None: hidden, as without the admin key)."""
     workers = sorted(workers, key=lambda worker: bool(worker.get("healthy")))
     unhealthy = [w for w in workers if not w.get("healthy")]
     pools = []
@@ -273,7 +267,9 @@ def render_status(workers: list[dict[str, Any]], conversions: list[dict[str, Any
             ],
         )
         if conversions
-        else "(none)\n",
+        else "(none)\n"
+        if conversions is not None
+        else "(hidden without the admin key)\n",
     ]
     return "".join(parts)
 
@@ -311,73 +307,7 @@ def _seconds(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, int | float) else "-"
 
 
-# --- HTTP -----------------------------------------------------------------------------------
-
-
-class _Failure(Exception):
-    """The router could not be reached or refused the call."""
-
-
-def _parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument(
-        "--router",
-        default=os.environ.get(ROUTER_URL_ENV, DEFAULT_ROUTER_URL),
-        help=f"router url (default: ${ROUTER_URL_ENV} or {DEFAULT_ROUTER_URL})",
-    )
-    parser.add_argument(
-        "--admin-key",
-        default=os.environ.get(ADMIN_KEY_ENV),
-        help=f"admin API key (default: ${ADMIN_KEY_ENV})",
-    )
-    parser.add_argument(
-        "--cacert",
-        default=os.environ.get(CA_CERT_ENV),
-        help="CA file to verify an https:// router's certificate against, for a router that "
-        f"serves a certificate of a private CA (default: ${CA_CERT_ENV}, else the system store)",
-    )
-    return parser
-
-
-def _client(args: argparse.Namespace, timeout: float | None = 10.0) -> httpx.Client:
-    headers = {"Authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
-    verify: ssl.SSLContext | bool = True
-    if args.cacert:
-        verify = ssl.create_default_context(cafile=args.cacert)
-    return httpx.Client(
-        base_url=args.router.rstrip("/"), headers=headers, timeout=timeout, verify=verify
-    )
-
-
-def _request_json(
-    client: httpx.Client, method: str, path: str, body: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """The router's JSON answer; _Failure naming the call for an unreachable router or a
-    status other than 200."""
-    try:
-        response = client.request(method, path, json=body)
-    except httpx.HTTPError as exc:
-        raise _Failure(_unreachable(str(client.base_url), path, exc)) from exc
-    reply = _body(response)
-    if response.status_code != 200:
-        message = reply.get("error", {}).get("message", response.text[:200])
-        raise _Failure(
-            f"{method} {client.base_url.join(path)}: HTTP {response.status_code}: {message}"
-        )
-    return reply
-
-
-def _unreachable(router: str, path: str, exc: httpx.HTTPError) -> str:
-    """The failure of a call that got no answer, naming the url it tried."""
-    return f"router not reachable at {router.rstrip('/')}{path}: {exc or type(exc).__name__}"
-
-
-def _body(response: httpx.Response) -> dict[str, Any]:
-    try:
-        body = response.json()
-    except ValueError:
-        return {"error": {"message": response.text[:200]}}
-    return body if isinstance(body, dict) else {"value": body}
+# --- replies ---------------------------------------------------------------------------------
 
 
 def _worker_list(reply: dict[str, Any]) -> list[dict[str, Any]]:

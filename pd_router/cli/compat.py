@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any
 
 from pd_router.config import LOG_LEVELS, ConfigError
+from pd_router.control.discovery.config import PROVIDERS
 from pd_router.dataplane.policies import POLICIES, POLICY_ALIASES
 
 SGLANG = "sglang-router"
@@ -211,10 +212,7 @@ NO_PARSERS = (
     "the workers (SGLang's --reasoning-parser, --tool-call-parser)"
 )
 NO_HISTORY = "pd-router serves no Responses or Conversations API, so it stores no history"
-NO_DISCOVERY = (
-    "service discovery is not implemented: give workers with --prefill/--decode or add them "
-    "at run time with POST /workers"
-)
+NO_DISCOVERY = "pd-router discovers prefill and decode workers only"
 NO_EPD = "pd-router routes prefill/decode pairs; encode (EPD) disaggregation is not implemented"
 NO_MESH = "pd-router runs without an HA mesh; several instances share no state"
 NO_TRACES = "pd-router exports no OpenTelemetry traces; its JSON logs carry each request's id"
@@ -441,20 +439,30 @@ PEER_OPTIONS: Mapping[str, Option] = MappingProxyType({o.names[0]: o for o in (
     warned("--jwt-jwks-uri", BOTH, STR, NO_CONTROL_PLANE_USERS),
     warned("--jwt-role-mapping", BOTH, STRS, NO_CONTROL_PLANE_USERS),
     # Service discovery.
-    warned("--service-discovery", BOTH, SWITCH, NO_DISCOVERY),
-    warned("--discovery-provider", SMG, STR, NO_DISCOVERY),
-    warned("--discovery-file", SMG, STR, NO_DISCOVERY),
-    warned("--discovery-check-interval-secs", SMG, INT, NO_DISCOVERY),
-    warned("--selector", BOTH, STRS1, NO_DISCOVERY),
-    warned("--service-discovery-port", BOTH, INT, NO_DISCOVERY),
-    warned("--service-discovery-namespace", BOTH, STR, NO_DISCOVERY),
-    warned("--prefill-selector", BOTH, STRS1, NO_DISCOVERY),
-    warned("--decode-selector", BOTH, STRS1, NO_DISCOVERY),
-    warned("--encode-selector", SMG, STRS1, NO_DISCOVERY),
-    warned("--router-selector", SMG, STRS1, NO_DISCOVERY),
+    option("--service-discovery", BOTH, SWITCH, "discovery.enabled",
+           note="Kubernetes pods by label (docs/deploy.md, Kubernetes)"),
+    option("--discovery-provider", SMG, Arity(type=str, choices=lambda: PROVIDERS),
+           "discovery.provider", note="`kubernetes` or `file`; turns discovery on"),
+    option("--discovery-file", SMG, STR, "discovery.file",
+           note="the file provider's JSON manifest, read again when it changes"),
+    option("--discovery-check-interval-secs", SMG, INT, "discovery.check_interval_secs",
+           note="how often the manifest file is read"),
+    option("--selector", BOTH, STRS1, "discovery.selector",
+           note="labels every worker pod has; the worker's live role places it"),
+    option("--service-discovery-port", BOTH, INT, "discovery.port",
+           note="a pod's `smg.ai/worker-ports` annotation lists its own"),
+    option("--service-discovery-namespace", BOTH, STR, "discovery.namespace",
+           note="unset: every namespace"),
+    option("--prefill-selector", BOTH, STRS1, "discovery.prefill_selector",
+           note="proposes the prefill role; the live role wins and the role label follows it"),
+    option("--decode-selector", BOTH, STRS1, "discovery.decode_selector",
+           note="proposes the decode role; the live role wins and the role label follows it"),
+    warned("--encode-selector", SMG, STRS1, NO_EPD),
+    warned("--router-selector", SMG, STRS1, NO_MESH),
     warned("--kv-connector-annotation", SMG, STR, NO_DISCOVERY),
     warned("--kv-engine-id-annotation", SMG, STR, NO_DISCOVERY),
-    warned("--model-id-from", SMG, STR, NO_DISCOVERY),
+    option("--model-id-from", SMG, STR, "discovery.model_id_from",
+           note="`namespace`, `label:KEY` or `annotation:KEY`, shown with each worker"),
     warned("--model-alias", SMG, REPEAT,
            "pd-router serves the model names its workers report; it keeps no aliases"),
     # EPD, multimodal, RL, mesh.

@@ -23,12 +23,15 @@ from typing import Any
 import httpx
 import orjson
 
+from pd_protocol.listen import ListenError, check_can_listen
 from pd_router.api.server import RunningServer, build_app, start_server
 from pd_router.cli.logs import configure_logging
+from pd_router.cli.usage import USAGE_ERROR, Parser
 from pd_router.config import load_config
 from pd_worker.cluster import WorkerCluster
 from pd_worker.tokens import chat_prompt, expected_text
 
+DEMO_HOST = "127.0.0.1"
 TOKENS = 8
 OK = "ok (output matches its prefill's KV)"
 MIX = "/generate single/stream/batch, /v1/completions, /v1/chat/completions stream"
@@ -202,7 +205,11 @@ STEPS: list[Step] = [pools, traffic, worker_counts, conversion, failure, pools]
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="pd-router demo", description=__doc__.splitlines()[0])
+    p = Parser(
+        prog="pd-router demo",
+        short_usage="pd-router demo [--prefill N] [--decode N] [--port PORT] [--keep-running]",
+        description=__doc__.splitlines()[0],
+    )
     p.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
     p.add_argument("--requests", type=int, default=300)
@@ -223,14 +230,14 @@ async def run(args: argparse.Namespace) -> int:
     print(f"starting {args.prefill}P + {args.decode}D reference workers ...", flush=True)
     async with WorkerCluster(prefill=args.prefill, decode=args.decode, speed=args.speed) as cluster:
         overrides = {
-            "host": "127.0.0.1",
+            "host": DEMO_HOST,
             "port": args.port,
             "prefill": [{"url": u} for u in cluster.prefill_urls],
             "decode": [{"url": u} for u in cluster.decode_urls],
             "log_level": "error",
             "health": {"interval_secs": 1.0},
         }
-        server = await start_server(build_app(load_config(None, overrides)), "127.0.0.1", args.port)
+        server = await start_server(build_app(load_config(None, overrides)), DEMO_HOST, args.port)
         try:
             print(f"router listening on {server.url} (metrics: {server.url}/metrics)", flush=True)
             limits = httpx.Limits(max_connections=args.concurrency * 2)
@@ -250,6 +257,11 @@ async def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        check_can_listen(DEMO_HOST, args.port, "--port")
+    except ListenError as exc:
+        print(f"pd-router demo: {exc}", file=sys.stderr)
+        return USAGE_ERROR
     try:
         return asyncio.run(run(args))
     except KeyboardInterrupt:

@@ -20,12 +20,27 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pd_router.cli.compat import FLOAT, INT, PEER_OPTIONS, REPEAT, STR, Arity, Option, option
+from pd_protocol.listen import ListenError, check_can_listen
+from pd_router.cli import help as serve_help
+from pd_router.cli.compat import (
+    FLOAT,
+    INT,
+    PEER_OPTIONS,
+    REPEAT,
+    STR,
+    SWITCH,
+    Arity,
+    Option,
+    option,
+)
+from pd_router.cli.exposure import ADMIN_KEY_ENV, Exposed, admin_exposure
+from pd_router.cli.usage import INTERRUPTED, USAGE_ERROR, nearest
 from pd_router.config import LOG_FORMATS, ConfigError, RouterConfig, load_config, merge
 from pd_router.dataplane import policies
 
 SUBCOMMANDS = ("serve", "launch", "demo", "status", "convert", "autopilot")
 WORKER_API_KEY_ENV = "PD_ROUTER_WORKER_API_KEY"
+ADMIN_KEY_KEYS = ("admin_api_key", "admin_api_key_file")
 log = logging.getLogger("pd_router.cli.main")
 
 
@@ -62,8 +77,15 @@ NATIVE_OPTIONS: tuple[Option, ...] = (
     option("--max-client-connections", (), INT, "max_client_connections",
            help="open client connections at most (0: from the open file limit)"),
     option("--log-format", (), Arity(type=str, choices=lambda: LOG_FORMATS), "log_format"),
+    option("--admin-api-key-file", (), STR, "admin_api_key_file",
+           help="file holding the key that guards the admin API (Authorization: Bearer); "
+           f"default: ${ADMIN_KEY_ENV}"),
     option("--admin-api-key", (), STR, "admin_api_key",
-           help="key guarding the admin API (Authorization: Bearer)"),
+           help="the admin key itself (other users see it in ps: prefer --admin-api-key-file "
+           f"or ${ADMIN_KEY_ENV})"),
+    option("--allow-unauthenticated", (), SWITCH, "allow_unauthenticated",
+           help="serve the admin API without a key on an address other hosts can reach "
+           "(refused otherwise)"),
     option("--worker-api-key", (), STR, "worker_api_key",
            help="key of workers launched with --api-key, sent as Authorization: Bearer on "
            f"every call to a worker (default: ${WORKER_API_KEY_ENV}; the peers' --api-key)"),
@@ -85,23 +107,7 @@ def all_options() -> tuple[Option, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="pd-router",
-        description="Router for SGLang prefill/decode disaggregation "
-        "(subcommands: serve [default; also 'launch'], demo, status, convert, autopilot). "
-        "Takes every option of sglang-router's launch_router and smg's 'smg launch' "
-        "(see docs/router.md, Compatibility with sglang-router and smg).",
-    )
-    p.add_argument("--config", help="TOML config file (see configs/router.toml)")
-    for opt in all_options():
-        p.add_argument(
-            *opt.names, dest=opt.dest, help=option_help(opt), **opt.arity.add_kwargs(opt.names[0])
-        )
-    return p
-
-
-def option_help(opt: Option) -> str:
-    return opt.help or opt.effect().replace("%", "%%")
+    return serve_help.build_parser(PEER_OPTIONS.values(), NATIVE_OPTIONS)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -114,7 +120,33 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
     env_key = os.environ.get(WORKER_API_KEY_ENV)
     if env_key is not None and "worker_api_key" not in out:
         out["worker_api_key"] = env_key
+    return with_admin_key(out)
+
+
+def with_admin_key(out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` with the admin key from the environment unless the command line gave a key or a
+    key file; whichever of the two is set here replaces the config file's (both: an error)."""
+    given = [key for key in ADMIN_KEY_KEYS if key in out]
+    env_key = os.environ.get(ADMIN_KEY_ENV)
+    if not given and env_key:
+        out = {**out, "admin_api_key": env_key}
+        given = ["admin_api_key"]
+    if len(given) == 1:
+        (other,) = (key for key in ADMIN_KEY_KEYS if key not in given)
+        out = {**out, other: None}
     return out
+
+
+def admin_key_source(args: argparse.Namespace, config: RouterConfig) -> str:
+    """Where the admin key came from, for the start-up line (never the key itself)."""
+    given = vars(args)
+    if config.admin_api_key_file is not None:
+        return config.admin_api_key_file
+    if "opt_admin_api_key" in given:
+        return "--admin-api-key"
+    if os.environ.get(ADMIN_KEY_ENV):
+        return f"${ADMIN_KEY_ENV}"
+    return "the config file's admin_api_key"
 
 
 def overrides_from_argv(argv: Sequence[str]) -> dict[str, Any]:
@@ -146,11 +178,13 @@ def startup_warnings(args: argparse.Namespace, config: RouterConfig) -> list[str
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """A validated config from parsed ``serve`` arguments (ConfigError on a bad value)."""
     config = load_config(args.config, overrides_from_args(args))
-    if not config.cluster.enabled and (not config.prefill or not config.decode):
+    discovered = config.cluster.enabled or config.discovery.active_provider is not None
+    if not discovered and (not config.prefill or not config.decode):
         raise ConfigError(
             "prefill/decode",
             "at least one --prefill and one --decode (or [[prefill]]/[[decode]]), unless the "
-            "workers come from a cluster (--etcd URL --cluster NAME)",
+            "workers come from a cluster (--etcd URL --cluster NAME) or from discovery "
+            "(--service-discovery, --discovery-provider file)",
         )
     return config
 
@@ -167,18 +201,34 @@ def serve(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
         config = config_from_args(args)
-    except ConfigError as exc:
+        check_can_listen(config.host, config.port, "--port")
+        exposure = admin_exposure(config, admin_key_source(args, config))
+    except (ConfigError, ListenError, Exposed) as exc:
         print(f"pd-router: {exc}", file=sys.stderr)
-        return 2
+        return USAGE_ERROR
     configure_logging(config.log_level, config.log_format)
     for line in startup_warnings(args, config):
         log.warning("%s", line)
+    log.log(logging.WARNING if exposure.open else logging.INFO, "%s", exposure.line)
     run_server(config)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run the subcommand; a port taken between the check and the bind is one line (exit 2),
+    Ctrl-C anywhere exits 130 without a traceback."""
+    try:
+        return run_command(list(sys.argv[1:] if argv is None else argv))
+    except ListenError as exc:
+        print(f"pd-router: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        return INTERRUPTED
+
+
+def run_command(argv: list[str]) -> int:
+    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
+        build_parser().error(unknown_command(argv[0]))
     command = argv[0] if argv and argv[0] in SUBCOMMANDS else "serve"
     command = "serve" if command == "launch" else command
     rest = argv[1:] if argv and argv[0] in SUBCOMMANDS else argv
@@ -191,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return status(rest)
     if command == "convert":
-        from pd_router.cli.admin_client import convert
+        from pd_router.cli.convert import convert
 
         return convert(rest)
     if command == "autopilot":
@@ -199,6 +249,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return autopilot(rest)
     return serve(rest)
+
+
+def unknown_command(word: str) -> str:
+    guess = nearest(word, SUBCOMMANDS)
+    if guess:
+        return f"unknown command {word!r} (did you mean {guess!r}?)"
+    return f"unknown command {word!r} (commands: {', '.join(SUBCOMMANDS)})"
 
 
 if __name__ == "__main__":

@@ -175,7 +175,7 @@ class WorkerControl:
             raise NotAWorker(worker.url)
         state = _live_state(info)
         return RoleReading(
-            _role(state.get("disaggregation_mode")),
+            live_role(info),
             _port(info.get("disaggregation_bootstrap_port")),
             instance=_signature(state.get("startup_time", info.get("startup_time"))),
             switch_supported=_flag(info.get("enable_pd_role_switch")),
@@ -288,6 +288,11 @@ def _describe(exc: BaseException) -> str:
 def _short(body: Any) -> str:
     text = body if isinstance(body, str) else orjson.dumps(body).decode()
     return text[:200]
+
+
+def live_role(info: dict[str, Any]) -> Role | None:
+    """The live role a ``/server_info`` reply names."""
+    return _role(_live_state(info).get("disaggregation_mode"))
 
 
 def _live_state(info: dict[str, Any]) -> dict[str, Any]:

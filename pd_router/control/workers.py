@@ -137,6 +137,28 @@ def normalize_url(url: str) -> str:
     return url
 
 
+@dataclass(frozen=True)
+class Origin:
+    """Where discovery found a worker: a pod (``name`` in ``namespace``) or a manifest entry
+    (its id), with the model id its metadata names."""
+
+    provider: str
+    name: str
+    namespace: str | None = None
+    model_id: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        out = {"provider": self.provider, "pod" if self.namespace else "id": self.name}
+        if self.namespace:
+            out["namespace"] = self.namespace
+        if self.model_id:
+            out["model_id"] = self.model_id
+        return out
+
+    def __str__(self) -> str:
+        return f"pod {self.namespace}/{self.name}" if self.namespace else f"entry {self.name}"
+
+
 @dataclass(eq=False)
 class Worker:
     """One SGLang (or reference) server as the router sees it."""
@@ -161,6 +183,8 @@ class Worker:
     switch_supported: bool | None = None
     last_error: str | None = None
     conversion_id: str | None = None
+    # Set when discovery found the worker (its pod or manifest entry).
+    origin: Origin | None = None
     bootstrap_host: str = ""
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # Set while no process of this router may pick the worker unless it is selectable here:
@@ -214,6 +238,7 @@ class Worker:
             "switch_supported": self.switch_supported,
             "last_error": self.last_error,
             "conversion": self.conversion_id,
+            "origin": self.origin.as_dict() if self.origin is not None else None,
         }
 
 
@@ -479,6 +504,11 @@ class WorkerRegistry:
         restarted process may be another build)."""
         if self.registered(worker):
             worker.has_extensions = has_extensions
+
+    def set_origin(self, worker: Worker, origin: Origin) -> None:
+        """Where discovery found the worker (shown with it)."""
+        if self.registered(worker):
+            worker.origin = origin
 
     def set_admitting(self, worker: Worker, admitting: bool) -> None:
         """Whether the worker admits new requests. A worker that another router or an operator

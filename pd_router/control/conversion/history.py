@@ -105,6 +105,7 @@ class Conversion:
     epoch: int | None = None
     bootstrap_port: int | None = None
     admission_closed: bool = False
+    abort_reason: str = "by the operator"
     _abort: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _done: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _t0: float = field(default_factory=time.monotonic, repr=False)

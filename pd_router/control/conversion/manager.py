@@ -126,6 +126,12 @@ class ConversionManager:
         self._history = ConversionHistory(metrics, history_size)
         self._started = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._succeeded: list[Callable[[Worker, Role], None]] = []
+
+    def on_succeeded(self, callback: Callable[[Worker, Role], None]) -> None:
+        """Call ``callback(worker, new_role)`` when a conversion of this router succeeded (the
+        worker is ACTIVE in its new role); it must not block."""
+        self._succeeded.append(callback)
 
     # --- queries ----------------------------------------------------------------------------
 
@@ -194,7 +200,7 @@ class ConversionManager:
         task.add_done_callback(self._tasks.discard)
         return conversion
 
-    def abort(self, conversion_id: str) -> Conversion:
+    def abort(self, conversion_id: str, why: str = "by the operator") -> Conversion:
         """Stop a conversion that is still draining; the worker goes back to its old pool."""
         conversion = self.get(conversion_id)
         if conversion.status is not Status.DRAINING:
@@ -203,9 +209,22 @@ class ConversionManager:
                 f"conversion {conversion_id} is {conversion.status}; only a draining "
                 "conversion can be aborted",
             )
+        conversion.abort_reason = why
         conversion._abort.set()
-        logger.info("conversion %s: abort requested", conversion_id)
+        logger.info("conversion %s: abort requested %s", conversion_id, why)
         return conversion
+
+    async def let_go(self, worker: Worker) -> bool:
+        """``worker`` is leaving (discovery lost it): abort this router's conversion of it if
+        it still drains, and return once that conversion ended; False when none of this
+        router's conversions holds it."""
+        if worker.conversion_id not in self._history:
+            return False
+        conversion = self._history.get(worker.conversion_id)
+        if conversion.status is Status.DRAINING:
+            self.abort(conversion.id, "because the worker is leaving")
+        await conversion.wait()
+        return True
 
     async def close(self) -> None:
         """Cancel running conversions (router shutdown)."""
@@ -398,7 +417,7 @@ class ConversionManager:
 
     def _check_abort(self, conv: Conversion) -> None:
         if conv._abort.is_set():
-            raise Stop(Status.ABORTED, "aborted by the operator while draining", restore=True)
+            raise Stop(Status.ABORTED, f"aborted {conv.abort_reason} while draining", restore=True)
 
     async def _switch(
         self,
@@ -496,6 +515,8 @@ class ConversionManager:
         conv.bootstrap_port = conv.worker.bootstrap_port if port is not None else None
         conv.status = Status.SUCCEEDED
         conv.message = f"now a {conv.to_role} (epoch {conv.epoch})"
+        for callback in self._succeeded:
+            callback(conv.worker, conv.to_role)
 
     async def _reopen(self, conv: Conversion, protocol: ControlProtocol) -> None:
         try:
