@@ -557,11 +557,16 @@ def ratio_rows(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
                     else (math.nan,) * 3
                 )
                 scaling = ratio(f.rps, setup.processes * base.rps) if base else math.nan
+                times = [_times(value) for value in vs]
                 rows.append(
-                    f"| {concurrency} | {mode} | {setup.name} | {vs[0]:.2f}x | {vs[1]:.2f}x "
-                    f"| {vs[2]:.2f}x | {scaling:.2f} |"
+                    f"| {concurrency} | {mode} | {setup.name} | {' | '.join(times)} "
+                    f"| {_times(scaling).removesuffix('x')} |"
                 )
     return rows
+
+
+def _times(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.2f}x"
 
 
 def report(
