@@ -160,3 +160,24 @@ def test_on_a_one_core_router_one_process_must_lead_smg_and_two_must_not_be_slow
     assert len(lines) == 2  # no 1.5x-smg goal: two data planes share one core
     assert lines[0].endswith("1.20x req/s (2-core goal >= 1.1): **met**")
     assert "0.92x req/s (goal >= 1.00, not slower" in lines[1] and lines[1].endswith("**not met**")
+
+
+def test_a_scale_run_on_stub_workers_has_no_errors_and_writes_a_report(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    argv = [
+        sys.executable, str(BENCH / "scale.py"), "--setups", "2s", "--concurrency", "4",
+        "--duration", "1", "--warmup", "0.5", "--router-cores", "1", "--backend-processes", "2",
+        "--loadgens", "2", "--results-dir", str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (report,) = tmp_path.glob("scale-*.md")
+    rows = [line.split("|") for line in report.read_text().splitlines() if "pd-router" in line]
+    figures = [row for row in rows if len(row) > 10 and row[1].strip() == "4"]
+    assert [(row[2].strip(), row[3].strip()) for row in figures] == [
+        ("non-stream", "2 pd-router processes"),
+        ("stream", "2 pd-router processes"),
+    ]
+    assert all(row[7].strip() == "0" and int(row[4]) > 0 for row in figures)
