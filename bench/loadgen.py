@@ -1,5 +1,6 @@
 """Closed-loop load generator: N concurrent clients sending /generate to one router, or spread
-over several (``--url`` repeated: client i sends to the i-th url modulo their number).
+over several (``--url`` repeated: client i sends to the i-th url modulo their number). Several
+generator processes share one measurement window when started with the same ``--start-at``.
 
 Runs as its own process (aiohttp client on uvloop) so its CPU is never charged to the router
 or to the orchestrator. Each client sends a request, waits for the full answer (non-streaming
@@ -20,8 +21,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
+import httptools
 import orjson
 import uvloop
 from proc_cpu import tree_cpu_seconds
@@ -43,6 +46,8 @@ class LoadConfig:
     request_timeout_s: float
     cpu_pids: tuple[int, ...]
     backend_pids: tuple[int, ...]
+    start_at: float | None = None
+    client: str = "aiohttp"
 
 
 @dataclass
@@ -101,6 +106,123 @@ async def _exchange(
         return first
 
 
+class FastConnection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection of the ``fast`` client: the request is sent as
+    prepared bytes and the answer parsed by httptools, so a request costs the generator a
+    fraction of what aiohttp's client costs (the generator must not be what saturates)."""
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.answer: asyncio.Future[tuple[float | None, bytes]] | None = None
+        self.body = bytearray()
+        self.first: float | None = None
+        self.open = True
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.open = False
+        self._fail(ConnectionError(f"connection closed: {exc}"))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(BadAnswer(f"unparsable answer: {exc}"))
+            self.close()
+
+    def on_body(self, body: bytes) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+        self.body += body
+        if self.stream and len(self.body) > 4096:
+            del self.body[:-64]
+
+    def on_message_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if self.answer is not None and not self.answer.done():
+            if status != 200:
+                self.answer.set_exception(BadAnswer(f"HTTP {status}: {bytes(self.body[:200])!r}"))
+            else:
+                self.answer.set_result((self.first, bytes(self.body)))
+        if not self.parser.should_keep_alive():
+            self.close()
+
+    def _fail(self, exc: Exception) -> None:
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_exception(exc)
+
+    def close(self) -> None:
+        self.open = False
+        if self.transport is not None:
+            self.transport.close()
+
+    async def exchange(self, request: bytes, timeout_s: float) -> tuple[float | None, bytes]:
+        """Send one request; (time of the first body byte, body or its tail)."""
+        assert self.transport is not None
+        loop = asyncio.get_running_loop()
+        self.answer, self.first = loop.create_future(), None
+        self.body.clear()
+        self.transport.write(request)
+        timer = loop.call_later(timeout_s, self._fail, TimeoutError("no answer in time"))
+        try:
+            return await self.answer
+        finally:
+            timer.cancel()
+
+
+def _request_bytes(url: str, body: bytes) -> tuple[str, int, bytes]:
+    """(host, port, the whole POST request) for url."""
+    parts = urlsplit(url)
+    host, port = parts.hostname or "127.0.0.1", parts.port or 80
+    head = (
+        f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return host, port, head.encode() + body
+
+
+async def _fast_exchange(
+    connection: FastConnection, cfg: LoadConfig, request: bytes, started: float
+) -> float | None:
+    """One request on a fast connection, its answer checked as _exchange checks it."""
+    first, body = await connection.exchange(request, cfg.request_timeout_s)
+    if not cfg.stream:
+        answer = orjson.loads(body)
+        if not isinstance(answer, dict) or "text" not in answer:
+            raise BadAnswer(f"no text in answer: {str(answer)[:200]}")
+        return None
+    if b"[DONE]" not in body[-64:]:
+        raise BadAnswer(f"stream ended without [DONE]: {body[-64:]!r}")
+    return None if first is None else first - started
+
+
+async def _fast_client(cfg: LoadConfig, index: int, window: tuple[float, float], tally: Tally):
+    """_client on one FastConnection, reopened after an error or a close."""
+    host, port, request = _request_bytes(cfg.urls[index % len(cfg.urls)], _body(index, cfg))
+    loop = asyncio.get_running_loop()
+    connection: FastConnection | None = None
+    while time.perf_counter() < window[1]:
+        started = time.perf_counter()
+        try:
+            if connection is None or not connection.open:
+                _, connection = await loop.create_connection(
+                    lambda: FastConnection(cfg.stream), host, port
+                )
+            ttft = await _fast_exchange(connection, cfg, request, started)
+        except (OSError, TimeoutError, BadAnswer, orjson.JSONDecodeError) as exc:
+            tally.error(f"{type(exc).__name__}: {exc}")
+            if connection is not None:
+                connection.close()
+            continue
+        _record(tally, window, started, ttft)
+    if connection is not None:
+        connection.close()
+
+
 async def _client(
     session: aiohttp.ClientSession,
     cfg: LoadConfig,
@@ -110,20 +232,24 @@ async def _client(
 ) -> None:
     """Send requests back to back until the window closes, recording those that end in it."""
     url, body = cfg.urls[index % len(cfg.urls)], _body(index, cfg)
-    window_start, window_end = window
-    while time.perf_counter() < window_end:
+    while time.perf_counter() < window[1]:
         started = time.perf_counter()
         try:
             ttft = await _exchange(session, cfg, url, body)
         except (aiohttp.ClientError, TimeoutError, BadAnswer, orjson.JSONDecodeError) as exc:
             tally.error(f"{type(exc).__name__}: {exc}")
             continue
-        ended = time.perf_counter()
-        if window_start <= ended <= window_end:
-            tally.completed += 1
-            tally.latencies_ms.append((ended - started) * 1000.0)
-            if ttft is not None:
-                tally.ttft_ms.append(ttft * 1000.0)
+        _record(tally, window, started, ttft)
+
+
+def _record(tally: Tally, window: tuple[float, float], started: float, ttft: float | None) -> None:
+    """Count an answer that ended inside the window."""
+    ended = time.perf_counter()
+    if window[0] <= ended <= window[1]:
+        tally.completed += 1
+        tally.latencies_ms.append((ended - started) * 1000.0)
+        if ttft is not None:
+            tally.ttft_ms.append(ttft * 1000.0)
 
 
 def _own_cpu_seconds() -> float:
@@ -146,10 +272,16 @@ async def run(cfg: LoadConfig) -> dict[str, object]:
     connector = aiohttp.TCPConnector(limit=cfg.concurrency, limit_per_host=cfg.concurrency)
     timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        if cfg.start_at is not None:
+            await asyncio.sleep(max(0.0, cfg.start_at - time.time()))
         now = time.perf_counter()
         window = (now + cfg.warmup_s, now + cfg.warmup_s + cfg.duration_s)
         clients = [
-            asyncio.create_task(_client(session, cfg, i, window, tally))
+            asyncio.create_task(
+                _fast_client(cfg, i, window, tally)
+                if cfg.client == "fast"
+                else _client(session, cfg, i, window, tally)
+            )
             for i in range(cfg.concurrency)
         ]
         await asyncio.sleep(max(0.0, window[0] - time.perf_counter()))
@@ -191,6 +323,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Path, LoadConfig]:
     parser.add_argument("--cpu-pid", type=int, action="append", default=[], help="a router")
     parser.add_argument("--backend-pid", type=int, action="append", default=[], help="a worker")
     parser.add_argument("--output", type=Path, required=True, help="where to write the JSON")
+    parser.add_argument(
+        "--client",
+        choices=("aiohttp", "fast"),
+        default="aiohttp",
+        help="fast: keep-alive connections with httptools' parser, far less CPU per request",
+    )
+    parser.add_argument(
+        "--start-at",
+        type=float,
+        help="wall-clock time (epoch seconds) to start at, so several generators share a window",
+    )
     args = parser.parse_args(argv)
     if args.concurrency < 1 or args.duration <= 0 or args.warmup < 0:
         parser.error("need --concurrency >= 1, --duration > 0, --warmup >= 0")
@@ -204,6 +347,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Path, LoadConfig]:
         request_timeout_s=args.request_timeout,
         cpu_pids=tuple(args.cpu_pid),
         backend_pids=tuple(args.backend_pid),
+        start_at=args.start_at,
+        client=args.client,
     )
 
 

@@ -216,16 +216,16 @@ def running_router(peer: Peer, topology: Topology, log_dir: Path) -> Iterator[Ro
         router.stop()
 
 
-def run_load(
-    routers: Sequence[RouterProcess],
+def loadgen_argv(
+    urls: Sequence[str],
     cfg: BenchConfig,
     stream: bool,
-    out_dir: Path,
+    output: Path,
+    cpu_pids: Sequence[int] = (),
     backend_pids: Sequence[int] = (),
-) -> dict:
-    """One measured segment: the loadgen process against one router, or its clients spread
-    over several (replicas); the CPU of all of them is read."""
-    output = out_dir / "loadgen.json"
+) -> list[str]:
+    """The command line of one loadgen process: ``cfg.concurrency`` clients spread over urls,
+    reading the CPU of the routers (cpu_pids) and workers (backend_pids) at the window's edges."""
     argv = [
         sys.executable,
         str(BENCH / "loadgen.py"),
@@ -240,12 +240,30 @@ def run_load(
         "--output",
         str(output),
     ]
-    for router in routers:
-        argv += ["--url", f"{router.url}/generate", "--cpu-pid", str(router.process.pid)]
+    for url in urls:
+        argv += ["--url", f"{url}/generate"]
+    for pid in cpu_pids:
+        argv += ["--cpu-pid", str(pid)]
     for pid in backend_pids:
         argv += ["--backend-pid", str(pid)]
     if stream:
         argv.append("--stream")
+    return argv
+
+
+def run_load(
+    routers: Sequence[RouterProcess],
+    cfg: BenchConfig,
+    stream: bool,
+    out_dir: Path,
+    backend_pids: Sequence[int] = (),
+) -> dict:
+    """One measured segment: the loadgen process against one router, or its clients spread
+    over several (replicas); the CPU of all of them is read."""
+    output = out_dir / "loadgen.json"
+    urls = [router.url for router in routers]
+    pids = [router.process.pid for router in routers]
+    argv = loadgen_argv(urls, cfg, stream, output, pids, backend_pids)
     bound = cfg.warmup_s + cfg.duration_s + 120.0
     done = subprocess.run(argv, capture_output=True, timeout=bound, check=False, cwd=REPO)
     if done.returncode != 0:

@@ -7,8 +7,11 @@ comparison runs on any fresh machine with Python 3.11 and network access to PyPI
     python bench/peers.py setup            # create/refresh every peer venv
     python bench/peers.py setup smg        # only one
     python bench/peers.py check            # run each peer's --help once
+    python bench/peers.py setup smg py-spy --python python3 --wheels DIR   # offline, from wheels
 
-`ensure_py_spy()` does the same for the profiler (bench/venvs/tools).
+`ensure_py_spy()` does the same for the profiler (bench/venvs/tools). `--wheels DIR` installs
+from a folder of wheels instead of PyPI (`pip download` them elsewhere), for a machine with
+no network.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ VENVS = REPO / "bench" / "venvs"
 PROJECT_VENV = REPO / ".venv"
 TOOLS_VENV = VENVS / "tools"
 INSTALL_TIMEOUT_S = 1200.0
+PY_SPY = "py-spy"
 HELP_TIMEOUT_S = 60.0
 
 
@@ -174,8 +178,11 @@ class PeerSetupError(RuntimeError):
     """A peer's venv could not be created or its command does not run."""
 
 
-def ensure_venv(venv: Path, packages: Sequence[str], python: str = "python3.11") -> Path:
-    """Create venv and pip-install packages into it unless a stamp says that was done."""
+def ensure_venv(
+    venv: Path, packages: Sequence[str], python: str = "python3.11", wheels: Path | None = None
+) -> Path:
+    """Create venv and pip-install packages into it (from PyPI, or only from the folder
+    ``wheels``) unless a stamp says that was done."""
     digest = hashlib.sha256(" ".join(packages).encode()).hexdigest()[:12]
     stamp = venv / f".bench-installed-{digest}"
     if stamp.exists():
@@ -183,14 +190,16 @@ def ensure_venv(venv: Path, packages: Sequence[str], python: str = "python3.11")
     if not (venv / "bin" / "python").exists():
         _run([python, "-m", "venv", str(venv)], INSTALL_TIMEOUT_S)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    if wheels is not None:
+        pip += ["--no-index", "--find-links", str(wheels)]
     _run([*pip, "--upgrade", *packages], INSTALL_TIMEOUT_S)
     stamp.touch()
     return venv
 
 
-def ensure_py_spy(python: str = "python3.11") -> Path:
+def ensure_py_spy(python: str = "python3.11", wheels: Path | None = None) -> Path:
     """The py-spy executable, installed from PyPI into bench/venvs/tools on first use."""
-    return ensure_venv(TOOLS_VENV, ("py-spy",), python) / "bin" / "py-spy"
+    return ensure_venv(TOOLS_VENV, (PY_SPY,), python, wheels) / "bin" / PY_SPY
 
 
 def _run(argv: Sequence[str], timeout: float) -> None:
@@ -205,13 +214,13 @@ def _run(argv: Sequence[str], timeout: float) -> None:
         )
 
 
-def ensure_peer(peer: Peer, python: str = "python3.11") -> Path:
+def ensure_peer(peer: Peer, python: str = "python3.11", wheels: Path | None = None) -> Path:
     """Create the peer's venv and install its packages unless already done; return the venv."""
     if peer.venv_name is None:
         if not (peer.venv / "bin" / peer.help_argv[0]).exists():
             raise PeerSetupError(f"{peer.name}: {peer.venv} is missing; run `make install` first")
         return peer.venv
-    return ensure_venv(peer.venv, peer.packages, python)
+    return ensure_venv(peer.venv, peer.packages, python, wheels)
 
 
 def check_peer(peer: Peer) -> None:
@@ -232,14 +241,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("action", choices=("setup", "check"))
-    parser.add_argument("peers", nargs="*", help=f"subset of {sorted(PEERS)} (default: all)")
+    parser.add_argument(
+        "peers", nargs="*", help=f"subset of {sorted(PEERS)}, or {PY_SPY} (default: all peers)"
+    )
     parser.add_argument("--python", default=os.environ.get("PYTHON", "python3.11"))
+    parser.add_argument("--wheels", type=Path, help="install from this folder of wheels only")
     args = parser.parse_args(argv)
     failed = 0
+    if PY_SPY in args.peers:
+        args.peers.remove(PY_SPY)
+        try:
+            print(f"{PY_SPY}: ok ({ensure_py_spy(args.python, args.wheels)})")
+        except PeerSetupError as exc:
+            failed += 1
+            print(f"{PY_SPY}: FAILED: {exc}", file=sys.stderr)
+        if not args.peers:
+            return failed
     for peer in _select(args.peers):
         try:
             if args.action == "setup":
-                ensure_peer(peer, args.python)
+                ensure_peer(peer, args.python, args.wheels)
             check_peer(peer)
         except PeerSetupError as exc:
             failed += 1
