@@ -187,7 +187,10 @@ async def test_prefill_queues_when_its_kv_pool_is_full(small_prefill, client):
         with_bootstrap({"text": c * 60, "sampling_params": {"max_new_tokens": 1}}, port, new_room())
         for c in "xy"
     ]
-    tasks = [asyncio.create_task(client.post(prefill + "/generate", json=b)) for b in bodies]
+    # x first, then y: which one holds the pool decides the order the decodes must come in.
+    tasks = [asyncio.create_task(client.post(prefill + "/generate", json=bodies[0]))]
+    await wait_for(client, prefill, lambda x: x["num_used_tokens"] == 60)
+    tasks.append(asyncio.create_task(client.post(prefill + "/generate", json=bodies[1])))
     load = await wait_for(client, prefill, lambda x: x["num_waiting_reqs"] == 1)
     assert load["num_used_tokens"] == 60
     # One decode after the other: the decode's pool holds one of these requests at a time, and
