@@ -94,6 +94,12 @@ class RequestMetrics:
             self._durations[endpoint] = histogram
         histogram.observe(seconds)
 
+    def count_retry(self) -> None:
+        self.metrics.retries_total.inc()
+
+    def observe_ttft(self, seconds: float) -> None:
+        self.metrics.ttft_seconds.observe(seconds)
+
     def count_upstream_error(self, role: Role, kind: str) -> None:
         key = (role.value, kind)
         counter = self._upstream_errors.get(key)

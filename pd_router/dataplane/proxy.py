@@ -207,7 +207,7 @@ class Exchange:
                     return failure_response(failure)
                 avoid.append(failure.worker)
                 last = failure
-            self.path.metrics.metrics.retries_total.inc()
+            self.path.metrics.count_retry()
             await asyncio.sleep(backoff_secs(retry, attempt))
 
     def routing_prompt(self) -> str:
@@ -249,7 +249,7 @@ class Exchange:
 
     def observe_ttft(self) -> None:
         seconds = asyncio.get_running_loop().time() - self.started
-        self.path.metrics.metrics.ttft_seconds.observe(seconds)
+        self.path.metrics.observe_ttft(seconds)
         if self.stream:
             prefilled = self.prefilled_at
             self.path.latency.observe_ttft(
