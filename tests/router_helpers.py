@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import httpx
 import orjson
+from aiohttp import web
 
 from pd_router.api.server import RunningServer, build_app, start_server
 from pd_router.config import load_config, merge
@@ -76,6 +78,27 @@ async def running_router(
         yield RouterUnderTest(server)
     finally:
         await server.stop()
+
+
+@dataclasses.dataclass
+class FakeWorker:
+    """A stand-in worker: an aiohttp application on a free loopback port."""
+
+    runner: web.AppRunner
+    url: str
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def serve_app(app: web.Application) -> FakeWorker:
+    """Serve ``app`` on a free loopback port (a worker with a behaviour of the test's own)."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return FakeWorker(runner, f"http://{host}:{port}")
 
 
 async def wait_until(

@@ -9,9 +9,8 @@ import asyncio
 import pytest
 from aiohttp import web
 
-from pd_router.api.server import start_server
 from pd_worker.tokens import chat_prompt, expected_text, tokenize
-from tests.router_helpers import assert_paired, generate_body, running_router, sse_events
+from tests.router_helpers import assert_paired, generate_body, running_router, serve_app, sse_events
 
 TOKENS = 4
 
@@ -312,7 +311,7 @@ async def test_flush_cache_forwards_its_timeout():
         app.router.add_get("/server_info", ok)
         return app
 
-    p, d = await start_server(recording_worker()), await start_server(recording_worker())
+    p, d = await serve_app(recording_worker()), await serve_app(recording_worker())
     try:
         async with (
             running_router(prefill=[(p.url, 8998)], decode=[d.url]) as router,

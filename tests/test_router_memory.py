@@ -13,8 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from pd_router.api.server import RunningServer, start_server
-from tests.router_helpers import wait_until
+from tests.router_helpers import FakeWorker, serve_app, wait_until
 from tests.router_process import router_process
 
 MB = 1_000_000
@@ -45,9 +44,9 @@ def rejecting_worker(role: str, hold_secs: float) -> web.Application:
     return app
 
 
-async def rejecting_pair(hold_secs: float) -> AsyncIterator[tuple[RunningServer, RunningServer]]:
-    prefill = await start_server(rejecting_worker("prefill", hold_secs))
-    decode = await start_server(rejecting_worker("decode", hold_secs))
+async def rejecting_pair(hold_secs: float) -> AsyncIterator[tuple[FakeWorker, FakeWorker]]:
+    prefill = await serve_app(rejecting_worker("prefill", hold_secs))
+    decode = await serve_app(rejecting_worker("decode", hold_secs))
     try:
         yield prefill, decode
     finally:
@@ -124,8 +123,8 @@ async def test_a_leg_given_up_while_its_body_is_still_sent_drops_the_body_at_onc
     """The prefill rejects the request while the decode has read only the start of its body:
     the router answers, and neither keeps the rest in memory nor delivers it later."""
     stalled = StalledReader()
-    prefill = await start_server(rejecting_worker("prefill", 0.0))
-    decode = await start_server(stalled.app())
+    prefill = await serve_app(rejecting_worker("prefill", 0.0))
+    decode = await serve_app(stalled.app())
     body = big_body()
     try:
         async with router_process(

@@ -11,8 +11,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from pd_router.api.server import start_server
-from tests.router_helpers import generate_body, running_router, sse_events
+from tests.router_helpers import generate_body, running_router, serve_app, sse_events
 
 KEY = "s3cret-admin-key-9d1e"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -157,8 +156,8 @@ def leaky_worker(role: str) -> web.Application:
 
 async def test_server_info_does_not_hand_on_worker_credentials():
     prefill, decode = (
-        await start_server(leaky_worker("prefill")),
-        await start_server(leaky_worker("decode")),
+        await serve_app(leaky_worker("prefill")),
+        await serve_app(leaky_worker("decode")),
     )
     try:
         async with (

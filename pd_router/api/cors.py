@@ -18,32 +18,13 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import hdrs, web
 
+from pd_router.dataplane.front.cors import EXPOSED_HEADERS, CorsPolicy
 from pd_router.errors import json_error
 
 ALLOWED_METHODS = "GET, POST, PUT, DELETE, OPTIONS"
-EXPOSED_HEADERS = "X-Request-Id, Retry-After"
 PREFLIGHT_MAX_AGE_SECS = "3600"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class CorsPolicy:
-    """Which origins may read the router's answers."""
-
-    __slots__ = ("_any", "_origins")
-
-    def __init__(self, origins: tuple[str, ...]) -> None:
-        self._any = "*" in origins
-        self._origins = frozenset(origins)
-
-    def allow_origin(self, origin: str | None) -> str | None:
-        """The ``Access-Control-Allow-Origin`` value for a request from ``origin``, or None
-        when that origin is not allowed (or the request names none)."""
-        if origin is None:
-            return None
-        if self._any:
-            return "*"
-        return origin if origin in self._origins else None
 
 
 CORS_POLICY = web.AppKey("cors_policy", CorsPolicy)

@@ -3,7 +3,8 @@
 
 It serves the generation endpoints from the pools the control process pushes (it waits for the
 first snapshot before it accepts a connection) and reports back (:mod:`pd_router.dataplane.
-reports`); every other path goes to the control process (:mod:`pd_router.api.forward`).
+reports`); every other path is relayed to the control process's application
+(:mod:`pd_router.dataplane.front.relay`).
 
 It stops on SIGTERM or SIGINT (exit status 0) and when the control process goes away (exit
 status 1): it stops accepting and lets the requests in flight finish, up to the shutdown
@@ -22,12 +23,14 @@ from typing import Any
 
 import aiohttp
 
-from pd_router.api.forward import ControlForwarder
-from pd_router.api.server import build_dataplane_app, start_server
+from pd_router.api.app_socket import SHUTDOWN_GRACE_SECS
+from pd_router.api.server import front_server
 from pd_router.api.signals import stop_signalled
 from pd_router.config import RouterConfig
+from pd_router.dataplane.admission import BodyAdmission
 from pd_router.dataplane.channel import Channel, ChannelClosed
 from pd_router.dataplane.concurrency import RequestAdmission
+from pd_router.dataplane.front.relay import Relay
 from pd_router.dataplane.http1_conn import WorkerUnavailable
 from pd_router.dataplane.legs import leg_setup
 from pd_router.dataplane.path import RequestMetrics, RequestPath
@@ -37,6 +40,7 @@ from pd_router.dataplane.snapshot import SnapshotPools
 from pd_router.dataplane.upstream import abort
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
+from pd_router.tls import server_context
 
 log = logging.getLogger("pd_router.dataplane")
 
@@ -99,16 +103,17 @@ async def serve_dataplane(
         metrics=request_metrics,
         abort=lambda worker, rids: background.spawn(abort(session, worker, rids)),
     )
-    forwarder = ControlForwarder(control_socket)
-    await forwarder.start()
-    app = build_dataplane_app(config, path, forwarder)
+    relay = Relay(control_socket)
+    await relay.start()
+    admission = BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes)
+    front = front_server(config, path, relay, admission, server_context(config.tls))
     try:
         first = await asyncio.wait_for(channel.receive(), FIRST_SNAPSHOT_TIMEOUT_SECS)
         take(first, pools, reports)
-        server = await start_server(app, sock=listen)
+        await front.start(sock=listen)
     except (ChannelClosed, TimeoutError):
         log.error("data plane %d: no snapshot from the control process; exiting", index)
-        await forwarder.stop()
+        await relay.stop()
         await session.close()
         return 1
     loop = asyncio.get_running_loop()
@@ -119,12 +124,12 @@ async def serve_dataplane(
     control_gone = follow.done()
     if control_gone:
         log.error("data plane %d: the control process is gone; stopping", index)
-    await server.stop()
+    await front.stop(SHUTDOWN_GRACE_SECS)
     for task in (follow, reporting, stopped):
         task.cancel()
     reports.send(pools)
     channel.close()
-    await forwarder.stop()
+    await relay.stop()
     await session.close()
     pool.close()
     return 1 if control_gone else 0

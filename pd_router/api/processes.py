@@ -10,15 +10,14 @@ route from the snapshots it pushes and report back (:mod:`pd_router.control.data
 from __future__ import annotations
 
 import logging
-import os
 import pickle
 import socket
 import sys
-import tempfile
 from collections.abc import Sequence
 
 from aiohttp import web
 
+from pd_router.api.app_socket import SHUTDOWN_GRACE_SECS, AppSocket
 from pd_router.api.info import DATAPLANES
 from pd_router.api.signals import stop_signalled
 from pd_router.api.state import ROUTER
@@ -32,9 +31,6 @@ log = logging.getLogger("pd_router.processes")
 
 # How a data plane is started: the control process adds its index, sockets and control socket.
 DATAPLANE_COMMAND = (sys.executable, "-m", "pd_router.cli.dataplane")
-# A data plane's own shutdown deadline for its requests in flight, plus what it may need to
-# close its connections.
-SHUTDOWN_GRACE_SECS = 60.0
 
 
 async def serve_processes(
@@ -51,20 +47,15 @@ async def serve_processes(
     router = app[ROUTER]
     dataplanes = DataPlanes(router.registry, router.health, router.latency)
     app[DATAPLANES] = dataplanes
-    with tempfile.TemporaryDirectory(prefix="pd-router-") as folder:
-        control_socket = os.path.join(folder, "control.sock")
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        site = web.UnixSite(runner, control_socket)
-        await site.start()
-        os.chmod(control_socket, 0o600)
 
-        async def attach(index: int, sock: socket.socket) -> None:
-            dataplanes.attach(index, await Channel.over(sock))
+    async def attach(index: int, sock: socket.socket) -> None:
+        dataplanes.attach(index, await Channel.over(sock))
 
+    app_socket = await AppSocket.start(app)
+    try:
         supervisor = Supervisor(
             sockets,
-            [*command, "--control-socket", control_socket],
+            [*command, "--control-socket", app_socket.path],
             pickle.dumps(config),
             attach=attach,
             detach=dataplanes.detach,
@@ -79,4 +70,5 @@ async def serve_processes(
         finally:
             await supervisor.stop(SHUTDOWN_GRACE_SECS)
             await dataplanes.stop()
-            await runner.cleanup()
+    finally:
+        await app_socket.stop()

@@ -1,21 +1,25 @@
-"""The aiohttp application: routes, the middleware (request id, admin auth, body size, error
-mapping, request metrics; CORS in front when configured) and the lifecycle of the shared state.
+"""The router's servers: the aiohttp application (routes, the middleware: request id, admin
+auth, body size, error mapping, request metrics; CORS in front when configured; the lifecycle of
+the shared state) and the client side in front of it.
 
 ``build_app(config)`` returns an Application holding one :class:`~pd_router.api.state.Router` under
 :data:`ROUTER`; other modules add their routes to that app (``add_conversion_routes(app)``,
 ``add_dashboard_routes(app)``). Run it with :func:`start_server` (tests, demo) or :func:`run_server`
-(the CLI); both listen through :mod:`pd_router.dataplane.listener` (header and body timeouts, the
-client connection cap; HTTPS with ``[tls]`` cert and key) and enable handler cancellation so a
-client that goes away cancels its request and the workers get ``/abort_request``."""
+(the CLI). Clients connect to the front (:mod:`pd_router.dataplane.front`: header and body
+timeouts, the client connection cap, HTTPS with ``[tls]`` cert and key), which serves the
+generation endpoints itself and relays every other request to the application, listening on a
+Unix socket of its own with handler cancellation, so a client that goes away cancels its
+request.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import gc
 import logging
-import os
 import socket
-from collections.abc import Awaitable, Callable, Sequence
+import ssl
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -23,29 +27,31 @@ from aiohttp import web
 from pd_protocol.listen import ListenError
 from pd_router.api import engine_metrics, info, loads
 from pd_router.api import workers as workers_api
+from pd_router.api.app_socket import SHUTDOWN_GRACE_SECS, AppSocket
 from pd_router.api.auth import is_admin_path, require_admin
 from pd_router.api.autopilot import add_autopilot_routes
 from pd_router.api.conversions import add_conversion_routes
 from pd_router.api.cors import add_cors
 from pd_router.api.dashboard import add_dashboard_routes
-from pd_router.api.forward import FORWARDED, ControlForwarder
 from pd_router.api.processes import serve_processes
 from pd_router.api.signals import stop_signalled
 from pd_router.api.state import ROUTER, Router
 from pd_router.config import RouterConfig
 from pd_router.control.discovery.config import DiscoveryUnavailable
 from pd_router.control.health import WorkersUnreachable
-from pd_router.dataplane import proxy
 from pd_router.dataplane.admission import BodyAdmission
+from pd_router.dataplane.front.cors import CorsPolicy
+from pd_router.dataplane.front.dispatch import Dispatcher, FrontPolicy
+from pd_router.dataplane.front.ids import RequestIds
+from pd_router.dataplane.front.relay import Relay
+from pd_router.dataplane.front.server import FrontServer
 from pd_router.dataplane.listener import (
     ClientLimits,
-    ClientSite,
     default_max_connections,
     fd_limit,
     raise_fd_limit,
-    release_body,
 )
-from pd_router.dataplane.path import DELIVERED, REQUEST_ID, REQUEST_PATH, UPSTREAM_ID, RequestPath
+from pd_router.dataplane.path import RequestMetrics, RequestPath
 from pd_router.errors import MAPPED_ERRORS, ClientClosedRequest, RouterError, error_response
 from pd_router.metrics import RouterMetrics
 from pd_router.tls import server_context
@@ -59,51 +65,16 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 __all__ = ["ROUTER", "Router", "RunningServer", "build_app", "run_server", "start_server"]
 
 
-class RequestIds:
-    """Request ids: the client's, read from the first of ``client_headers`` it sent, or fresh
-    ones: 96 random bits from the operating system's CSPRNG, as 24 hex digits.
-
-    A router-made id is also the ``rid`` workers know the request by, and a rid is all
-    ``/abort_request`` needs, so an id must not be guessable from the ids a client has seen
-    (``X-Request-Id``). The random bytes are drawn in blocks, one ``os.urandom`` call per
-    :data:`BLOCK_IDS` ids, which keeps an id as cheap as a formatted counter.
-    """
-
-    ID_BYTES = 12
-    BLOCK_IDS = 170
-
-    def __init__(self, client_headers: Sequence[str] = ()) -> None:
-        self.client_headers = (*client_headers, "X-Request-Id")
-        self._block = ""
-        self._next = 0
-
-    def next(self) -> str:
-        start = self._next
-        if start >= len(self._block):
-            self._block = os.urandom(self.ID_BYTES * self.BLOCK_IDS).hex()
-            start = 0
-        self._next = end = start + 2 * self.ID_BYTES
-        return self._block[start:end]
-
-
 REQUEST_IDS = web.AppKey("request_ids", RequestIds)
-# Whether the middleware checks the admin key on admin paths (a data plane passes those on).
-GUARD_ADMIN = web.AppKey("guard_admin", bool)
-# The configuration of an application without a Router (a data plane's).
-CONFIG = web.AppKey("config", RouterConfig)
+REQUEST_METRICS = web.AppKey("request_metrics", RequestMetrics)
 BODY_ADMISSION = web.AppKey("body_admission", BodyAdmission)
 
 
-def request_ids(request: web.Request, ids: RequestIds) -> tuple[str, str]:
-    """(request id, upstream id): the client's id (the first of ``ids.client_headers`` it sent)
-    when it is sane, else a fresh one. A client's id gets a fresh suffix upstream, so its rid is
-    no easier to guess than ours."""
-    headers = request.headers
-    given = next((headers[name] for name in ids.client_headers if name in headers), None)
-    if given and len(given) <= MAX_REQUEST_ID_LENGTH and given.isascii() and given.isprintable():
-        return given, f"{given}-{ids.next()}"
-    fresh = ids.next()
-    return fresh, fresh
+def release_body(request: web.BaseRequest) -> None:
+    """Drop the body aiohttp cached on ``request`` once it is answered. A keep-alive connection
+    keeps its last request until the next one arrives, and with it the whole body: a client
+    that sent a large prompt and then went idle pinned it."""
+    request._read_bytes = None
 
 
 def endpoint_label(request: web.Request) -> str:
@@ -116,18 +87,16 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
     """Request id in and out, admin auth, body admission (size limit and in-flight budget,
     before any of the body is read), one mapping from errors to JSON responses, and the
     request metrics for every endpoint. A handler cancelled because its client went away
-    counts as 499, unless the client already had its whole answer (:data:`DELIVERED`)."""
+    counts as 499."""
     app = request.app
-    metrics = app[REQUEST_PATH].metrics
+    metrics = app[REQUEST_METRICS]
     loop = asyncio.get_running_loop()
     started = loop.time()
-    request_id, upstream_id = request_ids(request, app[REQUEST_IDS])
-    request[REQUEST_ID] = request_id
-    request[UPSTREAM_ID] = upstream_id
+    request_id, _ = app[REQUEST_IDS].of(request.headers)
     admission = app[BODY_ADMISSION]
     admitted = 0
     try:
-        if app[GUARD_ADMIN] and is_admin_path(request.path):
+        if is_admin_path(request.path):
             require_admin(request)
         length = request.content_length
         if length:
@@ -135,9 +104,9 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
             admitted = length
         response = await handler(request)
     except asyncio.CancelledError:
-        if FORWARDED not in request:
-            status = request.get(DELIVERED, ClientClosedRequest.status)
-            metrics.observe_request(endpoint_label(request), status, loop.time() - started)
+        metrics.observe_request(
+            endpoint_label(request), ClientClosedRequest.status, loop.time() - started
+        )
         raise
     except MAPPED_ERRORS as exc:
         response = error_response(exc)
@@ -150,20 +119,11 @@ async def core_middleware(request: web.Request, handler: Handler) -> web.StreamR
             admission.release(admitted)
     if not response.prepared:
         response.headers["X-Request-Id"] = request_id
-    if FORWARDED not in request:
-        metrics.observe_request(endpoint_label(request), response.status, loop.time() - started)
+    metrics.observe_request(endpoint_label(request), response.status, loop.time() - started)
     return response
 
 
-def add_generation_routes(app: web.Application) -> None:
-    r = app.router
-    r.add_post("/generate", proxy.handle_generate)
-    r.add_post("/v1/completions", proxy.handle_completions)
-    r.add_post("/v1/chat/completions", proxy.handle_chat)
-
-
 def add_routes(app: web.Application) -> None:
-    add_generation_routes(app)
     r = app.router
     r.add_get("/health", info.handle_health)
     r.add_get("/liveness", info.handle_health)
@@ -200,8 +160,12 @@ async def _on_cleanup(app: web.Application) -> None:
 def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web.Application:
     """The router application for ``config`` (workers registered, not yet probed)."""
     router = Router(config, metrics)
-    app = base_app(config, router.path, guard_admin=config.admin_api_key is not None)
+    app = web.Application(middlewares=[core_middleware], client_max_size=config.max_payload_size)
     app[ROUTER] = router
+    app[REQUEST_METRICS] = router.path.metrics
+    app[REQUEST_IDS] = RequestIds(config.request_id_headers)
+    app[BODY_ADMISSION] = BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes)
+    add_cors(app, config.cors_allowed_origins)
     add_routes(app)
     add_dashboard_routes(app)
     app.on_startup.append(_on_startup)
@@ -209,53 +173,6 @@ def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web
     add_conversion_routes(app)
     add_autopilot_routes(app)
     return app
-
-
-def base_app(config: RouterConfig, path: RequestPath, *, guard_admin: bool) -> web.Application:
-    """An application with the router's middleware, CORS and ``path`` for its generation
-    handlers, and no routes yet."""
-    app = web.Application(middlewares=[core_middleware], client_max_size=config.max_payload_size)
-    app[REQUEST_PATH] = path
-    app[GUARD_ADMIN] = guard_admin
-    app[REQUEST_IDS] = RequestIds(config.request_id_headers)
-    app[BODY_ADMISSION] = BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes)
-    add_cors(app, config.cors_allowed_origins)
-    return app
-
-
-def build_dataplane_app(
-    config: RouterConfig, path: RequestPath, forwarder: ControlForwarder
-) -> web.Application:
-    """A data plane's application: the generation endpoints served from ``path``, every
-    other request passed to the control process (which checks the admin key and counts it)."""
-    app = base_app(config, path, guard_admin=False)
-    add_generation_routes(app)
-    app.router.add_route("*", "/{tail:.*}", forwarder.handle)
-    app[CONFIG] = config
-    return app
-
-
-@dataclass
-class RunningServer:
-    """An application serving on a port; ``url`` is where to reach it."""
-
-    app: web.Application
-    runner: web.AppRunner
-    host: str
-    port: int
-    scheme: str = "http"
-
-    @property
-    def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme}://{host}:{self.port}"
-
-    @property
-    def router(self) -> Router:
-        return self.app[ROUTER]
-
-    async def stop(self) -> None:
-        await self.runner.cleanup()
 
 
 def client_limits(config: RouterConfig) -> ClientLimits:
@@ -269,6 +186,49 @@ def client_limits(config: RouterConfig) -> ClientLimits:
     )
 
 
+def front_server(
+    config: RouterConfig,
+    path: RequestPath,
+    relay: Relay,
+    admission: BodyAdmission,
+    ssl_context: ssl.SSLContext | None,
+) -> FrontServer:
+    """The client side of one process: the generation endpoints served from ``path``, every
+    other request relayed by ``relay``; bodies admitted by ``admission``."""
+    cors = CorsPolicy(config.cors_allowed_origins) if config.cors_allowed_origins else None
+    policy = FrontPolicy(RequestIds(config.request_id_headers), admission, cors)
+    return FrontServer(Dispatcher(path, relay, policy), client_limits(config), ssl_context)
+
+
+@dataclass
+class RunningServer:
+    """A router serving on a port; ``url`` is where to reach it."""
+
+    app: web.Application
+    app_socket: AppSocket
+    relay: Relay
+    front: FrontServer
+    host: str
+    port: int
+    scheme: str = "http"
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+    @property
+    def router(self) -> Router:
+        return self.app[ROUTER]
+
+    async def stop(self, grace_secs: float = SHUTDOWN_GRACE_SECS) -> None:
+        """Stop accepting, let requests in flight finish (up to ``grace_secs``), stop the
+        router."""
+        await self.front.stop(grace_secs)
+        await self.relay.stop()
+        await self.app_socket.stop()
+
+
 async def start_server(
     app: web.Application,
     host: str = "127.0.0.1",
@@ -276,29 +236,24 @@ async def start_server(
     *,
     sock: socket.socket | None = None,
 ) -> RunningServer:
-    """Serve ``app`` in the running loop (port 0: a free port; ``sock``: on that listening
-    socket instead); stop with ``.stop()``. A router application's client limits and TLS come
-    from its config, any other application gets the defaults (plain HTTP). ListenError when the
-    address cannot be bound."""
-    config = app_config(app)
+    """Serve the router application ``app`` in the running loop (port 0: a free port; ``sock``:
+    on that listening socket instead); stop with ``.stop()``. Client limits and TLS come from
+    its config. ListenError when the address cannot be bound."""
+    router = app[ROUTER]
+    config = router.config
     ssl_context = server_context(config.tls)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = ClientSite(runner, host, port, client_limits(config), ssl_context, sock=sock)
+    app_socket = await AppSocket.start(app)
+    relay = Relay(app_socket.path)
+    await relay.start()
+    front = front_server(config, router.path, relay, app[BODY_ADMISSION], ssl_context)
     try:
-        await site.start()
+        host, port = await front.start(host, port, sock=sock)
     except OSError as exc:
-        await runner.cleanup()
+        await relay.stop()
+        await app_socket.stop()
         raise ListenError(host, port, "--port", exc) from exc
-    host, port = runner.addresses[0][:2]
     scheme = "https" if ssl_context is not None else "http"
-    return RunningServer(app, runner, host, port, scheme)
-
-
-def app_config(app: web.Application) -> RouterConfig:
-    if ROUTER in app:
-        return app[ROUTER].config
-    return app.get(CONFIG) or RouterConfig()
+    return RunningServer(app, app_socket, relay, front, host, port, scheme)
 
 
 def tune_gc() -> None:

@@ -31,14 +31,18 @@ class BodyAdmission:
         self.budget = budget
         self.in_flight = 0
 
-    def admit(self, length: int) -> None:
-        """Count a body of ``length`` bytes in (give it back with :meth:`release`), or raise
-        PayloadTooLarge / BodyBudgetExhausted."""
+    def check_size(self, length: int) -> None:
+        """PayloadTooLarge for a body of more than ``max_payload_size`` bytes."""
         if length > self.max_payload_size:
             raise PayloadTooLarge(
                 f"request body of {length} bytes is over the limit of "
                 f"{self.max_payload_size} bytes (max_payload_size)"
             )
+
+    def admit(self, length: int) -> None:
+        """Count a body of ``length`` bytes in (give it back with :meth:`release`), or raise
+        PayloadTooLarge / BodyBudgetExhausted."""
+        self.check_size(length)
         if self.budget and self.in_flight and self.in_flight + length > self.budget:
             raise BodyBudgetExhausted(
                 f"{self.in_flight} bytes of request bodies are in flight; this one's "

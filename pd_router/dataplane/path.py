@@ -13,8 +13,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from aiohttp import web
-
 from pd_router.dataplane.concurrency import RequestAdmission
 from pd_router.dataplane.policies import Policy
 from pd_router.dataplane.retry import RetryConfig
@@ -122,15 +120,3 @@ class RequestPath:
     metrics: RequestMetrics
     # Fire-and-forget ``/abort_request`` of these rids to a worker.
     abort: Callable[[Target, list[str]], None]
-
-
-REQUEST_PATH = web.AppKey("request_path", RequestPath)
-REQUEST_ID = web.RequestKey("request_id", str)
-# The id workers know a request by (its ``rid``): the request id itself when the router made it,
-# the client's id plus a unique suffix otherwise, so two requests that carry the same
-# X-Request-Id never collide on a worker (SGLang rejects a duplicate rid).
-UPSTREAM_ID = web.RequestKey("upstream_id", str)
-# The status of a streamed answer whose end reached the client (its ``data: [DONE]`` event or
-# its last byte): a client that closes the connection after it is not an abort, whatever the
-# handler was still doing (reading the worker's end of stream, releasing the legs).
-DELIVERED = web.RequestKey("delivered", int)

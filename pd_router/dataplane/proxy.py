@@ -22,23 +22,14 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 import orjson
-from aiohttp import web
 
 from pd_router.dataplane.aborts import find_abort
+from pd_router.dataplane.front.reply import Reply
 from pd_router.dataplane.http1 import Response
 from pd_router.dataplane.logprobs import merge_body, merged_events, prefill_logprobs
-from pd_router.dataplane.path import (
-    DELIVERED,
-    REQUEST_ID,
-    REQUEST_PATH,
-    UPSTREAM_ID,
-    RequestPath,
-)
+from pd_router.dataplane.path import RequestPath
 from pd_router.dataplane.policies import prompt_key
 from pd_router.dataplane.requests import (
-    CHAT,
-    COMPLETIONS,
-    GENERATE,
     Endpoint,
     inject_bootstrap,
     item_rids,
@@ -78,30 +69,26 @@ T = TypeVar("T")
 SSE_HEADERS: Mapping[str, str] = MappingProxyType(
     {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 )
+SSE_HEAD = tuple(SSE_HEADERS.items())
 # The event that ends an SGLang or OpenAI stream: once relayed, the client has its answer.
 END_EVENT = b"data: [DONE]\n\n"
 
 
-async def handle_generate(request: web.Request) -> web.StreamResponse:
-    return await serve(request, GENERATE)
-
-
-async def handle_completions(request: web.Request) -> web.StreamResponse:
-    return await serve(request, COMPLETIONS)
-
-
-async def handle_chat(request: web.Request) -> web.StreamResponse:
-    return await serve(request, CHAT)
-
-
-async def serve(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-    path = request.app[REQUEST_PATH]
+async def serve(
+    path: RequestPath,
+    endpoint: Endpoint,
+    raw: bytes,
+    reply: Reply,
+    request_id: str,
+    upstream_id: str,
+) -> None:
+    """Answer one generation request (its whole body ``raw``) on ``reply``."""
     started = asyncio.get_running_loop().time()
-    body = parse_body(await request.read())
+    body = parse_body(raw)
     items, samples = endpoint.count_items(body)
     async with path.admission.admitted():
-        exchange = Exchange(path, request, endpoint, body, items, samples, started)
-        return await exchange.run()
+        ids = (request_id, upstream_id)
+        await Exchange(path, reply, ids, endpoint, body, items, samples, started).run()
 
 
 async def guarded(main: asyncio.Task[T], guard: asyncio.Task) -> T:
@@ -130,7 +117,8 @@ class Exchange:
     def __init__(
         self,
         path: RequestPath,
-        request: web.Request,
+        reply: Reply,
+        ids: tuple[str, str],
         endpoint: Endpoint,
         body: dict[str, Any],
         items: int | None,
@@ -138,14 +126,13 @@ class Exchange:
         started: float,
     ) -> None:
         self.path = path
-        self.request = request
+        self.reply = reply
         self.endpoint = endpoint
         self.body = body
         self.items = items
         self.samples = samples
         self.started = started
-        self.request_id = request[REQUEST_ID]
-        self.upstream_id = request[UPSTREAM_ID]
+        self.request_id, self.upstream_id = ids
         self.client_rid = body.get("rid")
         request_id = {"X-Request-Id": self.request_id}
         self.prefill_headers = {**path.leg_headers[Role.PREFILL], **request_id}
@@ -156,7 +143,7 @@ class Exchange:
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
         self._prompt_key: str | None = None
 
-    async def run(self) -> web.StreamResponse:
+    async def run(self) -> None:
         retry = self.path.retry
         pools = self.path.pools
         avoid: list[Target] = []
@@ -169,7 +156,8 @@ class Exchange:
             except NoWorkers:
                 if last is None:
                     raise
-                return failure_response(last)
+                await failure_response(self.reply, last)
+                return
             payload, rids = self.prepare(attempt, prefill)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
@@ -179,8 +167,10 @@ class Exchange:
                 )  # fmt: skip
             try:
                 if self.stream:
-                    return await self.stream_attempt(prefill, decode, payload, rids)
-                return await self.unary_attempt(prefill, decode, payload, rids)
+                    await self.stream_attempt(prefill, decode, payload, rids)
+                else:
+                    await self.unary_attempt(prefill, decode, payload, rids)
+                return
             except LegFailed as failure:
                 # Its traceback holds this attempt's frames, which hold the leg tasks, which
                 # hold the failure: a cycle that kept the request body alive until a full
@@ -204,7 +194,8 @@ class Exchange:
                     pools.suspect(failure.worker)
                 attempt += 1
                 if not failure.retryable or attempt >= attempts(retry):
-                    return failure_response(failure)
+                    await failure_response(self.reply, failure)
+                    return
                 avoid.append(failure.worker)
                 last = failure
             self.path.metrics.count_retry()
@@ -293,7 +284,7 @@ class Exchange:
 
     async def unary_attempt(
         self, prefill: Target, decode: Target, payload: bytes, rids: list[str]
-    ) -> web.Response:
+    ) -> None:
         pools = self.path.pools
         p_task, d_task = self.start_legs(prefill, decode, payload, fetch_decode)
         client_gone = False
@@ -313,13 +304,13 @@ class Exchange:
         if self.merge and p_result is not None:
             body = merge_body(body, prefill_logprobs(p_result.body))
         self.observe_ttft()
-        return web.Response(body=body, status=d_result.status, content_type=d_result.content_type)
+        await self.reply.send(d_result.status, body, d_result.content_type)
 
     # --- streaming --------------------------------------------------------------------------
 
     async def stream_attempt(
         self, prefill: Target, decode: Target, payload: bytes, rids: list[str]
-    ) -> web.StreamResponse:
+    ) -> None:
         pools = self.path.pools
         count_error = self.path.metrics.count_upstream_error
         p_task, d_task = self.start_legs(prefill, decode, payload, open_stream)
@@ -338,19 +329,18 @@ class Exchange:
             )
             first = await guarded(first_task, p_task)
             try:
-                response = await self.start_stream(d_resp)
+                await self.start_stream(d_resp)
             except ConnectionResetError:
                 client_gone = True
                 raise ClientClosedRequest("client closed the connection") from None
-            decode_done, client_gone = await self.relay(response, first, pieces, decode)
+            decode_done, client_gone = await self.relay(first, pieces, decode)
             if not client_gone:
                 try:
-                    await response.write_eof()
+                    await self.reply.end()
                 except ConnectionResetError:
                     client_gone = True
             if not client_gone:
                 await asyncio.wait((p_task,))
-            return response
         except asyncio.CancelledError:
             client_gone = True
             raise
@@ -372,40 +362,37 @@ class Exchange:
                 await asyncio.wait(pending)
             pools.release(decode)
 
-    async def start_stream(self, d_resp: Response) -> web.StreamResponse:
-        response = web.StreamResponse(status=d_resp.status, headers=SSE_HEADERS)
-        response.content_type = d_resp.content_type or "text/event-stream"
-        response.headers["X-Request-Id"] = self.request_id
-        await response.prepare(self.request)
+    async def start_stream(self, d_resp: Response) -> None:
+        content_type = d_resp.content_type or "text/event-stream"
+        await self.reply.start(d_resp.status, (("Content-Type", content_type), *SSE_HEAD))
         self.observe_ttft()
-        return response
 
     async def relay(
         self,
-        response: web.StreamResponse,
         first: bytes,
         pieces: AsyncIterator[bytes],
         decode: Target,
     ) -> tuple[bool, bool]:
         """Copy the decode's stream to the client; returns (decode finished, client gone).
         Events are counted by their blank-line ends, for the time per output token. The answer
-        counts as delivered (:data:`DELIVERED`) from its end event on, or once the whole stream
+        counts as delivered (``reply.delivered``) from its end event on, or once the whole stream
         was relayed."""
+        reply = self.reply
         loop = asyncio.get_running_loop()
         first_at = loop.time()
         events = first.count(b"\n\n")
         try:
-            await response.write(first)
+            await reply.write(first)
             if first.endswith(END_EVENT):
-                self.request[DELIVERED] = response.status
+                reply.delivered = reply.status
             async for piece in pieces:
                 events += piece.count(b"\n\n")
                 try:
-                    await response.write(piece)
+                    await reply.write(piece)
                 except ConnectionResetError:
                     return False, True
                 if piece.endswith(END_EVENT):
-                    self.request[DELIVERED] = response.status
+                    reply.delivered = reply.status
         except ConnectionResetError:
             return False, True
         except UPSTREAM_ERRORS as exc:
@@ -420,11 +407,11 @@ class Exchange:
                 },
             )
             try:
-                await response.write(sse_error(failure.message, 504 if failure.timed_out else 502))
+                await reply.write(sse_error(failure.message, 504 if failure.timed_out else 502))
             except ConnectionResetError:
                 return False, True
             return False, False
-        self.request[DELIVERED] = response.status
+        reply.delivered = reply.status
         record_outcome(decode, None, self.path.metrics.count_upstream_error)
         self.path.latency.observe_stream(loop.time() - first_at, events)
         return True, False
@@ -481,7 +468,7 @@ def sse_error(message: str, status: int = 502) -> bytes:
     return b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
 
 
-def failure_response(failure: LegFailed) -> web.Response:
+async def failure_response(reply: Reply, failure: LegFailed) -> None:
     """What the client gets when the last attempt failed: a worker's own 4xx answer as is,
     otherwise a router error naming the leg that failed (503 with Retry-After when the router
     itself ran out of file descriptors or connections, the worker being fine)."""
@@ -489,9 +476,8 @@ def failure_response(failure: LegFailed) -> web.Response:
     if failure.wrong_role:
         raise UpstreamUnavailable(failure.message)
     if result is not None and 400 <= result.status < 500:
-        return web.Response(
-            body=result.body, status=result.status, content_type=result.content_type
-        )
+        await reply.send(result.status, result.body, result.content_type)
+        return
     if failure.local:
         raise RouterOverloaded(failure.message)
     if failure.status == 503:
