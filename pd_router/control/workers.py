@@ -356,8 +356,10 @@ class WorkerRegistry:
         self._tell_left_pool(worker, worker.role)
 
     def get(self, key: str) -> Worker:
-        """Look a worker up by id (``w3``) or url (with or without a trailing slash)."""
-        worker = self._by_id.get(key)
+        """Look a worker up by id (``w3``) or url (with or without a trailing slash). A url
+        exactly as stored is found without parsing it: the data planes' reports name each
+        worker of every leg that way, thousands of times a second."""
+        worker = self._by_id.get(key) or self._by_url.get(key)
         if worker is not None:
             return worker
         try:
