@@ -51,6 +51,17 @@ def test_half_open_needs_success_threshold_trials_to_close():
     assert cb.state is CircuitState.CLOSED
 
 
+def test_a_run_of_successes_counts_as_that_many_trials():
+    clock = Clock()
+    cb = breaker(clock, failure_threshold=1, cooldown_secs=5.0, success_threshold=3)
+    fail(cb, 1, clock)
+    clock.now += 5.0
+    cb.record_success(2)
+    assert cb.state is CircuitState.HALF_OPEN
+    cb.record_success(1)
+    assert cb.state is CircuitState.CLOSED
+
+
 def test_a_failed_trial_reopens_and_the_next_half_open_counts_from_zero():
     clock = Clock()
     cb = breaker(clock, failure_threshold=1, cooldown_secs=5.0, success_threshold=2)

@@ -32,6 +32,7 @@ from tests.conversion_helpers import (
 )
 from tests.router_helpers import (
     assert_paired,
+    fault,
     generate_body,
     router_overrides,
     sse_events,
@@ -191,6 +192,38 @@ async def test_a_wrong_role_answer_in_a_data_plane_has_the_worker_moved_at_once(
             await wait_until(moved, 5.0, "moved without a probe")
 
 
+async def test_legs_failing_in_the_data_planes_open_the_workers_circuit(cluster_factory):
+    cluster = cluster_factory(prefill=1, decode=2, speed=0.0)
+    failing = cluster.decode_urls[0]
+    async with router_process(
+        prefill=cluster.prefill_urls,
+        decode=cluster.decode_urls,
+        decode_policy="round_robin",
+        health={"interval_secs": 60.0},
+        circuit={"failure_threshold": 2, "cooldown_secs": 60.0},
+        **PROCESSES,
+    ) as router:
+        await fault(failing, fail_next=2, fail_status=502)
+        prompts = [f"failing leg {n}" for n in range(12)]
+        for prompt, answer in zip(
+            prompts, await fresh_connection_requests(router.url, prompts), strict=True
+        ):
+            assert answer.status_code == 200, answer.text
+            assert_paired(answer.json(), prompt, TOKENS)
+        async with router.client() as http:
+
+            async def opened() -> bool:
+                workers = (await http.get("/workers")).json()["workers"]
+                return any(w["url"] == failing and w["circuit"] == "open" for w in workers)
+
+            await wait_until(opened, 5.0, "the control process opened the circuit")
+        prompts = [f"after {n}" for n in range(6)]
+        for prompt, answer in zip(
+            prompts, await fresh_connection_requests(router.url, prompts), strict=True
+        ):
+            assert assert_paired(answer.json(), prompt, TOKENS) != failing
+
+
 async def test_a_killed_data_plane_is_replaced_and_its_drain_does_not_hang(cluster_factory):
     cluster = cluster_factory(prefill=1, decode=2, speed=0.05)
     async with router_process(
@@ -309,3 +342,26 @@ def test_a_data_plane_balances_on_the_whole_routers_inflight_counts():
     pools.apply(1, [{"url": "http://busy", **entry}, {"url": "http://idle", **entry}])
     pools.apply_inflight({"http://busy": 40, "http://idle": 0})
     assert {pools.pick(Role.DECODE).url for _ in range(20)} == {"http://idle"}
+
+
+def test_a_data_plane_reports_each_workers_leg_outcomes_as_runs_in_order():
+    pools = SnapshotPools(
+        {role: make_policy("round_robin") for role in Role},
+        wake=lambda: None,
+        suspect=lambda url: None,
+        on_unavailable=lambda url: None,
+        count_refusal=lambda role: None,
+    )
+    entry = {"role": "decode", "bootstrap_port": None, "pickable": True, "usable": True,
+             "circuit": "closed", "half_open_at": None}  # fmt: skip
+    pools.apply(1, [{"url": "http://a", **entry}, {"url": "http://b", **entry}])
+    a = pools.pick(Role.DECODE)
+    b = pools.pick(Role.DECODE, [a])
+    for member, ok in [(a, True), (b, True), (a, True), (a, False), (b, True), (a, True)]:
+        (member.circuit.record_success if ok else member.circuit.record_failure)()
+    outcomes = pools.take_outcomes()
+    assert [run for run in outcomes if run[0] == a.url] == [
+        [a.url, True, 2], [a.url, False, 1], [a.url, True, 1]
+    ]  # fmt: skip
+    assert [run for run in outcomes if run[0] == b.url] == [[b.url, True, 2]]
+    assert pools.take_outcomes() == []

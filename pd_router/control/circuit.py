@@ -102,15 +102,15 @@ class CircuitBreaker:
         if self._state is CircuitState.HALF_OPEN:
             self._trial_in_flight = True
 
-    def record_success(self) -> None:
-        """A request succeeded: consecutive counting starts over; a half-open circuit closes
-        once ``success_threshold`` trials succeeded in a row."""
+    def record_success(self, count: int = 1) -> None:
+        """``count`` requests succeeded in a row: consecutive counting starts over; a half-open
+        circuit closes once ``success_threshold`` trials succeeded in a row."""
         self._trial_in_flight = False
         if not self.config.window_secs:
             self._failures.clear()
         if self.state is CircuitState.CLOSED:
             return
-        self._trial_successes += 1
+        self._trial_successes += count
         if self._trial_successes >= self.config.success_threshold:
             self._failures.clear()
             self._set(CircuitState.CLOSED)

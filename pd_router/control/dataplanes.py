@@ -176,12 +176,14 @@ class DataPlanes:
         link.acked = max(link.acked, report["v"])
         link.inflight = report["inflight"]
         link.idle_at = report["idle_at"]
-        for url, ok in report["outcomes"]:
+        for url, ok, count in report["outcomes"]:
             worker = self._find(url)
-            if worker is not None:
-                if ok:
-                    worker.circuit.record_success()
-                else:
+            if worker is None:
+                continue
+            if ok:
+                worker.circuit.record_success(count)
+            else:
+                for _ in range(count):
                     worker.circuit.record_failure()
         for seconds, prefilled_after in report["ttft"]:
             self._latency.observe_ttft(seconds, prefilled_after)

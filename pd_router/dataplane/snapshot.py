@@ -36,11 +36,15 @@ HALF_OPEN = "half_open"
 class SharedCircuit:
     """The control process's verdict on one worker, and this process's outcomes for it."""
 
-    __slots__ = ("_half_open_at", "_outcomes", "_state", "_trial", "url")
+    __slots__ = ("_half_open_at", "_recorded", "_runs", "_state", "_trial", "url")
 
-    def __init__(self, url: str, outcomes: list[list[Any]]) -> None:
+    def __init__(self, url: str, recorded: set[SharedCircuit]) -> None:
         self.url = url
-        self._outcomes = outcomes
+        # Outcomes since the last report, in order, as runs: [succeeded, how many in a row]
+        # (one entry per run rather than per leg: a report carries thousands of legs).
+        self._runs: list[list[Any]] = []
+        # The circuits with outcomes to report, shared by every member of the pools.
+        self._recorded = recorded
         self._state = CLOSED
         self._half_open_at: float | None = None
         self._trial = False
@@ -69,12 +73,23 @@ class SharedCircuit:
             self._trial = True
 
     def record_success(self) -> None:
-        self._trial = False
-        self._outcomes.append([self.url, True])
+        self._record(True)
 
     def record_failure(self) -> None:
+        self._record(False)
+
+    def _record(self, ok: bool) -> None:
         self._trial = False
-        self._outcomes.append([self.url, False])
+        runs = self._runs
+        if runs and runs[-1][0] is ok:
+            runs[-1][1] += 1
+        else:
+            runs.append([ok, 1])
+            self._recorded.add(self)
+
+    def take_runs(self) -> list[list[Any]]:
+        runs, self._runs = self._runs, []
+        return runs
 
     def release_trial(self) -> None:
         self._trial = False
@@ -135,7 +150,7 @@ class SnapshotPools:
     ) -> None:
         self.policies = policies
         self.version = 0
-        self.outcomes: list[list[Any]] = []
+        self._recorded: set[SharedCircuit] = set()
         self._wake = wake
         self._suspect = suspect
         self._on_unavailable = on_unavailable
@@ -157,7 +172,7 @@ class SnapshotPools:
             member = self._members.get(url)
             self._gone.discard(url)
             if member is None:
-                member = Member(url, role, SharedCircuit(url, self.outcomes))
+                member = Member(url, role, SharedCircuit(url, self._recorded))
                 self._members[url] = member
             elif member.role is not role:
                 self.policies[member.role].forget(url)
@@ -248,8 +263,14 @@ class SnapshotPools:
         return counts, idle
 
     def take_outcomes(self) -> list[list[Any]]:
-        outcomes = self.outcomes[:]
-        self.outcomes.clear()
+        """The leg outcomes since the last call: ``[url, succeeded, how many in a row]``, in
+        order per worker."""
+        outcomes = [
+            [circuit.url, ok, count]
+            for circuit in self._recorded
+            for ok, count in circuit.take_runs()
+        ]
+        self._recorded.clear()
         return outcomes
 
 
