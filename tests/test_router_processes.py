@@ -37,6 +37,7 @@ from tests.router_helpers import (
     router_overrides,
     sse_events,
     wait_until,
+    worker_metric,
 )
 from tests.router_process import ENTRY, RouterProcess, router_process
 
@@ -65,6 +66,28 @@ async def fresh_connection_requests(url: str, prompts: list[str]) -> list[httpx.
         async with httpx.AsyncClient(base_url=url, timeout=30.0) as http:
             answers.append(await http.post("/generate", json=generate_body(prompt, TOKENS)))
     return answers
+
+
+async def paired_sources(url: str, prompts: list[str]) -> list[str]:
+    """Send each prompt on a new connection; each answer is a 200 paired with its prompt, and
+    the prefill it came from is returned."""
+    answers = await fresh_connection_requests(url, prompts)
+    sources = []
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assert answer.status_code == 200, answer.text
+        sources.append(assert_paired(answer.json(), prompt, TOKENS))
+    return sources
+
+
+async def wait_for_worker(router: RouterProcess, url: str, field: str, value: str) -> None:
+    """Until ``/workers`` (whichever process answers) shows ``field`` of ``url`` at ``value``."""
+    async with router.client() as http:
+
+        async def shown() -> bool:
+            workers = (await http.get("/workers")).json()["workers"]
+            return any(w["url"] == url and w[field] == value for w in workers)
+
+        await wait_until(shown, 5.0, f"{url} {field} {value}")
 
 
 def test_workers_auto_is_one_data_plane_per_usable_core():
@@ -143,20 +166,8 @@ async def test_a_role_changed_outside_the_router_reaches_every_process(cluster_f
                 switched + "/pd_role_switch", json={"new_role": Role.PREFILL.value}
             )
         assert reply.json()["success"]
-        async with router.client() as http:
-
-            async def moved() -> bool:
-                workers = (await http.get("/workers")).json()["workers"]
-                return any(w["url"] == switched and w["role"] == "prefill" for w in workers)
-
-            await wait_until(moved, 5.0, "the control process moved it")
-        prompts = [f"drift {n}" for n in range(18)]
-        answers = await fresh_connection_requests(router.url, prompts)
-        sources = set()
-        for prompt, answer in zip(prompts, answers, strict=True):
-            assert answer.status_code == 200, answer.text
-            sources.add(assert_paired(answer.json(), prompt, TOKENS))
-        assert switched in sources
+        await wait_for_worker(router, switched, "role", "prefill")
+        assert switched in await paired_sources(router.url, [f"drift {n}" for n in range(18)])
 
 
 async def test_a_wrong_role_answer_in_a_data_plane_has_the_worker_moved_at_once(
@@ -174,22 +185,12 @@ async def test_a_wrong_role_answer_in_a_data_plane_has_the_worker_moved_at_once(
         async with httpx.AsyncClient(timeout=10.0) as operator:
             reply = await operator.post(switched + "/pd_role_switch", json={"new_role": "prefill"})
         assert reply.json()["success"]
-        prompts = [f"misrouted {n}" for n in range(8)]
-        for prompt, answer in zip(
-            prompts, await fresh_connection_requests(router.url, prompts), strict=True
-        ):
-            assert answer.status_code == 200, answer.text
-            assert_paired(answer.json(), prompt, TOKENS)
+        await paired_sources(router.url, [f"misrouted {n}" for n in range(8)])
         async with router.client() as http:
             assert await sample(
                 http, "pd_router_upstream_errors_total", role="decode", kind="wrong_role"
             )
-
-            async def moved() -> bool:
-                workers = (await http.get("/workers")).json()["workers"]
-                return any(w["url"] == switched and w["role"] == "prefill" for w in workers)
-
-            await wait_until(moved, 5.0, "moved without a probe")
+        await wait_for_worker(router, switched, "role", "prefill")
 
 
 async def test_legs_failing_in_the_data_planes_open_the_workers_circuit(cluster_factory):
@@ -204,24 +205,11 @@ async def test_legs_failing_in_the_data_planes_open_the_workers_circuit(cluster_
         **PROCESSES,
     ) as router:
         await fault(failing, fail_next=2, fail_status=502)
-        prompts = [f"failing leg {n}" for n in range(12)]
-        for prompt, answer in zip(
-            prompts, await fresh_connection_requests(router.url, prompts), strict=True
-        ):
-            assert answer.status_code == 200, answer.text
-            assert_paired(answer.json(), prompt, TOKENS)
-        async with router.client() as http:
-
-            async def opened() -> bool:
-                workers = (await http.get("/workers")).json()["workers"]
-                return any(w["url"] == failing and w["circuit"] == "open" for w in workers)
-
-            await wait_until(opened, 5.0, "the control process opened the circuit")
-        prompts = [f"after {n}" for n in range(6)]
-        for prompt, answer in zip(
-            prompts, await fresh_connection_requests(router.url, prompts), strict=True
-        ):
-            assert assert_paired(answer.json(), prompt, TOKENS) != failing
+        await paired_sources(router.url, [f"failing leg {n}" for n in range(12)])
+        await wait_for_worker(router, failing, "circuit", "open")
+        served = await worker_metric(failing, "num_requests_total")
+        await paired_sources(router.url, [f"after {n}" for n in range(6)])
+        assert await worker_metric(failing, "num_requests_total") == served
 
 
 async def test_a_killed_data_plane_is_replaced_and_its_drain_does_not_hang(cluster_factory):
@@ -329,9 +317,10 @@ async def test_a_second_router_on_the_same_port_is_refused(pd_cluster):
         assert b"Address already in use" in stderr
 
 
-def test_a_data_plane_balances_on_the_whole_routers_inflight_counts():
+def two_decodes(policy: str, *urls: str) -> SnapshotPools:
+    """A data plane's pools after a snapshot of two decodes, closed circuits."""
     pools = SnapshotPools(
-        {role: make_policy("least_inflight") for role in Role},
+        {role: make_policy(policy) for role in Role},
         wake=lambda: None,
         suspect=lambda url: None,
         on_unavailable=lambda url: None,
@@ -339,22 +328,18 @@ def test_a_data_plane_balances_on_the_whole_routers_inflight_counts():
     )
     entry = {"role": "decode", "bootstrap_port": None, "pickable": True, "usable": True,
              "circuit": "closed", "half_open_at": None}  # fmt: skip
-    pools.apply(1, [{"url": "http://busy", **entry}, {"url": "http://idle", **entry}])
+    pools.apply(1, [{"url": url, **entry} for url in urls])
+    return pools
+
+
+def test_a_data_plane_balances_on_the_whole_routers_inflight_counts():
+    pools = two_decodes("least_inflight", "http://busy", "http://idle")
     pools.apply_inflight({"http://busy": 40, "http://idle": 0})
     assert {pools.pick(Role.DECODE).url for _ in range(20)} == {"http://idle"}
 
 
 def test_a_data_plane_reports_each_workers_leg_outcomes_as_runs_in_order():
-    pools = SnapshotPools(
-        {role: make_policy("round_robin") for role in Role},
-        wake=lambda: None,
-        suspect=lambda url: None,
-        on_unavailable=lambda url: None,
-        count_refusal=lambda role: None,
-    )
-    entry = {"role": "decode", "bootstrap_port": None, "pickable": True, "usable": True,
-             "circuit": "closed", "half_open_at": None}  # fmt: skip
-    pools.apply(1, [{"url": "http://a", **entry}, {"url": "http://b", **entry}])
+    pools = two_decodes("round_robin", "http://a", "http://b")
     a = pools.pick(Role.DECODE)
     b = pools.pick(Role.DECODE, [a])
     for member, ok in [(a, True), (b, True), (a, True), (a, False), (b, True), (a, True)]:
