@@ -1,10 +1,10 @@
 """A router of one control process and three data-plane processes on one port (``[server]
 workers = 3``): every process routes from the control process's snapshots, a conversion drains
 across all of them, the admin API and the metrics show the whole router whichever process
-accepted the request, a data plane that dies is replaced, the data planes stop when the control
-process dies, SIGTERM lets streams in flight finish, a data plane balances on the whole
-router's in-flight counts and places a prefix where the others do. Real router processes in
-front of reference workers on loopback."""
+accepted the request, a data plane that dies or freezes is replaced, the data planes stop when
+the control process dies, SIGTERM lets streams in flight finish, a data plane balances on the
+whole router's in-flight counts and places a prefix where the others do. Real router processes
+in front of reference workers on loopback."""
 
 from __future__ import annotations
 
@@ -241,6 +241,25 @@ async def test_a_killed_data_plane_is_replaced_and_its_drain_does_not_hang(clust
         await wait_until(lambda: len(dataplane_pids(router) - before) == 3, 10.0, "replaced")
         answers = await fresh_connection_requests(router.url, ["after 1", "after 2"])
         assert [a.status_code for a in answers] == [200, 200]
+
+
+async def test_a_frozen_data_plane_is_replaced_and_the_connections_queued_on_it_served(
+    pd_cluster,
+):
+    async with router_process(
+        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
+    ) as router:
+        frozen = min(dataplane_pids(router))
+        os.kill(frozen, signal.SIGSTOP)
+        try:
+            # New connections: the kernel queues about a third of them on the frozen process's
+            # socket, which its replacement takes over.
+            await paired_sources(router.url, [f"frozen {n}" for n in range(16)])
+            assert not alive(frozen)
+        finally:
+            if alive(frozen):
+                os.kill(frozen, signal.SIGCONT)
+        assert len(dataplane_pids(router)) == 3
 
 
 async def test_data_planes_stop_when_the_control_process_dies(pd_cluster):

@@ -59,6 +59,7 @@ async def serve_processes(
             pickle.dumps(config),
             attach=attach,
             detach=dataplanes.detach,
+            unresponsive=dataplanes.unresponsive,
         )
         supervisor.start()
         log.info(

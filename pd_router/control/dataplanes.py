@@ -34,6 +34,11 @@ log = logging.getLogger("pd_router.dataplanes")
 
 INFLIGHT_PUSH_SECS = 0.025
 METRICS_TIMEOUT_SECS = 2.0
+# A data plane reports at least every second (dataplane/reports.HEARTBEAT_SECS); one silent for
+# longer than this is hung (stopped, or its event loop blocked), as is one that has not
+# reported within the start allowance of being started.
+SILENCE_SECS = 5.0
+START_SILENCE_SECS = 30.0
 
 
 class DataPlaneLink:
@@ -50,6 +55,9 @@ class DataPlaneLink:
         # Its metric samples as last collected (kept when it exits: counters never go back).
         self.samples: list[list] = []
         self.reader: asyncio.Task | None = None
+        # When it was last heard from (time.monotonic), and whether it ever was.
+        self.heard_at = time.monotonic()
+        self.heard = False
 
 
 class DataPlanes:
@@ -103,6 +111,14 @@ class DataPlanes:
         for waiting in self._metrics_waiters.values():
             waiting.answered(index)
         self._recount()
+
+    def unresponsive(self, index: int) -> bool:
+        """Whether data plane ``index`` has been silent for longer than a live one can be."""
+        link = self._links.get(index)
+        if link is None:
+            return False
+        limit = SILENCE_SECS if link.heard else START_SILENCE_SECS
+        return time.monotonic() - link.heard_at > limit
 
     async def stop(self) -> None:
         if self._pusher is not None:
@@ -158,6 +174,8 @@ class DataPlanes:
         try:
             while True:
                 message = await link.channel.receive()
+                link.heard_at = time.monotonic()
+                link.heard = True
                 kind = message.get("t")
                 if kind == "report":
                     self._take_report(link, message)

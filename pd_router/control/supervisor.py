@@ -13,6 +13,9 @@ Talking. Each data plane gets one end of a Unix socketpair as its channel (see
 ``detach(index)`` is called when the process exits. A data plane that exits while the router
 runs is started again after :data:`RESTART_DELAY_SECS`, the delay doubling (up to
 :data:`MAX_RESTART_DELAY_SECS`) while it keeps exiting within :data:`STABLE_SECS` of its start.
+One that is still running but ``unresponsive(index)`` (hung: stopped, or its event loop
+blocked, so the connections the kernel hands its socket would wait forever) is killed, and
+started again the same way.
 
 Stopping. :meth:`Supervisor.stop` closes the control process's copies of the sockets and sends
 SIGTERM to every data plane, which stops accepting and lets its requests in flight finish
@@ -35,6 +38,7 @@ RESTART_DELAY_SECS = 0.2
 MAX_RESTART_DELAY_SECS = 10.0
 STABLE_SECS = 10.0
 STOP_KILL_AFTER_SECS = 5.0
+WATCH_SECS = 1.0
 
 
 def reuseport_sockets(host: str, port: int, count: int, backlog: int) -> list[socket.socket]:
@@ -83,12 +87,14 @@ class Supervisor:
         *,
         attach: Attach,
         detach: Callable[[int], None],
+        unresponsive: Callable[[int], bool],
     ) -> None:
         self._sockets = list(sockets)
         self._command = list(command)
         self._stdin = stdin_bytes
         self._attach = attach
         self._detach = detach
+        self._unresponsive = unresponsive
         self._processes: dict[int, asyncio.subprocess.Process] = {}
         self._runs: list[asyncio.Task] = []
         self._stopping = False
@@ -112,7 +118,7 @@ class Supervisor:
             except OSError as exc:
                 log.error("data plane %d not started: %s", index, exc)
             else:
-                returncode = await proc.wait()
+                returncode = await self._watch(index, proc)
                 self._processes.pop(index, None)
                 self._detach(index)
                 if self._stopping:
@@ -124,6 +130,21 @@ class Supervisor:
             stable = loop.time() - started >= STABLE_SECS
             delay = RESTART_DELAY_SECS if stable else min(2 * delay, MAX_RESTART_DELAY_SECS)
             await asyncio.sleep(delay)
+
+    async def _watch(self, index: int, proc: asyncio.subprocess.Process) -> int:
+        """Wait for data plane ``index`` to exit; kill it if it hangs (its exit status)."""
+        exited = asyncio.ensure_future(proc.wait())
+        while True:
+            done, _ = await asyncio.wait((exited,), timeout=WATCH_SECS)
+            if done:
+                return exited.result()
+            if not self._stopping and self._unresponsive(index):
+                log.error(
+                    "data plane %d (pid %d) stopped answering; killing it",
+                    index, proc.pid, extra={"dataplane": index},
+                )  # fmt: skip
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
 
     async def _spawn(self, index: int) -> asyncio.subprocess.Process:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -5,14 +5,17 @@ ack), its in-flight count per worker and when each idle one became idle, the leg
 the circuits, the TTFT and TPOT samples and the refusals for lack of a worker that the
 autopilot reads. One goes out every ``interval`` when something changed, at once after a
 snapshot was taken (the ack a conversion's drain waits for) and when a worker out of selection
-became idle here. A leg answered for the other role is told at once (``{"t": "suspect"}``), and
-the metrics go out when the control process asks for them (a scrape).
+became idle here, and at least every ``HEARTBEAT_SECS`` even if nothing did: the control
+process takes a data plane that fell silent for hung, and replaces it. A leg answered for the
+other role is told at once (``{"t": "suspect"}``), and the metrics go out when the control
+process asks for them (a scrape).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 from pd_router.dataplane.channel import Channel
@@ -20,6 +23,7 @@ from pd_router.dataplane.snapshot import SnapshotPools
 from pd_router.metrics import RouterMetrics, samples
 
 REPORT_INTERVAL_SECS = 0.025
+HEARTBEAT_SECS = 1.0
 
 
 class Reports:
@@ -36,6 +40,7 @@ class Reports:
         self._tpot: list[list[float]] = []
         self._refused: dict[str, int] = {}
         self._last_counts: dict[str, int] = {}
+        self._sent_at = time.monotonic()
 
     # --- the latency sink (LatencyRecorder's methods the request path calls) ----------------
 
@@ -69,6 +74,7 @@ class Reports:
         ):
             return
         self._last_counts = counts
+        self._sent_at = time.monotonic()
         self._channel.send(
             {
                 "t": "report",
@@ -89,4 +95,4 @@ class Reports:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._urgent.wait(), self._interval)
             self._urgent.clear()
-            self.send(pools)
+            self.send(pools, force=time.monotonic() - self._sent_at >= HEARTBEAT_SECS)
