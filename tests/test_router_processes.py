@@ -2,9 +2,9 @@
 workers = 3``): every process routes from the control process's snapshots, a conversion drains
 across all of them, the admin API and the metrics show the whole router whichever process
 accepted the request, a data plane that dies or freezes is replaced, the data planes stop when
-the control process dies, SIGTERM lets streams in flight finish, a data plane balances on the
-whole router's in-flight counts and places a prefix where the others do. Real router processes
-in front of reference workers on loopback."""
+the control process dies (and kill it when it freezes), SIGTERM lets streams in flight finish,
+a data plane balances on the whole router's in-flight counts and places a prefix where the
+others do. Real router processes in front of reference workers on loopback."""
 
 from __future__ import annotations
 
@@ -279,6 +279,23 @@ async def test_data_planes_stop_when_the_control_process_dies(pd_cluster):
                 pass
             else:
                 raise AssertionError("the port still answers")
+
+
+async def test_a_frozen_control_process_is_killed_and_its_data_planes_exit(pd_cluster):
+    async with router_process(
+        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
+    ) as router:
+        dataplanes = dataplane_pids(router)
+        router.process.send_signal(signal.SIGSTOP)
+        await paired_sources(router.url, ["routed from the last snapshot"])
+        await asyncio.wait_for(router.process.wait(), 20.0)
+        assert router.process.returncode == -signal.SIGKILL
+        await wait_until(
+            lambda: not any(alive(pid) for pid in dataplanes), 10.0, "data planes exited"
+        )
+        with pytest.raises(httpx.ConnectError):
+            async with httpx.AsyncClient(timeout=5.0) as http:
+                await http.get(router.url + "/health")
 
 
 async def test_sigterm_lets_streams_in_flight_finish(cluster_factory):

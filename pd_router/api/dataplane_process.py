@@ -10,13 +10,19 @@ It stops on SIGTERM or SIGINT (exit status 0) and when the control process goes 
 status 1): it stops accepting and lets the requests in flight finish, up to the shutdown
 deadline. Without the control process nothing probes the workers, decides their circuits or
 honours a conversion any more, so routing on from the last snapshot could send traffic to a
-worker another router is switching; the orchestrator restarts the whole router instead.
+worker another router is switching; the orchestrator restarts the whole router instead. A
+control process that hangs (stopped, or its event loop blocked) goes away too: one that sent
+nothing for :data:`CONTROL_SILENCE_SECS` (it sends every second) is killed, since it holds every
+listening socket and would keep taking connections that nobody answers once its data planes
+left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 import socket
 from collections.abc import Coroutine
 from typing import Any
@@ -45,6 +51,7 @@ from pd_router.tls import server_context
 log = logging.getLogger("pd_router.dataplane")
 
 FIRST_SNAPSHOT_TIMEOUT_SECS = 30.0
+CONTROL_SILENCE_SECS = 10.0
 
 
 class Background:
@@ -148,9 +155,26 @@ def take(message: dict[str, Any], pools: SnapshotPools, reports: Reports) -> Non
 
 
 async def follow_control(channel: Channel, pools: SnapshotPools, reports: Reports) -> None:
-    """Apply what the control process sends until its channel closes."""
-    try:
-        while True:
-            take(await channel.receive(), pools, reports)
-    except ChannelClosed:
+    """Apply what the control process sends until its channel closes, or until it has been
+    silent for :data:`CONTROL_SILENCE_SECS`: then it is hung, and killed."""
+    control = os.getppid()
+    while True:
+        try:
+            message = await asyncio.wait_for(channel.receive(), CONTROL_SILENCE_SECS)
+        except ChannelClosed:
+            return
+        except TimeoutError:
+            kill_hung_control(control)
+            return
+        take(message, pools, reports)
+
+
+def kill_hung_control(pid: int) -> None:
+    """Kill the control process ``pid``, unless this process has outlived it already."""
+    if os.getppid() != pid:
         return
+    log.error(
+        "the control process (pid %d) sent nothing for %.0f s; killing it", pid,
+        CONTROL_SILENCE_SECS,
+    )  # fmt: skip
+    os.kill(pid, signal.SIGKILL)

@@ -39,6 +39,9 @@ METRICS_TIMEOUT_SECS = 2.0
 # reported within the start allowance of being started.
 SILENCE_SECS = 5.0
 START_SILENCE_SECS = 30.0
+# The control process sends every data plane something at least this often (the in-flight
+# totals, changed or not): one that hears nothing for long takes it for hung.
+HEARTBEAT_SECS = 1.0
 
 
 class DataPlaneLink:
@@ -241,10 +244,14 @@ class DataPlanes:
         self._totals = totals
 
     async def _push_totals(self) -> None:
-        """Send the router-wide in-flight counts to the data planes when they changed."""
+        """Send the router-wide in-flight counts to the data planes when they changed, and at
+        least every :data:`HEARTBEAT_SECS`."""
+        sent_at = time.monotonic()
         while True:
             await asyncio.sleep(INFLIGHT_PUSH_SECS)
-            if self._totals != self._pushed_totals:
+            now = time.monotonic()
+            if self._totals != self._pushed_totals or now - sent_at >= HEARTBEAT_SECS:
+                sent_at = now
                 self._pushed_totals = dict(self._totals)
                 message = {"t": "inflight", "totals": self._pushed_totals}
                 for link in self._links.values():
