@@ -249,6 +249,10 @@ async def test_a_frozen_data_plane_is_replaced_and_the_connections_queued_on_it_
     async with router_process(
         prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
     ) as router:
+        # A data plane serves only once it has reported to the control process, which gives
+        # one that never did half a minute to start: have every data plane serve first (30 new
+        # connections miss one of three sockets with odds of 1 in 60000).
+        await paired_sources(router.url, [f"warm {n}" for n in range(30)])
         frozen = min(dataplane_pids(router))
         os.kill(frozen, signal.SIGSTOP)
         try:
@@ -310,7 +314,13 @@ async def test_sigterm_lets_streams_in_flight_finish(cluster_factory):
                 return (await http.post("/generate", json=body)).text
 
         streams = [asyncio.create_task(stream()) for _ in range(4)]
-        await wait_for_busy(cluster.decode_urls)
+
+        async def all_dispatched() -> bool:
+            # Every stream reached the decode, none is left in a listening socket's queue
+            # (SIGTERM closes the sockets, and with them the connections not accepted yet).
+            return await worker_metric(cluster.decode_urls[0], "num_requests_total") == 4
+
+        await wait_until(all_dispatched, 5.0, "every stream dispatched to the decode")
         router.process.send_signal(signal.SIGTERM)
         texts = await asyncio.gather(*streams)
         assert all(sse_events(text)[-1] == "[DONE]" for text in texts)
