@@ -204,7 +204,7 @@ async def test_legs_failing_in_the_data_planes_open_the_workers_circuit(cluster_
         circuit={"failure_threshold": 2, "cooldown_secs": 60.0},
         **PROCESSES,
     ) as router:
-        await fault(failing, fail_next=2, fail_status=502)
+        await fault(failing, fail_next=1000, fail_status=502)
         await paired_sources(router.url, [f"failing leg {n}" for n in range(12)])
         await wait_for_worker(router, failing, "circuit", "open")
         served = await worker_metric(failing, "num_requests_total")
