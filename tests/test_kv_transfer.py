@@ -33,8 +33,16 @@ from tests.kv_transfer_peer import LOOPBACK, pattern, patterned_buffer
 
 REPO = Path(__file__).resolve().parent.parent
 PEER_BYTES = 4 << 20
-# Several runs across the buffer: unaligned, adjacent, one of several MB (more than a chunk).
-RANGES = [(7, 0, 1000), (4096, 1000, 4096), (8192, 5096, 3 << 20), (PEER_BYTES - 333, 8192, 333)]
+# Several runs across the buffer: unaligned, adjacent, one of several MB (more than a chunk), the
+# peer's last bytes. Their destinations never overlap, as KV slots do not: a transport may
+# write the ranges in any order (mooncake runs them as concurrent batches).
+LAST_LOCAL = (3 << 20) + 8192
+RANGES = [
+    (7, 0, 1000),
+    (4096, 1000, 4096),
+    (8192, 5096, 3 << 20),
+    (PEER_BYTES - 333, LAST_LOCAL, 333),
+]
 FAILURE_BOUND_SECS = 15.0
 
 
@@ -153,7 +161,7 @@ async def test_pulls_repeat_from_the_same_peer(
 
     for shift in range(5):
         ranges = [(remote + shift, local_offset, length) for remote, local_offset, length in RANGES]
-        ranges[-1] = (PEER_BYTES - 333 - shift, 8192, 333)
+        ranges[-1] = (PEER_BYTES - 333 - shift, LAST_LOCAL, 333)
         await local.pull(peer.endpoint, peer.ptr, ctypes.addressof(destination), ranges)
         assert_same_bytes(destination.raw, expected(ranges, PEER_BYTES))
 
