@@ -28,20 +28,17 @@ from typing import Any
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
 from pd_router.control.workers import UnknownWorker, Worker, WorkerRegistry, WorkerState
-from pd_router.dataplane.channel import Channel, ChannelClosed, Message
+from pd_router.dataplane.channel import HEARTBEAT_SECS, Channel, ChannelClosed, Message
 
 log = logging.getLogger("pd_router.dataplanes")
 
 INFLIGHT_PUSH_SECS = 0.025
 METRICS_TIMEOUT_SECS = 2.0
-# A data plane reports at least every second (dataplane/reports.HEARTBEAT_SECS); one silent for
-# longer than this is hung (stopped, or its event loop blocked), as is one that has not
-# reported within the start allowance of being started.
+# A data plane sends something at least every HEARTBEAT_SECS; one silent for longer than this
+# is hung (stopped, or its event loop blocked), as is one that has not reported within the
+# start allowance of being started.
 SILENCE_SECS = 5.0
 START_SILENCE_SECS = 30.0
-# The control process sends every data plane something at least this often (the in-flight
-# totals, changed or not): one that hears nothing for long takes it for hung.
-HEARTBEAT_SECS = 1.0
 
 
 class DataPlaneLink:
@@ -58,9 +55,8 @@ class DataPlaneLink:
         # Its metric samples as last collected (kept when it exits: counters never go back).
         self.samples: list[list] = []
         self.reader: asyncio.Task | None = None
-        # When it was last heard from (time.monotonic), and whether it ever was.
-        self.heard_at = time.monotonic()
-        self.heard = False
+        # When it counts as hung unless heard from before (time.monotonic).
+        self.silent_by = time.monotonic() + START_SILENCE_SECS
 
 
 class DataPlanes:
@@ -118,10 +114,7 @@ class DataPlanes:
     def unresponsive(self, index: int) -> bool:
         """Whether data plane ``index`` has been silent for longer than a live one can be."""
         link = self._links.get(index)
-        if link is None:
-            return False
-        limit = SILENCE_SECS if link.heard else START_SILENCE_SECS
-        return time.monotonic() - link.heard_at > limit
+        return link is not None and time.monotonic() > link.silent_by
 
     async def stop(self) -> None:
         if self._pusher is not None:
@@ -177,8 +170,7 @@ class DataPlanes:
         try:
             while True:
                 message = await link.channel.receive()
-                link.heard_at = time.monotonic()
-                link.heard = True
+                link.silent_by = time.monotonic() + SILENCE_SECS
                 kind = message.get("t")
                 if kind == "report":
                     self._take_report(link, message)

@@ -5,6 +5,10 @@ a 4-byte big-endian length and the bytes. A message's ``t`` names its kind.
 Sending never waits: a message goes into the transport's buffer and the sender carries on, so a
 data plane never blocks on a slow control process (nor the control process on a slow data
 plane).
+
+Each end sends something at least every :data:`HEARTBEAT_SECS`, even with nothing to say (the
+data plane a report, the control process the in-flight totals), so that either can take a long
+silence of the other for a hang.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import orjson
 
 HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+HEARTBEAT_SECS = 1.0
 
 Message = dict[str, Any]
 

@@ -5,10 +5,10 @@ ack), its in-flight count per worker and when each idle one became idle, the leg
 the circuits, the TTFT and TPOT samples and the refusals for lack of a worker that the
 autopilot reads. One goes out every ``interval`` when something changed, at once after a
 snapshot was taken (the ack a conversion's drain waits for) and when a worker out of selection
-became idle here, and at least every ``HEARTBEAT_SECS`` even if nothing did: the control
-process takes a data plane that fell silent for hung, and replaces it. A leg answered for the
-other role is told at once (``{"t": "suspect"}``), and the metrics go out when the control
-process asks for them (a scrape).
+became idle here, and at least every ``HEARTBEAT_SECS`` (of the channel) even if nothing did:
+the control process takes a data plane that fell silent for hung, and replaces it. A leg
+answered for the other role is told at once (``{"t": "suspect"}``), and the metrics go out when
+the control process asks for them (a scrape).
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ import contextlib
 import time
 from typing import Any
 
-from pd_router.dataplane.channel import Channel
+from pd_router.dataplane.channel import HEARTBEAT_SECS, Channel
 from pd_router.dataplane.snapshot import SnapshotPools
 from pd_router.metrics import RouterMetrics, samples
 
 REPORT_INTERVAL_SECS = 0.025
-HEARTBEAT_SECS = 1.0
 
 
 class Reports:
