@@ -12,6 +12,8 @@ import asyncio
 import os
 import signal
 import sys
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import httpx
 import orjson
@@ -22,6 +24,7 @@ from pd_router.config import ConfigError, load_config
 from pd_router.dataplane.policies import make_policy
 from pd_router.dataplane.snapshot import SnapshotPools
 from pd_router.roles import Role
+from pd_worker.cluster import WorkerCluster
 from tests.conversion_helpers import (
     LONG,
     CheckedLoad,
@@ -43,6 +46,13 @@ from tests.router_process import ENTRY, RouterProcess, router_process
 
 PROCESSES = {"server": {"workers": 3}}
 TOKENS = 4
+
+
+def three_processes(cluster: WorkerCluster, **overrides: Any) -> AbstractAsyncContextManager:
+    """A router of three data planes over ``cluster``'s workers (``overrides`` on top)."""
+    return router_process(
+        prefill=cluster.prefill_urls, decode=cluster.decode_urls, **PROCESSES, **overrides
+    )
 
 
 def dataplane_pids(router: RouterProcess) -> set[int]:
@@ -105,9 +115,7 @@ def test_workers_is_auto_or_a_positive_count(value):
 
 
 async def test_metrics_count_every_processs_requests(pd_cluster):
-    async with router_process(
-        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
-    ) as router:
+    async with three_processes(pd_cluster) as router:
         answers = await fresh_connection_requests(router.url, [f"m {n}" for n in range(12)])
         assert [a.status_code for a in answers] == [200] * 12
         async with router.client() as http:
@@ -119,12 +127,7 @@ async def test_metrics_count_every_processs_requests(pd_cluster):
 
 async def test_admin_key_is_checked_whichever_process_accepts(pd_cluster):
     key = {"Authorization": "Bearer sesame"}
-    async with router_process(
-        prefill=pd_cluster.prefill_urls,
-        decode=pd_cluster.decode_urls,
-        admin_api_key="sesame",
-        **PROCESSES,
-    ) as router:
+    async with three_processes(pd_cluster, admin_api_key="sesame") as router:
         for _ in range(6):
             async with router.client() as http:
                 assert (await http.get("/workers")).status_code == 401
@@ -135,12 +138,7 @@ async def test_admin_key_is_checked_whichever_process_accepts(pd_cluster):
 
 async def test_conversions_under_load_fail_no_request(cluster_factory):
     cluster = cluster_factory(prefill=2, decode=2, speed=0.2)
-    async with router_process(
-        prefill=cluster.prefill_urls,
-        decode=cluster.decode_urls,
-        conversion={"min_prefill": 1, "min_decode": 1},
-        **PROCESSES,
-    ) as router:
+    async with three_processes(cluster, conversion={"min_prefill": 1, "min_decode": 1}) as router:
         async with CheckedLoad(router.url, concurrency=12, tokens=8) as load:
             await load.wait_for_requests(20)
             async with router.client() as http:
@@ -155,12 +153,7 @@ async def test_conversions_under_load_fail_no_request(cluster_factory):
 async def test_a_role_changed_outside_the_router_reaches_every_process(cluster_factory):
     cluster = cluster_factory(prefill=2, decode=2, speed=0.0)
     switched = cluster.decode_urls[0]
-    async with router_process(
-        prefill=cluster.prefill_urls,
-        decode=cluster.decode_urls,
-        prefill_policy="round_robin",
-        **PROCESSES,
-    ) as router:
+    async with three_processes(cluster, prefill_policy="round_robin") as router:
         async with httpx.AsyncClient(timeout=10.0) as operator:
             reply = await operator.post(
                 switched + "/pd_role_switch", json={"new_role": Role.PREFILL.value}
@@ -175,12 +168,8 @@ async def test_a_wrong_role_answer_in_a_data_plane_has_the_worker_moved_at_once(
 ):
     cluster = cluster_factory(prefill=2, decode=2, speed=0.0)
     switched = cluster.decode_urls[0]
-    async with router_process(
-        prefill=cluster.prefill_urls,
-        decode=cluster.decode_urls,
-        decode_policy="round_robin",
-        health={"interval_secs": 60.0},
-        **PROCESSES,
+    async with three_processes(
+        cluster, decode_policy="round_robin", health={"interval_secs": 60.0}
     ) as router:
         async with httpx.AsyncClient(timeout=10.0) as operator:
             reply = await operator.post(switched + "/pd_role_switch", json={"new_role": "prefill"})
@@ -196,13 +185,11 @@ async def test_a_wrong_role_answer_in_a_data_plane_has_the_worker_moved_at_once(
 async def test_legs_failing_in_the_data_planes_open_the_workers_circuit(cluster_factory):
     cluster = cluster_factory(prefill=1, decode=2, speed=0.0)
     failing = cluster.decode_urls[0]
-    async with router_process(
-        prefill=cluster.prefill_urls,
-        decode=cluster.decode_urls,
+    async with three_processes(
+        cluster,
         decode_policy="round_robin",
         health={"interval_secs": 60.0},
         circuit={"failure_threshold": 2, "cooldown_secs": 60.0},
-        **PROCESSES,
     ) as router:
         await fault(failing, fail_next=1000, fail_status=502)
         await paired_sources(router.url, [f"failing leg {n}" for n in range(12)])
@@ -214,9 +201,7 @@ async def test_legs_failing_in_the_data_planes_open_the_workers_circuit(cluster_
 
 async def test_a_killed_data_plane_is_replaced_and_its_drain_does_not_hang(cluster_factory):
     cluster = cluster_factory(prefill=1, decode=2, speed=0.05)
-    async with router_process(
-        prefill=cluster.prefill_urls, decode=cluster.decode_urls, **PROCESSES
-    ) as router:
+    async with three_processes(cluster) as router:
         before = dataplane_pids(router)
         assert len(before) == 3
         async with router.client() as http:
@@ -246,9 +231,7 @@ async def test_a_killed_data_plane_is_replaced_and_its_drain_does_not_hang(clust
 async def test_a_frozen_data_plane_is_replaced_and_the_connections_queued_on_it_served(
     pd_cluster,
 ):
-    async with router_process(
-        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
-    ) as router:
+    async with three_processes(pd_cluster) as router:
         # A data plane serves only once it has reported to the control process, which gives
         # one that never did half a minute to start: have every data plane serve first (30 new
         # connections miss one of three sockets with odds of 1 in 60000).
@@ -267,9 +250,7 @@ async def test_a_frozen_data_plane_is_replaced_and_the_connections_queued_on_it_
 
 
 async def test_data_planes_stop_when_the_control_process_dies(pd_cluster):
-    async with router_process(
-        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
-    ) as router:
+    async with three_processes(pd_cluster) as router:
         dataplanes = dataplane_pids(router)
         router.process.send_signal(signal.SIGKILL)
         await router.process.wait()
@@ -286,9 +267,7 @@ async def test_data_planes_stop_when_the_control_process_dies(pd_cluster):
 
 
 async def test_a_frozen_control_process_is_killed_and_its_data_planes_exit(pd_cluster):
-    async with router_process(
-        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
-    ) as router:
+    async with three_processes(pd_cluster) as router:
         dataplanes = dataplane_pids(router)
         router.process.send_signal(signal.SIGSTOP)
         await paired_sources(router.url, ["routed from the last snapshot"])
@@ -304,9 +283,7 @@ async def test_a_frozen_control_process_is_killed_and_its_data_planes_exit(pd_cl
 
 async def test_sigterm_lets_streams_in_flight_finish(cluster_factory):
     cluster = cluster_factory(prefill=1, decode=1, speed=0.05)
-    async with router_process(
-        prefill=cluster.prefill_urls, decode=cluster.decode_urls, **PROCESSES
-    ) as router:
+    async with three_processes(cluster) as router:
         body = generate_body("until the end", 20, stream=True)
 
         async def stream() -> str:
@@ -331,12 +308,7 @@ async def test_cache_aware_sends_a_prefix_to_one_prefill_whichever_process_route
     cluster_factory,
 ):
     cluster = cluster_factory(prefill=2, decode=1, speed=0.0)
-    async with router_process(
-        prefill=cluster.prefill_urls,
-        decode=cluster.decode_urls,
-        prefill_policy="cache_aware",
-        **PROCESSES,
-    ) as router:
+    async with three_processes(cluster, prefill_policy="cache_aware") as router:
         for group in range(2):
             system = f"system prompt of group {group} " * 8
             prompts = [f"{system} question {n}" for n in range(5)]
@@ -349,9 +321,7 @@ async def test_cache_aware_sends_a_prefix_to_one_prefill_whichever_process_route
 
 
 async def test_a_second_router_on_the_same_port_is_refused(pd_cluster):
-    async with router_process(
-        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **PROCESSES
-    ) as router:
+    async with three_processes(pd_cluster) as router:
         config = router_overrides(pd_cluster.prefill_urls, pd_cluster.decode_urls, **PROCESSES)
         config["port"] = router.port
         second = await asyncio.create_subprocess_exec(
@@ -363,8 +333,8 @@ async def test_a_second_router_on_the_same_port_is_refused(pd_cluster):
         assert b"Address already in use" in stderr
 
 
-def two_decodes(policy: str, *urls: str) -> SnapshotPools:
-    """A data plane's pools after a snapshot of two decodes, closed circuits."""
+def decode_pools(policy: str, *urls: str) -> SnapshotPools:
+    """A data plane's pools after a snapshot of these decodes, closed circuits."""
     pools = SnapshotPools(
         {role: make_policy(policy) for role in Role},
         wake=lambda: None,
@@ -379,13 +349,13 @@ def two_decodes(policy: str, *urls: str) -> SnapshotPools:
 
 
 def test_a_data_plane_balances_on_the_whole_routers_inflight_counts():
-    pools = two_decodes("least_inflight", "http://busy", "http://idle")
+    pools = decode_pools("least_inflight", "http://busy", "http://idle")
     pools.apply_inflight({"http://busy": 40, "http://idle": 0})
     assert {pools.pick(Role.DECODE).url for _ in range(20)} == {"http://idle"}
 
 
 def test_a_data_plane_reports_each_workers_leg_outcomes_as_runs_in_order():
-    pools = two_decodes("round_robin", "http://a", "http://b")
+    pools = decode_pools("round_robin", "http://a", "http://b")
     a = pools.pick(Role.DECODE)
     b = pools.pick(Role.DECODE, [a])
     for member, ok in [(a, True), (b, True), (a, True), (a, False), (b, True), (a, True)]:
