@@ -6,8 +6,10 @@ drives each in turn with closed-loop load at every ``--concurrency``, streaming 
 (interleaved rounds, rotating order). The machine's cores are split three ways and pinned with
 ``taskset``: the routers' cores (``--router-cores``, the highest-numbered), the workers' and
 the load generators', so the three never share a core (with only one core left beside the
-router's, the workers and generators share it; the report says so). The load comes from
-several bench/loadgen.py processes, one per generator core, sharing one measurement window.
+router's, the workers and generators share it; the report says so). ``--share-cores`` pins
+nothing instead: a small box where the router runs beside its load and the scheduler decides.
+The load comes from several bench/loadgen.py processes, one per generator core, sharing one
+measurement window.
 
 Setups: ``smg`` (``smg launch --pd-disaggregation ... --policy round_robin``, its tokio threads
 one per router core), ``N`` (one pd-router with ``--workers N``; ``1`` passes the flag only to a
@@ -22,6 +24,7 @@ router; ratios to smg and to N times one process; the goals of issue 17.
     .venv/bin/python bench/scale.py                              # every core this process may use
     .venv/bin/python bench/scale.py --setups smg,1,2 --concurrency 64 --rounds 1
     .venv/bin/python bench/scale.py --profile 10                 # + py-spy one data plane
+    .venv/bin/python bench/scale.py --share-cores --setups smg,1,2 --loadgens 1   # small box
 
 ``--profile N`` py-spies for N seconds one data-plane process of the largest ``--workers``
 setup (or one of the separate processes) under non-streaming load at the highest concurrency,
@@ -96,10 +99,17 @@ class CorePlan:
         """Workers and generators on the same cores (too few cores to keep them apart)."""
         return bool(set(self.backends) & set(self.loadgens))
 
+    @property
+    def router_shared(self) -> bool:
+        """The routers on the workers' cores too: no core is the router's own."""
+        return bool(set(self.router) & set(self.backends))
+
     def describe(self) -> str:
         def cores(cpus: tuple[int, ...]) -> str:
             return f"{len(cpus)} core{'s' if len(cpus) > 1 else ''} ({_cpu_list(cpus)})"
 
+        if self.router_shared:
+            return f"routers, workers and load generators sharing {cores(self.router)}, unpinned"
         text = f"routers on {cores(self.router)}, "
         if self.shared:
             return text + f"workers and load generators sharing {cores(self.backends)}"
@@ -126,6 +136,13 @@ def plan_cores(available: Sequence[int], router: int, backends: int | None = Non
     if not 1 <= count < len(rest):
         raise ValueError(f"need 1 <= backend cores < {len(rest)} (the cores left)")
     return CorePlan(tuple(cores[-router:]), tuple(rest[:count]), tuple(rest[count:]))
+
+
+def shared_plan(available: Sequence[int]) -> CorePlan:
+    """Every part on every core, as on a small box where the router runs beside its load: the
+    scheduler, not taskset, decides who runs where."""
+    cores = tuple(sorted(set(available)))
+    return CorePlan(cores, cores, cores)
 
 
 def default_router_cores(available: int) -> int:
@@ -273,7 +290,8 @@ def run_segment(
     duration_s: float | None = None,
 ) -> dict:
     """One measured segment: ``cfg.loadgens`` generator processes, each pinned to one
-    generator core, sharing ``concurrency`` clients and one window; merged results."""
+    generator core (unpinned where every part shares every core), sharing ``concurrency``
+    clients and one window; merged results."""
     urls = [router.url for router in routers]
     router_pids = [router.process.pid for router in routers]
     load = dataclasses.replace(cfg.load, duration_s=duration_s or cfg.load.duration_s)
@@ -291,10 +309,12 @@ def run_segment(
             backend_pids if index == 0 else (),
         )
         argv += ["--start-at", f"{start_at:.3f}", "--client", cfg.client]
-        core = cfg.plan.loadgens[index % len(cfg.plan.loadgens)]
+        cores = cfg.plan.loadgens
+        if not cfg.plan.router_shared:
+            cores = (cores[index % len(cores)],)
         processes.append(
             subprocess.Popen(
-                pinned(argv, [core]), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO
+                pinned(argv, cores), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO
             )
         )
         outputs.append(output)
@@ -466,11 +486,13 @@ def ratio(numerator: float, denominator: float) -> float:
 def goal_lines(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
     """The goals of issue 17 that this run's setups can answer, each with its figures: the
     largest --workers N against smg where each data plane has a router core of its own, one
-    process against smg where the router has one core, N processes against one."""
+    process against smg where the router has one core or shares every core with its load (the
+    2-core goals), N processes against one."""
     names = {s.name for s in cfg.setups}
     one = Setup("workers", 1).name
     many = [s for s in cfg.setups if s.kind == "workers" and s.count > 1]
     cores = len(cfg.plan.router)
+    shared = cfg.plan.router_shared
     lines = []
     for concurrency in cfg.concurrencies:
         for mode in cfg.load.modes:
@@ -478,7 +500,7 @@ def goal_lines(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
             figures = {name: cells[(name, concurrency, mode)].figures for name in names}
             smg = figures.get(SMG)
             top = max(many, key=lambda s: s.count, default=None)
-            if smg is not None and top is not None and top.count <= cores:
+            if smg is not None and top is not None and top.count <= cores and not shared:
                 ours = figures[top.name]
                 fast = ratio(ours.rps, smg.rps)
                 cheap = ratio(ours.cpu_ms_per_request, smg.cpu_ms_per_request)
@@ -488,7 +510,7 @@ def goal_lines(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
                     f"- {where}: {top.name} vs smg: {fast:.2f}x req/s (goal >= 1.5), "
                     f"{cheap:.2f}x CPU/request (<= 1), {tail:.2f}x p99 (<= 1): {_met(met)}"
                 )
-            if smg is not None and one in names and cores == 1:
+            if smg is not None and one in names and (cores == 1 or shared):
                 lead = ratio(figures[one].rps, smg.rps)
                 lines.append(
                     f"- {where}: {one} vs smg: {lead:.2f}x req/s (2-core goal >= 1.1): "
@@ -496,7 +518,9 @@ def goal_lines(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
                 )
             for setup in many if one in names else ():
                 gain = ratio(figures[setup.name].rps, figures[one].rps)
-                if setup.count <= cores:
+                if shared:
+                    goal, why = 1.0, f"not slower: the routers share the {cores} cores"
+                elif setup.count <= cores:
                     goal, why = 0.85 * setup.count, f"0.85 x {setup.count}"
                 else:
                     goal, why = 1.0, f"not slower: more processes than the {cores} router cores"
@@ -531,12 +555,14 @@ def table_row(concurrency: int, mode: str, name: str, cell: Cell, plan: CorePlan
 
 
 def ratio_rows(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
-    """Each pd-router setup against smg and against N times one process."""
+    """Each pd-router setup against smg and against N times one process (against one process
+    where the routers share every core: no setup has cores of its own to multiply)."""
     names = {s.name for s in cfg.setups}
     one = Setup("workers", 1).name
+    shared = cfg.plan.router_shared
     rows = [
         "| conc | mode | router | req/s vs smg | CPU/req vs smg | p99 vs smg "
-        "| req/s vs N x one process |",
+        f"| req/s vs {'' if shared else 'N x '}one process |",
         "|---:|---|---|---:|---:|---:|---:|",
     ]
     for concurrency in cfg.concurrencies:
@@ -556,7 +582,8 @@ def ratio_rows(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
                     if smg is not None
                     else (math.nan,) * 3
                 )
-                scaling = ratio(f.rps, setup.processes * base.rps) if base else math.nan
+                multiple = 1 if shared else setup.processes
+                scaling = ratio(f.rps, multiple * base.rps) if base else math.nan
                 times = [_times(value) for value in vs]
                 rows.append(
                     f"| {concurrency} | {mode} | {setup.name} | {' | '.join(times)} "
@@ -632,6 +659,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ScaleConfig, float]:
         default=default_router_cores(len(available)),
         help="cores for the routers (default: 6 on 16+ cores, else a third; %(default)s here)",
     )
+    parser.add_argument(
+        "--share-cores",
+        action="store_true",
+        help="no core split: routers, workers and generators all unpinned on every core",
+    )
     parser.add_argument("--backend-cores", type=int, help="default: half the rest, rounded up")
     parser.add_argument("--backend-processes", type=int, help="per stub worker (default: fill)")
     parser.add_argument("--loadgens", type=int, help="generator processes (default: one a core)")
@@ -647,7 +679,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ScaleConfig, float]:
     try:
         setups = parse_setups(args.setups)
         concurrencies = tuple(int(c) for c in args.concurrency.split(",") if c)
-        plan = plan_cores(available, args.router_cores, args.backend_cores)
+        if args.share_cores:
+            plan = shared_plan(available)
+        else:
+            plan = plan_cores(available, args.router_cores, args.backend_cores)
     except ValueError as exc:
         parser.error(str(exc))
     modes = tuple(m for m in args.modes.split(",") if m)

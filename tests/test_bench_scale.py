@@ -37,6 +37,15 @@ def test_two_cores_give_the_router_one_and_the_rest_share_the_other(bench_module
     assert "sharing 1 core (0)" in plan.describe()
 
 
+def test_shared_cores_put_every_part_on_every_core(bench_modules: None) -> None:
+    from scale import shared_plan
+
+    plan = shared_plan([1, 0])
+    assert (plan.router, plan.backends, plan.loadgens) == ((0, 1), (0, 1), (0, 1))
+    assert plan.router_shared
+    assert "sharing 2 cores (0,1), unpinned" in plan.describe()
+
+
 @pytest.mark.parametrize(("router", "backends"), [(0, None), (16, None), (6, 10), (6, 0)])
 def test_a_plan_without_cores_for_each_part_is_refused(
     bench_modules: None, router: int, backends: int | None
@@ -122,11 +131,13 @@ def _cell(completed: int, cpu_s: float, latency_ms: float):
 
 
 def _goal_lines(setups: str, cores: int, router_cores: int, cells: dict) -> list[str]:
+    """Goal lines of a run on ``cores`` cores, ``router_cores`` of them the routers' (0: all
+    shared)."""
     from overhead import BenchConfig
-    from scale import ScaleConfig, goal_lines, parse_setups, plan_cores
+    from scale import ScaleConfig, goal_lines, parse_setups, plan_cores, shared_plan
 
     load = BenchConfig((), ("stream",), 64, 1, 1, 1, 16, 2, 2, 0, "stub", Path("."))
-    plan = plan_cores(range(cores), router_cores)
+    plan = plan_cores(range(cores), router_cores) if router_cores else shared_plan(range(cores))
     cfg = ScaleConfig(load, parse_setups(setups), (64,), plan, 2, 5)
     return goal_lines(cfg, {(name, 64, "stream"): c for name, c in cells.items()})
 
@@ -160,6 +171,21 @@ def test_on_a_one_core_router_one_process_must_lead_smg_and_two_must_not_be_slow
     assert len(lines) == 2  # no 1.5x-smg goal: two data planes share one core
     assert lines[0].endswith("1.20x req/s (2-core goal >= 1.1): **met**")
     assert "0.92x req/s (goal >= 1.00, not slower" in lines[1] and lines[1].endswith("**not met**")
+
+
+def test_on_shared_cores_one_process_must_lead_smg_and_two_must_not_be_slower(
+    bench_modules: None,
+) -> None:
+    cells = {
+        "smg": _cell(1000, 0.5, 20.0),
+        "pd-router --workers 1": _cell(1200, 0.4, 30.0),
+        "pd-router --workers 2": _cell(1500, 0.6, 25.0),
+    }
+    lines = _goal_lines("smg,1,2", 2, 0, cells)
+    assert len(lines) == 2  # no 1.5x-smg goal: no core is the router's own
+    assert lines[0].endswith("1.20x req/s (2-core goal >= 1.1): **met**")
+    assert "1.25x req/s (goal >= 1.00, not slower: the routers share the 2 cores)" in lines[1]
+    assert lines[1].endswith("**met**")
 
 
 def test_a_scale_run_on_stub_workers_has_no_errors_and_writes_a_report(tmp_path: Path) -> None:
