@@ -30,7 +30,7 @@ from typing import Any
 import aiohttp
 
 from pd_router.api.app_socket import SHUTDOWN_GRACE_SECS
-from pd_router.api.server import front_server
+from pd_router.api.server import client_limits, front_server
 from pd_router.api.signals import stop_signalled
 from pd_router.config import RouterConfig
 from pd_router.dataplane.admission import BodyAdmission
@@ -39,6 +39,7 @@ from pd_router.dataplane.concurrency import RequestAdmission
 from pd_router.dataplane.front.relay import Relay
 from pd_router.dataplane.http1_conn import WorkerUnavailable
 from pd_router.dataplane.legs import leg_setup
+from pd_router.dataplane.listener import ClientConnections
 from pd_router.dataplane.path import RequestMetrics, RequestPath
 from pd_router.dataplane.policies import make_policy
 from pd_router.dataplane.reports import Reports
@@ -77,7 +78,8 @@ async def serve_dataplane(
     channel = await Channel.over(channel_socket)
     metrics = RouterMetrics()
     request_metrics = RequestMetrics(metrics)
-    reports = Reports(channel, metrics)
+    connections = ClientConnections(client_limits(config).max_connections)
+    reports = Reports(channel, metrics, connections)
     setup = leg_setup(config, request_metrics.count_upstream_error)
     pool = setup.pool
     pools = SnapshotPools(
@@ -113,10 +115,11 @@ async def serve_dataplane(
     relay = Relay(control_socket)
     await relay.start()
     admission = BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes)
-    front = front_server(config, path, relay, admission, server_context(config.tls))
+    tls = server_context(config.tls)
+    front = front_server(config, path, relay, admission, tls, connections)
     try:
         first = await asyncio.wait_for(channel.receive(), FIRST_SNAPSHOT_TIMEOUT_SECS)
-        take(first, pools, reports)
+        take(first, pools, reports, connections)
         await front.start(sock=listen)
     except (ChannelClosed, TimeoutError):
         log.error("data plane %d: no snapshot from the control process; exiting", index)
@@ -124,7 +127,7 @@ async def serve_dataplane(
         await session.close()
         return 1
     loop = asyncio.get_running_loop()
-    follow = loop.create_task(follow_control(channel, pools, reports))
+    follow = loop.create_task(follow_control(channel, pools, reports, connections))
     reporting = loop.create_task(reports.run(pools))
     stopped = loop.create_task(stop_signalled())
     await asyncio.wait((follow, stopped), return_when=asyncio.FIRST_COMPLETED)
@@ -142,7 +145,12 @@ async def serve_dataplane(
     return 1 if control_gone else 0
 
 
-def take(message: dict[str, Any], pools: SnapshotPools, reports: Reports) -> None:
+def take(
+    message: dict[str, Any],
+    pools: SnapshotPools,
+    reports: Reports,
+    connections: ClientConnections,
+) -> None:
     """Apply one message of the control process."""
     kind = message.get("t")
     if kind == "snapshot":
@@ -150,11 +158,14 @@ def take(message: dict[str, Any], pools: SnapshotPools, reports: Reports) -> Non
         reports.send(pools, force=True)
     elif kind == "inflight":
         pools.apply_inflight(message["totals"])
+        connections.share = message.get("share")
     elif kind == "metrics?":
         reports.send_metrics(message["n"])
 
 
-async def follow_control(channel: Channel, pools: SnapshotPools, reports: Reports) -> None:
+async def follow_control(
+    channel: Channel, pools: SnapshotPools, reports: Reports, connections: ClientConnections
+) -> None:
     """Apply what the control process sends until its channel closes, or until it has been
     silent for :data:`CONTROL_SILENCE_SECS`: then it is hung, and killed."""
     control = os.getppid()
@@ -166,7 +177,7 @@ async def follow_control(channel: Channel, pools: SnapshotPools, reports: Report
         except TimeoutError:
             kill_hung_control(control)
             return
-        take(message, pools, reports)
+        take(message, pools, reports, connections)
 
 
 def kill_hung_control(pid: int) -> None:

@@ -46,6 +46,7 @@ from pd_router.dataplane.front.ids import RequestIds
 from pd_router.dataplane.front.relay import Relay
 from pd_router.dataplane.front.server import FrontServer
 from pd_router.dataplane.listener import (
+    ClientConnections,
     ClientLimits,
     default_max_connections,
     fd_limit,
@@ -192,12 +193,15 @@ def front_server(
     relay: Relay,
     admission: BodyAdmission,
     ssl_context: ssl.SSLContext | None,
+    connections: ClientConnections | None = None,
 ) -> FrontServer:
     """The client side of one process: the generation endpoints served from ``path``, every
-    other request relayed by ``relay``; bodies admitted by ``admission``."""
+    other request relayed by ``relay``; bodies admitted by ``admission``; its open connections
+    counted in ``connections`` (a data plane's, which it reports)."""
     cors = CorsPolicy(config.cors_allowed_origins) if config.cors_allowed_origins else None
     policy = FrontPolicy(RequestIds(config.request_id_headers), admission, cors)
-    return FrontServer(Dispatcher(path, relay, policy), client_limits(config), ssl_context)
+    dispatcher = Dispatcher(path, relay, policy)
+    return FrontServer(dispatcher, client_limits(config), ssl_context, connections)
 
 
 @dataclass

@@ -15,6 +15,10 @@ dropped at once, so nothing waits for a report that will not come.
 The rest of a report goes where the one-process request path would have put it: leg outcomes to
 the worker's circuit, TTFT/TPOT samples and refusals to the latency recorder the autopilot
 reads; a leg answered for the other role makes the health monitor read the worker's role now.
+
+Client connections. Each report counts the data plane's open client connections; while they are
+uneven (:func:`connection_share`), the in-flight push carries the share each should keep, and
+a data plane above it closes its surplus between answers (:mod:`pd_router.dataplane.listener`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ SILENCE_SECS = 5.0
 START_SILENCE_SECS = 30.0
 
 
+def connection_share(counts: list[int]) -> int | None:
+    """The most client connections a data plane should keep, given every data plane's count:
+    the mean rounded up while the counts differ by more than one, else None (as even as they
+    can be: moving a connection would only move the difference)."""
+    if len(counts) < 2 or max(counts) - min(counts) <= 1:
+        return None
+    return -(-sum(counts) // len(counts))
+
+
 class DataPlaneLink:
     """One data plane as the control process knows it."""
 
@@ -52,6 +65,7 @@ class DataPlaneLink:
         self.acked = version
         self.inflight: dict[str, int] = {}
         self.idle_at: dict[str, float] = {}
+        self.connections = 0
         # Its metric samples as last collected (kept when it exits: counters never go back).
         self.samples: list[list] = []
         self.reader: asyncio.Task | None = None
@@ -75,7 +89,7 @@ class DataPlanes:
         self._stopped_at: dict[str, int] = {}
         self._pickable: set[str] = set()
         self._totals: dict[str, int] = {}
-        self._pushed_totals: dict[str, int] = {}
+        self._pushed: Message = {}
         # The counters and histograms of data planes that exited, as last collected.
         self._retired: list[list] = []
         self._metrics_requests = 0
@@ -189,6 +203,7 @@ class DataPlanes:
         link.acked = max(link.acked, report["v"])
         link.inflight = report["inflight"]
         link.idle_at = report["idle_at"]
+        link.connections = report["connections"]
         for url, ok, count in report["outcomes"]:
             worker = self._find(url)
             if worker is None:
@@ -236,16 +251,17 @@ class DataPlanes:
         self._totals = totals
 
     async def _push_totals(self) -> None:
-        """Send the router-wide in-flight counts to the data planes when they changed, and at
-        least every :data:`HEARTBEAT_SECS`."""
+        """Send the router-wide in-flight counts and the connection share to the data planes
+        when they changed, and at least every :data:`HEARTBEAT_SECS`."""
         sent_at = time.monotonic()
         while True:
             await asyncio.sleep(INFLIGHT_PUSH_SECS)
             now = time.monotonic()
-            if self._totals != self._pushed_totals or now - sent_at >= HEARTBEAT_SECS:
+            share = connection_share([link.connections for link in self._links.values()])
+            message = {"t": "inflight", "totals": self._totals, "share": share}
+            if message != self._pushed or now - sent_at >= HEARTBEAT_SECS:
                 sent_at = now
-                self._pushed_totals = dict(self._totals)
-                message = {"t": "inflight", "totals": self._pushed_totals}
+                self._pushed = message
                 for link in self._links.values():
                     link.channel.send(message)
 

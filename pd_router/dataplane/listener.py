@@ -8,6 +8,14 @@ the oldest idle one to make room, as nginx does. :class:`ClientLimits` holds the
 timeouts: the head of a request must be complete within ``header_timeout`` of its first byte
 (against slowloris clients), a body may not pause longer than ``body_timeout``, and an idle
 keep-alive connection is closed after ``keepalive_timeout``.
+
+Balance. Data planes that share one port get their connections from the kernel's hash
+(SO_REUSEPORT), which with keep-alive clients can leave one process with twice the connections
+of another, and so with twice the work while another core idles. The control process, which
+sees every data plane's count, tells them a ``share`` while the counts are uneven; a data plane
+above it answers its next request on a surplus connection with ``Connection: close``, and the
+client's new connection is placed again. Only a connection between answers moves, so nothing
+in progress is cut, and a process sheds no more than its surplus.
 """
 
 from __future__ import annotations
@@ -118,7 +126,10 @@ class ClientConnections:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
+        # The most connections to keep while other data planes hold fewer (None: no bound).
+        self.share: int | None = None
         self._open: collections.OrderedDict[Connection, None] = collections.OrderedDict()
+        self._shedding: set[Connection] = set()
         self._warned_at = -CAP_WARNING_INTERVAL_SECS
         self._empty: asyncio.Event | None = None
 
@@ -137,8 +148,19 @@ class ClientConnections:
         self._open[connection] = None
         return True
 
+    def shed(self, connection: Connection) -> bool:
+        """Whether ``connection`` should close after the answer it is about to get, to be
+        placed again: true while this process holds more than its share, counting those
+        already closing for the same reason."""
+        share = self.share
+        if share is None or len(self._open) - len(self._shedding) <= share:
+            return False
+        self._shedding.add(connection)
+        return True
+
     def release(self, connection: Connection) -> None:
         self._open.pop(connection, None)
+        self._shedding.discard(connection)
         if not self._open and self._empty is not None:
             self._empty.set()
 

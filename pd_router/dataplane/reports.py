@@ -3,9 +3,10 @@
 A report (``{"t": "report"}``) carries the snapshot version this process routes from (its
 ack), its in-flight count per worker and when each idle one became idle, the leg outcomes for
 the circuits, the TTFT and TPOT samples and the refusals for lack of a worker that the
-autopilot reads. One goes out every ``interval`` when something changed, at once after a
-snapshot was taken (the ack a conversion's drain waits for) and when a worker out of selection
-became idle here, and at least every ``HEARTBEAT_SECS`` (of the channel) even if nothing did:
+autopilot reads, and its open client connections (the control process balances them). One
+goes out every ``interval`` when something changed, at once after a snapshot was taken (the ack
+a conversion's drain waits for) and when a worker out of selection became idle here, and at
+least every ``HEARTBEAT_SECS`` (of the channel) even if nothing did:
 the control process takes a data plane that fell silent for hung, and replaces it. A leg
 answered for the other role is told at once (``{"t": "suspect"}``), and the metrics go out when
 the control process asks for them (a scrape).
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Sized
 from typing import Any
 
 from pd_router.dataplane.channel import HEARTBEAT_SECS, Channel
@@ -29,10 +31,16 @@ class Reports:
     """The batch of one data plane; also the request path's latency sink."""
 
     def __init__(
-        self, channel: Channel, metrics: RouterMetrics, interval: float = REPORT_INTERVAL_SECS
+        self,
+        channel: Channel,
+        metrics: RouterMetrics,
+        connections: Sized = (),
+        interval: float = REPORT_INTERVAL_SECS,
     ) -> None:
         self._channel = channel
         self._metrics = metrics
+        self._connections = connections
+        self._last_connections = 0
         self._interval = interval
         self._urgent = asyncio.Event()
         self._ttft: list[list[Any]] = []
@@ -68,11 +76,13 @@ class Reports:
         """Report what changed since the last report (``force``: report even if nothing did)."""
         counts, idle = pools.inflight_report()
         outcomes = pools.take_outcomes()
+        connections = len(self._connections)
         if not (force or outcomes or self._ttft or self._tpot or self._refused) and (
-            counts == self._last_counts
+            counts == self._last_counts and connections == self._last_connections
         ):
             return
         self._last_counts = counts
+        self._last_connections = connections
         self._sent_at = time.monotonic()
         self._channel.send(
             {
@@ -84,6 +94,7 @@ class Reports:
                 "ttft": self._ttft,
                 "tpot": self._tpot,
                 "refused": self._refused,
+                "connections": connections,
             }
         )
         self._ttft, self._tpot, self._refused = [], [], {}

@@ -10,7 +10,9 @@ The limits a production listener needs are kept here, checked by the server's sw
 - a body that pauses longer than ``body_timeout`` between two reads is answered with 408;
 - a connection idle between requests longer than ``keepalive_timeout`` is closed;
 - a request refused from its head (too large, over the body budget) or one the parser rejects
-  is answered in turn with the router's JSON error, and the connection closed after it.
+  is answered in turn with the router's JSON error, and the connection closed after it;
+- a connection its process holds beyond its share (:class:`ClientConnections`) gets its next
+  answer with ``Connection: close``, so that the client's next connection is placed again.
 
 A connection the router ends while the client may still be sending (a refused body, a head
 cut off) is closed the way nginx's ``lingering_close`` does: the router's side is shut for
@@ -341,6 +343,8 @@ class ClientConnection(asyncio.Protocol):
 
     async def _serve(self, request: ClientRequest) -> None:
         reply = Reply(self, request)
+        if reply.keep_alive and not self._queue and self._connections.shed(self):
+            reply.keep_alive = False
         try:
             await self._handler(request, reply)
         finally:

@@ -39,11 +39,14 @@ class FrontServer:
         handler: RequestHandler,
         limits: ClientLimits,
         ssl_context: ssl.SSLContext | None = None,
+        connections: ClientConnections | None = None,
     ) -> None:
         self._handler = handler
         self._limits = limits
         self._ssl_context = ssl_context
-        self._connections = ClientConnections(limits.max_connections)
+        if connections is None:
+            connections = ClientConnections(limits.max_connections)
+        self._connections = connections
         self._server: asyncio.Server | None = None
         self._sweep: asyncio.Task[None] | None = None
 
