@@ -84,6 +84,16 @@ async def test_an_http_1_0_client_gets_its_stream_ended_by_the_close(cluster):
     assert body.endswith(b"data: [DONE]\n\n")
 
 
+async def test_a_stream_to_an_http_1_1_client_closing_after_it_is_still_chunked(cluster):
+    """So the client can tell a whole stream from one cut short."""
+    raw = post("/generate", generate("last one", 3, stream=True), "Connection: close")
+    async with running_router(cluster) as router:
+        ((status, headers, body),) = await exchange(router.server.port, raw)
+    assert status == 200
+    assert (headers["transfer-encoding"], headers["connection"]) == ("chunked", "close")
+    assert body.endswith(b"data: [DONE]\n\n")
+
+
 async def test_a_client_that_expects_100_continue_gets_it_before_sending_its_body(cluster):
     body = generate("continue", 2)
     head = post("/generate", b"", "Expect: 100-continue").replace(

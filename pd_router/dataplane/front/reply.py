@@ -65,6 +65,7 @@ class Reply:
     __slots__ = (
         "_chunked",
         "_head_only",
+        "_http11",
         "_writer",
         "common",
         "delivered",
@@ -78,7 +79,8 @@ class Reply:
         self._writer = writer
         self._head_only = request.method == "HEAD"
         self._chunked = False
-        self.keep_alive = request.keep_alive and request.version != "1.0"
+        self._http11 = request.version != "1.0"
+        self.keep_alive = request.keep_alive and self._http11
         self.common: list[tuple[str, str]] = []
         self.started = False
         self.status = 0
@@ -135,7 +137,7 @@ class Reply:
             framing = "" if length is None else f"Content-Length: {length}\r\n"
         elif length is not None:
             framing = f"Content-Length: {length}\r\n"
-        elif self.keep_alive:
+        elif self._http11:
             framing = "Transfer-Encoding: chunked\r\n"
             self._chunked = True
         else:
