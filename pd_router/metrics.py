@@ -52,6 +52,11 @@ class RouterMetrics:
             PREFIX + "retries_total", "Requests retried with a new (prefill, decode) pair.",
             registry=r,
         )  # fmt: skip
+        self.client_connections_moved_total = Counter(
+            PREFIX + "client_connections_moved_total",
+            "Client connections closed after an answer so that the data planes hold even shares.",
+            registry=r,
+        )
         self.worker_inflight = Gauge(
             PREFIX + "worker_inflight", "Requests the router has in flight on a worker.",
             ["worker", "role"], registry=r,

@@ -17,6 +17,7 @@ import orjson
 
 from pd_router.control.dataplanes import connection_share
 from pd_router.dataplane.listener import ClientConnections
+from tests.conversion_helpers import sample
 from tests.router_helpers import generate_body
 from tests.router_process import RouterProcess
 from tests.test_router_processes import dataplane_pids, paired_sources, three_processes
@@ -167,7 +168,10 @@ async def test_connections_piled_on_one_data_plane_spread_over_all_of_them(pd_cl
         await paired_sources(router.url, [f"warm {n}" for n in range(30)])
         pids = dataplane_pids(router)
         spreads, statuses, closed_when_even = await asyncio.to_thread(balance, router, pids)
+        async with router.client() as http:
+            moved = await sample(http, "pd_router_client_connections_moved_total")
     assert sorted(spreads[0].values()) == [0, 0, PILED]
     assert sorted(spreads[-1].values()) == [3, 3, 3]
     assert set(statuses) == {200}
     assert closed_when_even == 0
+    assert moved >= PILED - 3

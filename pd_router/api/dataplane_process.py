@@ -78,7 +78,9 @@ async def serve_dataplane(
     channel = await Channel.over(channel_socket)
     metrics = RouterMetrics()
     request_metrics = RequestMetrics(metrics)
-    connections = ClientConnections(client_limits(config).max_connections)
+    connections = ClientConnections(
+        client_limits(config).max_connections, metrics.client_connections_moved_total.inc
+    )
     reports = Reports(channel, metrics, connections)
     setup = leg_setup(config, request_metrics.count_upstream_error)
     pool = setup.pool

@@ -25,7 +25,7 @@ import collections
 import logging
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -124,8 +124,9 @@ class ClientConnections:
     such a connection, the new one is refused.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, count_shed: Callable[[], object] = lambda: None) -> None:
         self.limit = limit
+        self._count_shed = count_shed
         # The most connections to keep while other data planes hold fewer (None: no bound).
         self.share: int | None = None
         self._open: collections.OrderedDict[Connection, None] = collections.OrderedDict()
@@ -156,6 +157,7 @@ class ClientConnections:
         if share is None or len(self._open) - len(self._shedding) <= share:
             return False
         self._shedding.add(connection)
+        self._count_shed()
         return True
 
     def release(self, connection: Connection) -> None:
