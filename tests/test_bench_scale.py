@@ -159,15 +159,19 @@ def test_goals_compare_the_largest_worker_count_with_smg_and_with_one_process(
     assert len(lines) == 2  # the 2-core goal (one process vs smg) needs a 1-core router
 
 
+def _small_box_cells(two_completed: int) -> dict:
+    """smg, one process at 1.2x smg, two processes completing ``two_completed``."""
+    return {
+        "smg": _cell(1000, 0.5, 20.0),
+        "pd-router --workers 1": _cell(1200, 0.4, 30.0),
+        "pd-router --workers 2": _cell(two_completed, 0.5, 25.0),
+    }
+
+
 def test_on_a_one_core_router_one_process_must_lead_smg_and_two_must_not_be_slower(
     bench_modules: None,
 ) -> None:
-    cells = {
-        "smg": _cell(1000, 0.5, 20.0),
-        "pd-router --workers 1": _cell(1200, 0.4, 30.0),
-        "pd-router --workers 2": _cell(1100, 0.45, 25.0),
-    }
-    lines = _goal_lines("smg,1,2", 2, 1, cells)
+    lines = _goal_lines("smg,1,2", 2, 1, _small_box_cells(1100))
     assert len(lines) == 2  # no 1.5x-smg goal: two data planes share one core
     assert lines[0].endswith("1.20x req/s (2-core goal >= 1.1): **met**")
     assert "0.92x req/s (goal >= 1.00, not slower" in lines[1] and lines[1].endswith("**not met**")
@@ -176,12 +180,7 @@ def test_on_a_one_core_router_one_process_must_lead_smg_and_two_must_not_be_slow
 def test_on_shared_cores_one_process_must_lead_smg_and_two_must_not_be_slower(
     bench_modules: None,
 ) -> None:
-    cells = {
-        "smg": _cell(1000, 0.5, 20.0),
-        "pd-router --workers 1": _cell(1200, 0.4, 30.0),
-        "pd-router --workers 2": _cell(1500, 0.6, 25.0),
-    }
-    lines = _goal_lines("smg,1,2", 2, 0, cells)
+    lines = _goal_lines("smg,1,2", 2, 0, _small_box_cells(1500))
     assert len(lines) == 2  # no 1.5x-smg goal: no core is the router's own
     assert lines[0].endswith("1.20x req/s (2-core goal >= 1.1): **met**")
     assert "1.25x req/s (goal >= 1.00, not slower: the routers share the 2 cores)" in lines[1]
