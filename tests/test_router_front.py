@@ -94,6 +94,19 @@ async def test_a_stream_to_an_http_1_1_client_closing_after_it_is_still_chunked(
     assert body.endswith(b"data: [DONE]\n\n")
 
 
+async def test_a_connection_moved_to_another_process_is_closed_after_its_pipelined_requests(
+    cluster,
+):
+    raw = b"".join(post("/generate", generate(f"moving {i}", 2)) for i in range(3))
+    async with running_router(cluster) as router:
+        router.server.front.connections.share = 0
+        answers = await exchange(router.server.port, raw, answers=3)
+    assert [status for status, _, _ in answers] == [200, 200, 200]
+    assert [headers["connection"] for _, headers, _ in answers] == [
+        "keep-alive", "keep-alive", "close",
+    ]  # fmt: skip
+
+
 async def test_a_client_that_expects_100_continue_gets_it_before_sending_its_body(cluster):
     body = generate("continue", 2)
     head = post("/generate", b"", "Expect: 100-continue").replace(

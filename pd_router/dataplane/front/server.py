@@ -50,6 +50,11 @@ class FrontServer:
         self._server: asyncio.Server | None = None
         self._sweep: asyncio.Task[None] | None = None
 
+    @property
+    def connections(self) -> ClientConnections:
+        """The open client connections, their cap and their share."""
+        return self._connections
+
     async def start(
         self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None
     ) -> tuple[str, int]:
