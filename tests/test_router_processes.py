@@ -22,6 +22,7 @@ import pytest
 from pd_router.cli.main import config_from_argv
 from pd_router.config import ConfigError, load_config
 from pd_router.dataplane.policies import make_policy
+from pd_router.dataplane.reports import METRICS_PUSH_SECS
 from pd_router.dataplane.snapshot import SnapshotPools
 from pd_router.roles import Role
 from pd_worker.cluster import WorkerCluster
@@ -118,6 +119,22 @@ async def test_metrics_count_every_processs_requests(pd_cluster):
     async with three_processes(pd_cluster) as router:
         answers = await fresh_connection_requests(router.url, [f"m {n}" for n in range(12)])
         assert [a.status_code for a in answers] == [200] * 12
+        async with router.client() as http:
+            served = await sample(
+                http, "pd_router_requests_total", endpoint="/generate", status="200"
+            )
+        assert served == 12
+
+
+async def test_the_counts_of_killed_data_planes_stay_in_the_metrics(pd_cluster):
+    async with three_processes(pd_cluster) as router:
+        answers = await fresh_connection_requests(router.url, [f"k {n}" for n in range(12)])
+        assert [a.status_code for a in answers] == [200] * 12
+        await asyncio.sleep(2 * METRICS_PUSH_SECS)  # never scraped, but sent unasked
+        before = dataplane_pids(router)
+        for pid in before:
+            os.kill(pid, signal.SIGKILL)
+        await wait_until(lambda: len(dataplane_pids(router) - before) == 3, 10.0, "replaced")
         async with router.client() as http:
             served = await sample(
                 http, "pd_router_requests_total", endpoint="/generate", status="200"

@@ -66,7 +66,8 @@ class DataPlaneLink:
         self.inflight: dict[str, int] = {}
         self.idle_at: dict[str, float] = {}
         self.connections = 0
-        # Its metric samples as last collected (kept when it exits: counters never go back).
+        # Its metric samples as last sent, asked or not (kept when it exits: counters never
+        # go back).
         self.samples: list[list] = []
         self.reader: asyncio.Task | None = None
         # When it counts as hung unless heard from before (time.monotonic).
@@ -90,7 +91,7 @@ class DataPlanes:
         self._pickable: set[str] = set()
         self._totals: dict[str, int] = {}
         self._pushed: Message = {}
-        # The counters and histograms of data planes that exited, as last collected.
+        # The counters and histograms of data planes that exited, as they last sent them.
         self._retired: list[list] = []
         self._metrics_requests = 0
         self._metrics_waiters: dict[int, MetricsRequest] = {}

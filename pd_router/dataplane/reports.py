@@ -9,7 +9,8 @@ a conversion's drain waits for) and when a worker out of selection became idle h
 least every ``HEARTBEAT_SECS`` (of the channel) even if nothing did:
 the control process takes a data plane that fell silent for hung, and replaces it. A leg
 answered for the other role is told at once (``{"t": "suspect"}``), and the metrics go out when
-the control process asks for them (a scrape).
+the control process asks for them (a scrape) and every :data:`METRICS_PUSH_SECS` unasked, so a
+data plane that dies between scrapes takes at most that much of its counts with it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from pd_router.dataplane.snapshot import SnapshotPools
 from pd_router.metrics import RouterMetrics, samples
 
 REPORT_INTERVAL_SECS = 0.025
+METRICS_PUSH_SECS = 1.0
+# The request number of metrics sent unasked (a scrape's are numbered from 1).
+UNASKED = 0
 
 
 class Reports:
@@ -47,7 +51,7 @@ class Reports:
         self._tpot: list[list[float]] = []
         self._refused: dict[str, int] = {}
         self._last_counts: dict[str, int] = {}
-        self._sent_at = time.monotonic()
+        self._sent_at = self._metrics_sent_at = time.monotonic()
 
     # --- the latency sink (LatencyRecorder's methods the request path calls) ----------------
 
@@ -105,4 +109,8 @@ class Reports:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._urgent.wait(), self._interval)
             self._urgent.clear()
-            self.send(pools, force=time.monotonic() - self._sent_at >= HEARTBEAT_SECS)
+            now = time.monotonic()
+            self.send(pools, force=now - self._sent_at >= HEARTBEAT_SECS)
+            if now - self._metrics_sent_at >= METRICS_PUSH_SECS:
+                self._metrics_sent_at = now
+                self.send_metrics(UNASKED)
