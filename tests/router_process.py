@@ -77,11 +77,17 @@ class RouterProcess:
         return httpx.AsyncClient(base_url=self.url, **kwargs)
 
 
-def fd_limit_setter(nofile: int) -> Callable[[], None]:
-    """A ``preexec_fn`` that caps the child's open files (soft and hard) at ``nofile``."""
+def child_limits(nofile: int | None, cores: set[int] | None) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that caps the child's open files (soft and hard) at ``nofile`` and
+    runs it on ``cores`` only; None when neither is given."""
+    if nofile is None and cores is None:
+        return None
 
     def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
 
     return limit
 
@@ -100,10 +106,12 @@ async def router_process(
     prefill: Sequence[str | tuple[str, int]],
     decode: Sequence[str],
     nofile: int | None = None,
+    cores: set[int] | None = None,
     **overrides: Any,
 ) -> AsyncIterator[RouterProcess]:
     """A router process over these workers (fast health probes, ``overrides`` on top), ready
-    to route (a healthy prefill and decode); stopped with SIGTERM on exit."""
+    to route (a healthy prefill and decode); stopped with SIGTERM on exit. ``nofile``: its
+    open-file limit; ``cores``: the cores it may run on."""
     port = free_port()
     config = router_overrides(prefill, decode, **overrides)
     config["port"] = port
@@ -111,7 +119,7 @@ async def router_process(
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-c", ENTRY, orjson.dumps(config).decode(),
             stdout=asyncio.subprocess.DEVNULL, stderr=log,
-            preexec_fn=fd_limit_setter(nofile) if nofile is not None else None,
+            preexec_fn=child_limits(nofile, cores),
         )  # fmt: skip
         router = RouterProcess(process, port, log)
         try:

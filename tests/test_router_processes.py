@@ -109,6 +109,21 @@ def test_workers_auto_is_one_data_plane_per_usable_core():
     assert config_from_argv(argv).server.processes == 1
 
 
+async def test_more_data_planes_than_usable_cores_are_warned_about(pd_cluster):
+    one_core = {min(os.sched_getaffinity(0))}
+    async with three_processes(pd_cluster, cores=one_core) as router:
+        assert "3 data planes on 1 usable core: they take turns" in router.log_text()
+
+
+async def test_a_data_plane_per_usable_core_is_not_warned_about(pd_cluster):
+    cores = set(sorted(os.sched_getaffinity(0))[:2])
+    async with router_process(
+        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, cores=cores,
+        server={"workers": len(cores)},
+    ) as router:  # fmt: skip
+        assert "usable core" not in router.log_text()
+
+
 @pytest.mark.parametrize("value", [0, -2, "many", 1.5])
 def test_workers_is_auto_or_a_positive_count(value):
     with pytest.raises(ConfigError, match=r"server\.workers"):

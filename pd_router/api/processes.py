@@ -10,6 +10,7 @@ route from the snapshots it pushes and report back (:mod:`pd_router.control.data
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import socket
 import sys
@@ -31,6 +32,17 @@ log = logging.getLogger("pd_router.processes")
 
 # How a data plane is started: the control process adds its index, sockets and control socket.
 DATAPLANE_COMMAND = (sys.executable, "-m", "pd_router.cli.dataplane")
+
+
+def oversubscription(processes: int, cores: int) -> str | None:
+    """The warning for more data planes than cores to run them on, else None: they take turns
+    on the cores, and each spends more per request than one process with all the clients."""
+    if processes <= cores:
+        return None
+    return (
+        f"{processes} data planes on {cores} usable core{'s' if cores > 1 else ''}: they take "
+        f"turns, and serve no more than --workers {cores} would (docs/router.md, 'Choosing N')"
+    )
 
 
 async def serve_processes(
@@ -66,6 +78,9 @@ async def serve_processes(
             "serving on %s:%d with %d data-plane processes",
             config.host, sockets[0].getsockname()[1], processes,
         )  # fmt: skip
+        crowded = oversubscription(processes, len(os.sched_getaffinity(0)))
+        if crowded:
+            log.warning(crowded)
         try:
             await stop_signalled()
         finally:
