@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import http.client
 import os
-import socket
 import time
 from collections import Counter
 
@@ -92,26 +91,28 @@ def socket_owners(port: int, pids: set[int]) -> dict[int, int]:
     return owners
 
 
+def accepted(port: int, pids: set[int], client_ports: list[int]) -> dict[int, int]:
+    """:func:`socket_owners` of ``client_ports``, once a data plane accepted every one."""
+    for _ in range(500):
+        owners = socket_owners(port, pids)
+        if all(p in owners for p in client_ports):
+            return {p: owners[p] for p in client_ports}
+        time.sleep(0.01)
+    raise AssertionError("connections not accepted within 5 s")
+
+
 def pile_on_one_process(router: RouterProcess, pids: set[int]) -> list[http.client.HTTPConnection]:
     """Open connections until ``PILED`` of them are held by one data plane, closing those the
     kernel gave to the others: the most uneven spread a client can get."""
-    host, port = router.url.removeprefix("http://").split(":")
     target = min(pids)
     kept: list[http.client.HTTPConnection] = []
     for _ in range(400):
-        sock = socket.create_connection((host, int(port)))
-        client_port = sock.getsockname()[1]
-        owner = None
-        for _ in range(100):
-            owner = socket_owners(int(port), pids).get(client_port)
-            if owner is not None:
-                break
-            time.sleep(0.01)
-        if owner != target:
-            sock.close()
+        connection = http.client.HTTPConnection("127.0.0.1", router.port, timeout=30)
+        connection.connect()
+        client_port = connection.sock.getsockname()[1]
+        if accepted(router.port, pids, [client_port])[client_port] != target:
+            connection.close()
             continue
-        connection = http.client.HTTPConnection(host, int(port), timeout=30)
-        connection.sock = sock
         kept.append(connection)
         if len(kept) == PILED:
             return kept
@@ -123,16 +124,10 @@ def spread(router: RouterProcess, pids: set[int], kept: list[http.client.HTTPCon
     for connection in kept:
         if connection.sock is None:
             connection.connect()
-    port = int(router.url.rsplit(":", 1)[1])
     ports = [connection.sock.getsockname()[1] for connection in kept]
-    for _ in range(500):
-        owners = socket_owners(port, pids)
-        if all(p in owners for p in ports):
-            held = Counter({pid: 0 for pid in pids})
-            held.update(owners[p] for p in ports)
-            return held
-        time.sleep(0.01)
-    raise AssertionError("connections not accepted within 5 s")
+    held = Counter({pid: 0 for pid in pids})
+    held.update(accepted(router.port, pids, ports).values())
+    return held
 
 
 def ask(connection: http.client.HTTPConnection, prompt: str) -> tuple[int, bool]:

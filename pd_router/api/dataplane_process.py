@@ -160,7 +160,7 @@ def take(
         reports.send(pools, force=True)
     elif kind == "inflight":
         pools.apply_inflight(message["totals"])
-        connections.share = message.get("share")
+        connections.share = message["share"]
     elif kind == "metrics?":
         reports.send_metrics(message["n"])
 

@@ -38,7 +38,7 @@ class Reports:
         self,
         channel: Channel,
         metrics: RouterMetrics,
-        connections: Sized = (),
+        connections: Sized,
         interval: float = REPORT_INTERVAL_SECS,
     ) -> None:
         self._channel = channel
