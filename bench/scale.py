@@ -14,7 +14,12 @@ measurement window.
 Setups: ``smg`` (``smg launch --pd-disaggregation ... --policy round_robin``, its tokio threads
 one per router core), ``N`` (one pd-router with ``--workers N``; ``1`` passes the flag only to a
 pd-router that knows it), ``Ns`` (N separate pd-router processes on N ports,
-the clients spread over them: what N processes give without a shared view).
+the clients spread over them: what N processes give without a shared view). Two more tell how
+far this machine lets anything scale: ``smgK`` (smg pinned to K of the router cores, its tokio
+threads one per core: ``smg1`` against ``smg`` is the peer's own scaling) and ``1busy`` (one
+pd-router process on the first router core while bare Python loops keep the other router cores
+busy, as the many-process setups do: a virtual machine's cores may run slower when their
+neighbours work).
 
 Reported per concurrency, mode and setup: req/s, p50/p99 latency, errors, router CPU per
 request and in cores busy, the workers' and the generators' cores busy (and the busiest
@@ -43,7 +48,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -84,6 +89,8 @@ LOADGEN_START_S = 2.0
 SEGMENT_SLACK_S = 120.0
 PROFILE_PICK_S = 1.0
 SMG = "smg"
+BUSY_NEIGHBOURS = "1busy"
+SPIN_FOREVER = "while True: pass"
 
 
 @dataclass(frozen=True)
@@ -106,7 +113,7 @@ class CorePlan:
 
     def describe(self) -> str:
         def cores(cpus: tuple[int, ...]) -> str:
-            return f"{len(cpus)} core{'s' if len(cpus) > 1 else ''} ({_cpu_list(cpus)})"
+            return f"{len(cpus)} core{'s' if len(cpus) > 1 else ''} ({cpu_list(cpus)})"
 
         if self.router_shared:
             return f"routers, workers and load generators sharing {cores(self.router)}, unpinned"
@@ -118,7 +125,7 @@ class CorePlan:
         )
 
 
-def _cpu_list(cpus: Sequence[int]) -> str:
+def cpu_list(cpus: Sequence[int]) -> str:
     return ",".join(str(cpu) for cpu in cpus)
 
 
@@ -153,33 +160,58 @@ def default_router_cores(available: int) -> int:
 
 @dataclass(frozen=True)
 class Setup:
-    """One router setup: smg, one pd-router with ``--workers N``, or N separate pd-routers."""
+    """One router setup: smg (on every router core, or on ``count`` of them), one pd-router
+    with ``--workers N``, or N separate pd-routers. ``busy_neighbours``: one pd-router process
+    on one router core while bare loops keep the other router cores busy, so that it runs on a
+    machine as loaded as the many-process setups leave it."""
 
     kind: str  # "smg", "workers" or "separate"
-    count: int = 1
+    count: int = 1  # smg: router cores it is pinned to, 0 for all of them
+    busy_neighbours: bool = False
 
     @property
     def name(self) -> str:
         if self.kind == SMG:
-            return SMG
+            cores = f" on {self.count} core{'s' if self.count > 1 else ''}" if self.count else ""
+            return SMG + cores
+        if self.busy_neighbours:
+            return f"pd-router --workers {self.count}, other router cores busy"
         if self.kind == "workers":
             return f"pd-router --workers {self.count}"
         return f"{self.count} pd-router processes"
 
-    @property
-    def processes(self) -> int:
-        """Data-plane processes: how many times one process's req/s it should reach."""
-        return 1 if self.kind == SMG else self.count
+    def cores(self, router: Sequence[int]) -> tuple[int, ...]:
+        """The router cores this setup's processes are pinned to."""
+        if self.busy_neighbours or (self.kind == SMG and self.count):
+            return tuple(router[: self.count])
+        return tuple(router)
+
+    def spun(self, router: Sequence[int]) -> tuple[int, ...]:
+        """The router cores that bare loops keep busy while this setup is measured."""
+        return tuple(router[self.count :]) if self.busy_neighbours else ()
+
+    def multiple(self, router: Sequence[int]) -> int:
+        """How many times its family's one-core figure this setup should reach: the data-plane
+        processes of a pd-router setup, the cores of an smg one."""
+        return len(self.cores(router)) if self.kind == SMG else self.count
+
+
+SMG_ONE_CORE = Setup(SMG, 1)
+BUSY_ONE = Setup("workers", 1, busy_neighbours=True)
 
 
 def parse_setups(text: str) -> tuple[Setup, ...]:
-    """``"smg,1,2,6s"`` -> smg, --workers 1, --workers 2, 6 separate processes."""
+    """``"smg,smg1,1,1busy,2,6s"`` -> smg, smg on 1 core, --workers 1, --workers 1 beside busy
+    router cores, --workers 2, 6 separate processes."""
     setups = []
     for entry in (part.strip() for part in text.split(",")):
         if not entry:
             continue
-        if entry == SMG:
-            setups.append(Setup(SMG))
+        if entry.startswith(SMG):
+            setups.append(Setup(SMG, int(entry.removeprefix(SMG) or 0)))
+            continue
+        if entry == BUSY_NEIGHBOURS:
+            setups.append(BUSY_ONE)
             continue
         separate = entry.endswith("s")
         count = int(entry.removesuffix("s"))
@@ -261,7 +293,8 @@ def setup_peers(setup: Setup, cores: Sequence[int], workers_flag: bool = True) -
     extra = ["--workers", str(setup.count)] if explicit else []
 
     def build(bin_dir: Path, topology, host: str, port: int) -> list[str]:
-        return pinned([*base.build_argv(bin_dir, topology, host, port), *extra], cores)
+        argv = [*base.build_argv(bin_dir, topology, host, port), *extra]
+        return pinned(argv, setup.cores(cores))
 
     copies = setup.count if setup.kind == "separate" else 1
     slug = setup.name.replace(" ", "").replace("--", "-")
@@ -278,6 +311,20 @@ def pd_router_has_workers_flag() -> bool:
     exe = PEERS["pd-router"].venv / "bin" / "pd-router"
     done = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=False)
     return "--workers" in done.stdout
+
+
+@contextlib.contextmanager
+def busy_cores(cores: Sequence[int]) -> Iterator[list[subprocess.Popen]]:
+    """A bare Python loop on each of ``cores`` for the duration of the block."""
+    spinners = [
+        subprocess.Popen(pinned([sys.executable, "-c", SPIN_FOREVER], [core])) for core in cores
+    ]
+    try:
+        yield spinners
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
 
 
 def run_segment(
@@ -366,9 +413,10 @@ def measure(
         for concurrency in cfg.concurrencies:
             for mode in load.modes:
                 for setup, routers in order[shift:] + order[:shift]:
-                    segment = run_segment(
-                        routers, cfg, concurrency, mode == "stream", pids, log_dir
-                    )
+                    with busy_cores(setup.spun(cfg.plan.router)):
+                        segment = run_segment(
+                            routers, cfg, concurrency, mode == "stream", pids, log_dir
+                        )
                     cells[(setup.name, concurrency, mode)].add(segment)
                     print(
                         f"# round {round_no + 1} c{concurrency:<4} {mode:10} {setup.name:26} "
@@ -487,7 +535,8 @@ def goal_lines(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
     """The goals of issue 17 that this run's setups can answer, each with its figures: the
     largest --workers N against smg where each data plane has a router core of its own, one
     process against smg where the router has one core or shares every core with its load (the
-    2-core goals), N processes against one."""
+    2-core goals), N processes against one; and, for reference, smg against itself on one
+    core."""
     names = {s.name for s in cfg.setups}
     one = Setup("workers", 1).name
     many = [s for s in cfg.setups if s.kind == "workers" and s.count > 1]
@@ -528,6 +577,22 @@ def goal_lines(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
                     f"- {where}: {setup.name} vs one process: {gain:.2f}x req/s "
                     f"(goal >= {goal:.2f}, {why}): {_met(gain >= goal)}"
                 )
+            beside = figures.get(BUSY_ONE.name)
+            for setup in many if beside is not None and not shared else ():
+                if setup.count > cores:
+                    continue
+                gain = ratio(figures[setup.name].rps, setup.count * beside.rps)
+                lines.append(
+                    f"- {where}: {setup.name} vs {setup.count} x {BUSY_ONE.name}: {gain:.2f} "
+                    "(one process as fast as the loaded machine lets one core run; no goal)"
+                )
+            smg_one = figures.get(SMG_ONE_CORE.name)
+            if smg is not None and smg_one is not None and cores > 1 and not shared:
+                peer = ratio(smg.rps, cores * smg_one.rps)
+                lines.append(
+                    f"- {where}: smg vs {cores} x smg on 1 core: {peer:.2f}x req/s (how the peer "
+                    "itself scales on these cores; no goal)"
+                )
     return lines
 
 
@@ -556,33 +621,36 @@ def table_row(concurrency: int, mode: str, name: str, cell: Cell, plan: CorePlan
 
 def ratio_rows(cfg: ScaleConfig, cells: Mapping[Key, Cell]) -> list[str]:
     """Each pd-router setup against smg and against N times one process (against one process
-    where the routers share every core: no setup has cores of its own to multiply)."""
+    where the routers share every core: no setup has cores of its own to multiply); smg on
+    more cores against as many times smg on one core, where the run has both: how the peer
+    itself scales on this machine."""
     names = {s.name for s in cfg.setups}
-    one = Setup("workers", 1).name
     shared = cfg.plan.router_shared
     rows = [
         "| conc | mode | router | req/s vs smg | CPU/req vs smg | p99 vs smg "
-        f"| req/s vs {'' if shared else 'N x '}one process |",
+        f"| req/s vs {'' if shared else 'N x '}one process (smg: one core) |",
         "|---:|---|---|---:|---:|---:|---:|",
     ]
     for concurrency in cfg.concurrencies:
         for mode in cfg.load.modes:
-            smg = cells[(SMG, concurrency, mode)].figures if SMG in names else None
-            base = cells[(one, concurrency, mode)].figures if one in names else None
+            figures = {name: cells[(name, concurrency, mode)].figures for name in names}
+            smg = figures.get(SMG)
             for setup in cfg.setups:
-                if setup.kind == SMG:
+                one = SMG_ONE_CORE if setup.kind == SMG else Setup("workers", 1)
+                if setup == one or (setup.kind == SMG and one.name not in names):
                     continue
-                f = cells[(setup.name, concurrency, mode)].figures
+                f = figures[setup.name]
                 vs = (
                     (
                         ratio(f.rps, smg.rps),
                         ratio(f.cpu_ms_per_request, smg.cpu_ms_per_request),
                         ratio(percentile(f.latencies_ms, 99), percentile(smg.latencies_ms, 99)),
                     )
-                    if smg is not None
+                    if smg is not None and setup.kind != SMG
                     else (math.nan,) * 3
                 )
-                multiple = 1 if shared else setup.processes
+                base = figures.get(one.name)
+                multiple = 1 if shared else setup.multiple(cfg.plan.router)
                 scaling = ratio(f.rps, multiple * base.rps) if base else math.nan
                 times = [_times(value) for value in vs]
                 rows.append(
@@ -680,6 +748,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ScaleConfig, float]:
         setups = parse_setups(args.setups)
         concurrencies = tuple(int(c) for c in args.concurrency.split(",") if c)
         if args.share_cores:
+            if any(setup.busy_neighbours for setup in setups):
+                raise ValueError(f"{BUSY_NEIGHBOURS} needs router cores of their own")
             plan = shared_plan(available)
         else:
             plan = plan_cores(available, args.router_cores, args.backend_cores)

@@ -59,14 +59,17 @@ def test_a_plan_without_cores_for_each_part_is_refused(
 def test_setups_name_smg_worker_counts_and_separate_processes(bench_modules: None) -> None:
     from scale import parse_setups
 
-    setups = parse_setups("smg,1,6,6s,1")
+    setups = parse_setups("smg,smg1,1,6,6s,1")
     assert [s.name for s in setups] == [
         "smg",
+        "smg on 1 core",
         "pd-router --workers 1",
         "pd-router --workers 6",
         "6 pd-router processes",
     ]
-    assert [s.processes for s in setups] == [1, 1, 6, 6]
+    router = (10, 11, 12, 13, 14, 15)
+    assert [s.multiple(router) for s in setups] == [6, 1, 1, 6, 6]
+    assert [s.cores(router) for s in setups[:3]] == [router, (10,), router]
 
 
 def test_the_workers_flag_goes_to_a_pd_router_that_knows_it_or_needs_it(
@@ -206,3 +209,58 @@ def test_a_scale_run_on_stub_workers_has_no_errors_and_writes_a_report(tmp_path:
         ("stream", "2 pd-router processes"),
     ]
     assert all(row[7].strip() == "0" and int(row[4]) > 0 for row in figures)
+
+
+def test_one_process_beside_busy_router_cores_runs_on_the_first_and_spins_the_rest(
+    bench_modules: None,
+) -> None:
+    from scale import parse_setups
+
+    (beside,) = parse_setups("1busy")
+    router = (10, 11, 12)
+    assert beside.name == "pd-router --workers 1, other router cores busy"
+    assert (beside.cores(router), beside.spun(router), beside.multiple(router)) == (
+        (10,),
+        (11, 12),
+        1,
+    )
+    assert all(setup.spun(router) == () for setup in parse_setups("smg,smg1,1,2,2s"))
+
+
+def test_busy_cores_spin_for_the_block_and_stop_after_it(bench_modules: None) -> None:
+    import os
+
+    from scale import busy_cores
+
+    core = min(os.sched_getaffinity(0))
+    with busy_cores([core, core]) as spinners:
+        assert len(spinners) == 2 and all(s.poll() is None for s in spinners)
+    assert all(s.returncode is not None for s in spinners)
+
+
+def test_goals_show_how_smg_and_one_loaded_process_scale_for_reference(
+    bench_modules: None,
+) -> None:
+    cells = {
+        "smg": _cell(12000, 6.0, 20.0),
+        "smg on 1 core": _cell(2500, 1.0, 30.0),
+        "pd-router --workers 1": _cell(3000, 1.0, 30.0),
+        "pd-router --workers 1, other router cores busy": _cell(2500, 1.0, 30.0),
+        "pd-router --workers 6": _cell(15000, 6.0, 15.0),
+    }
+    lines = _goal_lines("smg,smg1,1,1busy,6", 16, 6, cells)
+    assert "5.00x req/s (goal >= 5.10, 0.85 x 6): **not met**" in lines[1]
+    assert "vs 6 x pd-router --workers 1, other router cores busy: 1.00 (" in lines[2]
+    assert "smg vs 6 x smg on 1 core: 0.80x req/s (how the peer itself scales" in lines[3]
+
+
+def test_core_speed_reports_each_layout_against_one_core_alone(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    argv = [sys.executable, str(BENCH / "core_speed.py"), "--seconds", "0.2", "--rounds", "1"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| 1 |")]
+    assert rows and rows[0][3].strip().startswith("1.00")
+    assert "every core" in done.stdout
