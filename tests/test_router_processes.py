@@ -21,6 +21,7 @@ import pytest
 
 from pd_router.cli.main import config_from_argv
 from pd_router.config import ConfigError, load_config
+from pd_router.control.dataplanes import trial_plane
 from pd_router.dataplane.policies import make_policy
 from pd_router.dataplane.reports import METRICS_PUSH_SECS
 from pd_router.dataplane.snapshot import SnapshotPools
@@ -231,6 +232,40 @@ async def test_legs_failing_in_the_data_planes_open_the_workers_circuit(cluster_
         assert await worker_metric(failing, "num_requests_total") == served
 
 
+async def test_a_half_open_circuit_gets_one_trial_from_the_whole_router(cluster_factory):
+    cluster = cluster_factory(prefill=1, decode=2, speed=0.0)
+    failing = cluster.decode_urls[0]
+    async with three_processes(
+        cluster,
+        decode_policy="round_robin",
+        health={"interval_secs": 60.0},
+        circuit={"failure_threshold": 2, "cooldown_secs": 0.5},
+    ) as router:
+        await fault(failing, fail_next=1000, fail_status=502)
+        await paired_sources(router.url, [f"failing leg {n}" for n in range(12)])
+        await wait_for_worker(router, failing, "circuit", "open")
+        await fault(failing, fail_next=0, delay_secs=10.0)
+        stop = asyncio.Event()
+
+        async def client(n: int) -> None:
+            async with httpx.AsyncClient(base_url=router.url, timeout=15.0) as http:
+                while not stop.is_set():
+                    await http.post("/generate", json=generate_body(f"client {n}", TOKENS))
+
+        clients = [asyncio.create_task(client(n)) for n in range(12)]
+        seen = []
+        async with router.client() as http:
+            for _ in range(150):
+                workers = (await http.get("/workers")).json()["workers"]
+                seen += [w["inflight"] for w in workers if w["url"] == failing]
+                await asyncio.sleep(0.02)
+        stop.set()
+        for task in clients:
+            task.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+        assert max(seen) == 1
+
+
 async def test_a_killed_data_plane_is_replaced_and_its_drain_does_not_hang(cluster_factory):
     cluster = cluster_factory(prefill=1, decode=2, speed=0.05)
     async with three_processes(cluster) as router:
@@ -365,19 +400,77 @@ async def test_a_second_router_on_the_same_port_is_refused(pd_cluster):
         assert b"Address already in use" in stderr
 
 
-def decode_pools(policy: str, *urls: str) -> SnapshotPools:
-    """A data plane's pools after a snapshot of these decodes, closed circuits."""
+def decode_pools(
+    policy: str, *urls: str, index: int = 0, half_open: dict[str, int] | None = None
+) -> SnapshotPools:
+    """Data plane ``index``'s pools after a snapshot of these decodes: closed circuits, but
+    those in ``half_open``, each mapped to the data plane the snapshot names for its trial."""
     pools = SnapshotPools(
         {role: make_policy(policy) for role in Role},
+        index=index,
         wake=lambda: None,
         suspect=lambda url: None,
         on_unavailable=lambda url: None,
         count_refusal=lambda role: None,
     )
+    half_open = half_open or {}
     entry = {"role": "decode", "bootstrap_port": None, "pickable": True, "usable": True,
-             "circuit": "closed", "half_open_at": None}  # fmt: skip
-    pools.apply(1, [{"url": url, **entry} for url in urls])
+             "half_open_at": None}  # fmt: skip
+    circuits = {url: ("half_open", half_open[url]) if url in half_open else ("closed", None)
+                for url in urls}  # fmt: skip
+    pools.apply(
+        1,
+        [{"url": url, **entry, "circuit": circuits[url][0], "trial": circuits[url][1]}
+         for url in urls],
+    )  # fmt: skip
     return pools
+
+
+def picked(pools: SnapshotPools, times: int) -> list[str]:
+    """The urls of ``times`` picks, each dispatched and left in flight."""
+    urls = []
+    for _ in range(times):
+        member = pools.pick(Role.DECODE)
+        pools.acquire(member)
+        urls.append(member.url)
+    return urls
+
+
+@pytest.mark.parametrize(
+    ("holder", "loads", "expected"),
+    [
+        (None, {}, None),
+        (None, {0: (2, 0), 1: (5, 0), 2: (5, 0)}, 1),
+        (1, {0: (2, 0), 2: (5, 0)}, 2),
+        (0, {0: (0, 0), 1: (3, 0)}, 1),
+        (0, {0: (0, 1), 1: (3, 0)}, 0),
+        (0, {0: (1, 0), 1: (3, 0)}, 0),
+        (0, {0: (0, 0), 1: (0, 0)}, 0),
+    ],
+    ids=[
+        "no data plane",
+        "the most connected takes it",
+        "its holder exited",
+        "its holder has no clients while another has",
+        "its trial may be in flight",
+        "its holder has clients",
+        "nobody has clients",
+    ],
+)
+def test_a_half_open_trial_is_held_by_one_data_plane_until_it_cannot_send_it(
+    holder: int | None, loads: dict[int, tuple[int, int]], expected: int | None
+):
+    assert trial_plane(holder, loads) == expected
+
+
+def test_only_the_data_plane_named_for_a_half_open_trial_sends_it():
+    half_open = {"http://recovering": 0}
+    named = decode_pools("round_robin", "http://ok", "http://recovering", half_open=half_open)
+    other = decode_pools(
+        "round_robin", "http://ok", "http://recovering", index=1, half_open=half_open
+    )
+    assert picked(named, 6).count("http://recovering") == 1
+    assert "http://recovering" not in picked(other, 6)
 
 
 def test_a_data_plane_balances_on_the_whole_routers_inflight_counts():

@@ -89,6 +89,7 @@ async def serve_dataplane(
             role: make_policy(config.policy_of(role), config.cache_aware, shared=True)
             for role in Role
         },
+        index=index,
         wake=reports.wake,
         suspect=reports.suspect,
         count_refusal=reports.count_refusal,

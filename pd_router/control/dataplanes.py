@@ -16,6 +16,14 @@ The rest of a report goes where the one-process request path would have put it: 
 the worker's circuit, TTFT/TPOT samples and refusals to the latency recorder the autopilot
 reads; a leg answered for the other role makes the health monitor read the worker's role now.
 
+Half-open trials. One process lets one trial request through a half-open circuit; N data planes
+deciding alone would let N. So every snapshot names, for each worker whose circuit is not
+closed, the one data plane that may send its trial: the one with the most client connections
+when the circuit opened (the likeliest to have a request soon). The trial moves to another only
+when that one exits, or has neither a client connection nor a request in flight on the worker
+while another has clients (checked every :data:`INFLIGHT_PUSH_SECS`): never while a trial may
+be in flight.
+
 Client connections. Each report counts the data plane's open client connections; while they are
 uneven (:func:`connection_share`), the in-flight push carries the share each should keep, and
 a data plane above it closes its surplus between answers (:mod:`pd_router.dataplane.listener`).
@@ -29,6 +37,7 @@ import logging
 import time
 from typing import Any
 
+from pd_router.control.circuit import CircuitState
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
 from pd_router.control.workers import UnknownWorker, Worker, WorkerRegistry, WorkerState
@@ -98,6 +107,9 @@ class DataPlanes:
         self._pusher: asyncio.Task | None = None
         self._pushing = False
         self._again = False
+        # The data plane that may send each worker's half-open trial, for every worker whose
+        # circuit is not closed (None while no data plane is connected).
+        self._trials: dict[str, int | None] = {}
         registry.on_change(self.push)
 
     # --- links ------------------------------------------------------------------------------
@@ -161,6 +173,7 @@ class DataPlanes:
         pickable = set()
         for worker in self._registry:
             entry = entry_of(worker)
+            entry["trial"] = self._trial_plane(worker.url, entry["circuit"])
             workers.append(entry)
             if entry["pickable"]:
                 pickable.add(worker.url)
@@ -168,8 +181,11 @@ class DataPlanes:
             self._stopped_at.setdefault(url, self.version)
         for url in pickable:
             self._stopped_at.pop(url, None)
-        for url in [url for url in self._stopped_at if url not in self._known()]:
+        known = self._known()
+        for url in [url for url in self._stopped_at if url not in known]:
             del self._stopped_at[url]
+        for url in [url for url in self._trials if url not in known]:
+            del self._trials[url]
         self._pickable = pickable
         self._snapshot = {"t": "snapshot", "v": self.version, "workers": workers}
         for link in self._links.values():
@@ -178,6 +194,22 @@ class DataPlanes:
 
     def _known(self) -> set[str]:
         return {worker.url for worker in self._registry}
+
+    def _trial_plane(self, url: str, circuit: str) -> int | None:
+        """The data plane that may send the trial of ``url``'s circuit (None while closed)."""
+        if circuit == CircuitState.CLOSED:
+            self._trials.pop(url, None)
+            return None
+        plane = self._trials[url] = trial_plane(self._trials.get(url), self._loads(url))
+        return plane
+
+    def _trial_moves(self) -> bool:
+        """Whether a half-open trial should go to another data plane than the one named."""
+        return any(trial_plane(p, self._loads(url)) != p for url, p in self._trials.items())
+
+    def _loads(self, url: str) -> dict[int, tuple[int, int]]:
+        """Each data plane's client connections and requests in flight on ``url``."""
+        return {i: (link.connections, link.inflight.get(url, 0)) for i, link in self._links.items()}
 
     # --- reports ----------------------------------------------------------------------------
 
@@ -253,10 +285,13 @@ class DataPlanes:
 
     async def _push_totals(self) -> None:
         """Send the router-wide in-flight counts and the connection share to the data planes
-        when they changed, and at least every :data:`HEARTBEAT_SECS`."""
+        when they changed, and at least every :data:`HEARTBEAT_SECS`; move a half-open trial
+        whose data plane cannot send it (a new snapshot)."""
         sent_at = time.monotonic()
         while True:
             await asyncio.sleep(INFLIGHT_PUSH_SECS)
+            if self._trial_moves():
+                self.push()
             now = time.monotonic()
             share = connection_share([link.connections for link in self._links.values()])
             message = {"t": "inflight", "totals": self._totals, "share": share}
@@ -304,6 +339,20 @@ class MetricsRequest:
         self._waiting.discard(index)
         if not self._waiting:
             self.done.set()
+
+
+def trial_plane(holder: int | None, loads: dict[int, tuple[int, int]]) -> int | None:
+    """The data plane that should send a worker's half-open trial, given each connected one's
+    (client connections, requests in flight on the worker). The one holding it keeps it unless
+    it exited, or has neither while another has clients; a trial may be in flight while it has
+    either. A new one is the one with the most connections (the lowest number on a tie)."""
+    if not loads:
+        return None
+    if holder in loads:
+        connections, inflight = loads[holder]
+        if connections or inflight or not any(c for c, _ in loads.values()):
+            return holder
+    return max(loads, key=lambda plane: (loads[plane][0], -plane))
 
 
 def entry_of(worker: Worker) -> dict[str, Any]:

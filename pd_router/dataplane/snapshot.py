@@ -13,9 +13,10 @@ data planes had in flight when the control process last summed their reports (pu
 report interval), so ``least_inflight`` and ``power_of_two`` balance the whole router's load.
 
 Circuits: the control process decides (it sums every data plane's leg outcomes); a member's
-:class:`SharedCircuit` holds its verdict, lets one trial at a time through a half-open circuit
-from this process, turns an open one half-open when its cool-down ends, and queues the
-outcomes for the next report.
+:class:`SharedCircuit` holds its verdict, turns an open one half-open when its cool-down ends,
+lets one trial at a time through a half-open circuit when this process is the data plane the
+control process named for the trial (one for the whole router, as one process would), and
+queues the outcomes for the next report.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ HALF_OPEN = "half_open"
 class SharedCircuit:
     """The control process's verdict on one worker, and this process's outcomes for it."""
 
-    __slots__ = ("_half_open_at", "_recorded", "_runs", "_state", "_trial", "url")
+    __slots__ = ("_half_open_at", "_recorded", "_runs", "_state", "_trial", "_trial_here", "url")
 
     def __init__(self, url: str, recorded: set[SharedCircuit]) -> None:
         self.url = url
@@ -48,12 +49,16 @@ class SharedCircuit:
         self._state = CLOSED
         self._half_open_at: float | None = None
         self._trial = False
+        self._trial_here = True
 
-    def update(self, state: str, half_open_at: float | None) -> None:
+    def update(self, state: str, half_open_at: float | None, trial_here: bool) -> None:
+        """The control process's verdict; ``trial_here``: this process may send the trial of
+        a half-open circuit."""
         if state != self._state:
             self._trial = False
         self._state = state
         self._half_open_at = half_open_at
+        self._trial_here = trial_here
 
     @property
     def state(self) -> str:
@@ -66,7 +71,7 @@ class SharedCircuit:
         if self._state == CLOSED:
             return True
         state = self.state
-        return state == HALF_OPEN and not self._trial
+        return state == HALF_OPEN and self._trial_here and not self._trial
 
     def on_dispatch(self) -> None:
         if self._state == HALF_OPEN:
@@ -137,18 +142,21 @@ class SnapshotPools:
     pushes. ``wake`` asks for a report now (a worker out of selection became idle here: a
     conversion waits for it); ``suspect`` tells the control process a worker answered for the
     other role; ``on_unavailable(url)`` ends the legs still running on a worker that left
-    service."""
+    service. ``index`` is this data plane's number, by which a snapshot names the one that may
+    send a half-open circuit's trial."""
 
     def __init__(
         self,
         policies: dict[Role, Policy],
         *,
+        index: int,
         wake: Callable[[], None],
         suspect: Callable[[str], None],
         on_unavailable: UnavailableCallback,
         count_refusal: Callable[[str], None],
     ) -> None:
         self.policies = policies
+        self.index = index
         self.version = 0
         self._recorded: set[SharedCircuit] = set()
         self._wake = wake
@@ -179,7 +187,10 @@ class SnapshotPools:
                 member.role = role
             member.bootstrap_port = entry["bootstrap_port"]
             member.pickable = entry["pickable"]
-            member.circuit.update(entry["circuit"], entry["half_open_at"])
+            trial = entry["trial"]
+            member.circuit.update(
+                entry["circuit"], entry["half_open_at"], trial is None or trial == self.index
+            )
             self._set_usable(member, entry["usable"])
         for url in [url for url in self._members if url not in seen]:
             member = self._members[url]
