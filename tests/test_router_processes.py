@@ -9,9 +9,11 @@ others do. Real router processes in front of reference workers on loopback."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
+from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -215,18 +217,29 @@ async def test_a_wrong_role_answer_in_a_data_plane_has_the_worker_moved_at_once(
         await wait_for_worker(router, switched, "role", "prefill")
 
 
-async def test_legs_failing_in_the_data_planes_open_the_workers_circuit(cluster_factory):
-    cluster = cluster_factory(prefill=1, decode=2, speed=0.0)
+@contextlib.asynccontextmanager
+async def failing_decode_circuit_opened(
+    cluster: WorkerCluster, cooldown_secs: float
+) -> AsyncIterator[tuple[RouterProcess, str]]:
+    """A router of three data planes over ``cluster`` (one prefill, two decodes) whose first
+    decode failed the data planes' legs until its circuit opened (two failures); it turns
+    half-open ``cooldown_secs`` later, and the decode still fails (502) until told otherwise."""
     failing = cluster.decode_urls[0]
     async with three_processes(
         cluster,
         decode_policy="round_robin",
         health={"interval_secs": 60.0},
-        circuit={"failure_threshold": 2, "cooldown_secs": 60.0},
+        circuit={"failure_threshold": 2, "cooldown_secs": cooldown_secs},
     ) as router:
         await fault(failing, fail_next=1000, fail_status=502)
         await paired_sources(router.url, [f"failing leg {n}" for n in range(12)])
         await wait_for_worker(router, failing, "circuit", "open")
+        yield router, failing
+
+
+async def test_legs_failing_in_the_data_planes_open_the_workers_circuit(cluster_factory):
+    cluster = cluster_factory(prefill=1, decode=2, speed=0.0)
+    async with failing_decode_circuit_opened(cluster, 60.0) as (router, failing):
         served = await worker_metric(failing, "num_requests_total")
         await paired_sources(router.url, [f"after {n}" for n in range(6)])
         assert await worker_metric(failing, "num_requests_total") == served
@@ -234,16 +247,7 @@ async def test_legs_failing_in_the_data_planes_open_the_workers_circuit(cluster_
 
 async def test_a_half_open_circuit_gets_one_trial_from_the_whole_router(cluster_factory):
     cluster = cluster_factory(prefill=1, decode=2, speed=0.0)
-    failing = cluster.decode_urls[0]
-    async with three_processes(
-        cluster,
-        decode_policy="round_robin",
-        health={"interval_secs": 60.0},
-        circuit={"failure_threshold": 2, "cooldown_secs": 0.5},
-    ) as router:
-        await fault(failing, fail_next=1000, fail_status=502)
-        await paired_sources(router.url, [f"failing leg {n}" for n in range(12)])
-        await wait_for_worker(router, failing, "circuit", "open")
+    async with failing_decode_circuit_opened(cluster, 0.5) as (router, failing):
         await fault(failing, fail_next=0, delay_secs=10.0)
         stop = asyncio.Event()
 
