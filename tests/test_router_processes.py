@@ -420,13 +420,11 @@ def decode_pools(
     half_open = half_open or {}
     entry = {"role": "decode", "bootstrap_port": None, "pickable": True, "usable": True,
              "half_open_at": None}  # fmt: skip
-    circuits = {url: ("half_open", half_open[url]) if url in half_open else ("closed", None)
-                for url in urls}  # fmt: skip
-    pools.apply(
-        1,
-        [{"url": url, **entry, "circuit": circuits[url][0], "trial": circuits[url][1]}
-         for url in urls],
-    )  # fmt: skip
+    pools.apply(1, [
+        {"url": url, **entry, "circuit": "half_open" if url in half_open else "closed",
+         "trial": half_open.get(url)}
+        for url in urls
+    ])  # fmt: skip
     return pools
 
 
