@@ -72,11 +72,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(available) < 2:
         parser.error("needs at least 2 cores")
     router = plan_cores(available, min(args.router_cores, len(available) - 1)).router
-    turns: dict[tuple[int, ...], list[float]] = {}
+    turns: dict[tuple[int, ...], list[float]] = {cores: [] for cores in layouts(router, available)}
     for _ in range(args.rounds):
-        for cores in layouts(router, available):
-            turns.setdefault(cores, []).append(statistics.mean(spin(cores, args.seconds)))
-    alone = statistics.mean(turns[layouts(router, available)[0]])
+        for cores, means in turns.items():
+            means.append(statistics.mean(spin(cores, args.seconds)))
+    alone = statistics.mean(next(iter(turns.values())))
     rounds = f"{args.rounds} interleaved rounds of {args.seconds:g} s"
     print(f"{len(available)} cores; router cores {cpu_list(router)}; {rounds}")
     print()
