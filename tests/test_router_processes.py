@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -23,7 +24,6 @@ import pytest
 
 from pd_router.cli.main import config_from_argv
 from pd_router.config import ConfigError, load_config
-from pd_router.control.dataplanes import trial_plane
 from pd_router.dataplane.policies import make_policy
 from pd_router.dataplane.reports import METRICS_PUSH_SECS
 from pd_router.dataplane.snapshot import SnapshotPools
@@ -404,6 +404,15 @@ async def test_a_second_router_on_the_same_port_is_refused(pd_cluster):
         assert b"Address already in use" in stderr
 
 
+def decode_entry(
+    url: str, circuit: str = "closed", trial: int | None = None, half_open_at: float | None = None
+) -> dict[str, Any]:
+    """A decode as a snapshot carries it."""
+    return {"url": url, "role": "decode", "bootstrap_port": None, "pickable": True,
+            "usable": True, "circuit": circuit, "half_open_at": half_open_at,
+            "trial": trial}  # fmt: skip
+
+
 def decode_pools(
     policy: str, *urls: str, index: int = 0, half_open: dict[str, int] | None = None
 ) -> SnapshotPools:
@@ -418,11 +427,8 @@ def decode_pools(
         count_refusal=lambda role: None,
     )
     half_open = half_open or {}
-    entry = {"role": "decode", "bootstrap_port": None, "pickable": True, "usable": True,
-             "half_open_at": None}  # fmt: skip
     pools.apply(1, [
-        {"url": url, **entry, "circuit": "half_open" if url in half_open else "closed",
-         "trial": half_open.get(url)}
+        decode_entry(url, "half_open", half_open[url]) if url in half_open else decode_entry(url)
         for url in urls
     ])  # fmt: skip
     return pools
@@ -438,33 +444,6 @@ def picked(pools: SnapshotPools, times: int) -> list[str]:
     return urls
 
 
-@pytest.mark.parametrize(
-    ("holder", "loads", "expected"),
-    [
-        (None, {}, None),
-        (None, {0: (2, 0), 1: (5, 0), 2: (5, 0)}, 1),
-        (1, {0: (2, 0), 2: (5, 0)}, 2),
-        (0, {0: (0, 0), 1: (3, 0)}, 1),
-        (0, {0: (0, 1), 1: (3, 0)}, 0),
-        (0, {0: (1, 0), 1: (3, 0)}, 0),
-        (0, {0: (0, 0), 1: (0, 0)}, 0),
-    ],
-    ids=[
-        "no data plane",
-        "the most connected takes it",
-        "its holder exited",
-        "its holder has no clients while another has",
-        "its trial may be in flight",
-        "its holder has clients",
-        "nobody has clients",
-    ],
-)
-def test_a_half_open_trial_is_held_by_one_data_plane_until_it_cannot_send_it(
-    holder: int | None, loads: dict[int, tuple[int, int]], expected: int | None
-):
-    assert trial_plane(holder, loads) == expected
-
-
 def test_only_the_data_plane_named_for_a_half_open_trial_sends_it():
     half_open = {"http://recovering": 0}
     named = decode_pools("round_robin", "http://ok", "http://recovering", half_open=half_open)
@@ -473,6 +452,15 @@ def test_only_the_data_plane_named_for_a_half_open_trial_sends_it():
     )
     assert picked(named, 6).count("http://recovering") == 1
     assert "http://recovering" not in picked(other, 6)
+
+
+def test_a_snapshot_made_before_the_cool_down_ended_lets_no_second_trial_through():
+    ok, recovering = "http://ok", "http://recovering"
+    pools = decode_pools("round_robin", ok, recovering, half_open={recovering: 0})
+    assert picked(pools, 4).count(recovering) == 1
+    cooled_down = time.monotonic() - 1.0
+    pools.apply(2, [decode_entry(ok), decode_entry(recovering, "open", 0, cooled_down)])
+    assert recovering not in picked(pools, 4)
 
 
 def test_a_data_plane_balances_on_the_whole_routers_inflight_counts():

@@ -16,13 +16,9 @@ The rest of a report goes where the one-process request path would have put it: 
 the worker's circuit, TTFT/TPOT samples and refusals to the latency recorder the autopilot
 reads; a leg answered for the other role makes the health monitor read the worker's role now.
 
-Half-open trials. One process lets one trial request through a half-open circuit; N data planes
-deciding alone would let N. So every snapshot names, for each worker whose circuit is not
-closed, the one data plane that may send its trial: the one with the most client connections
-when the circuit opened (the likeliest to have a request soon). The trial moves to another only
-when that one exits, or has neither a client connection nor a request in flight on the worker
-while another has clients (checked every :data:`INFLIGHT_PUSH_SECS`): never while a trial may
-be in flight.
+Half-open trials. Every snapshot names, for each worker whose circuit is not closed, the one
+data plane that may send its trial (:mod:`pd_router.control.trials`); a trial that should move
+is looked at every :data:`INFLIGHT_PUSH_SECS`.
 
 Client connections. Each report counts the data plane's open client connections; while they are
 uneven (:func:`connection_share`), the in-flight push carries the share each should keep, and
@@ -40,6 +36,7 @@ from typing import Any
 from pd_router.control.circuit import CircuitState
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
+from pd_router.control.trials import HalfOpenTrials
 from pd_router.control.workers import UnknownWorker, Worker, WorkerRegistry, WorkerState
 from pd_router.dataplane.channel import HEARTBEAT_SECS, Channel, ChannelClosed, Message
 
@@ -107,9 +104,7 @@ class DataPlanes:
         self._pusher: asyncio.Task | None = None
         self._pushing = False
         self._again = False
-        # The data plane that may send each worker's half-open trial, for every worker whose
-        # circuit is not closed (None while no data plane is connected).
-        self._trials: dict[str, int | None] = {}
+        self._trials = HalfOpenTrials()
         registry.on_change(self.push)
 
     # --- links ------------------------------------------------------------------------------
@@ -173,7 +168,8 @@ class DataPlanes:
         pickable = set()
         for worker in self._registry:
             entry = entry_of(worker)
-            entry["trial"] = self._trial_plane(worker.url, entry["circuit"])
+            closed = entry["circuit"] == CircuitState.CLOSED
+            entry["trial"] = self._trials.holder(worker.url, closed, self._links, self.version)
             workers.append(entry)
             if entry["pickable"]:
                 pickable.add(worker.url)
@@ -184,8 +180,7 @@ class DataPlanes:
         known = self._known()
         for url in [url for url in self._stopped_at if url not in known]:
             del self._stopped_at[url]
-        for url in [url for url in self._trials if url not in known]:
-            del self._trials[url]
+        self._trials.forget(known)
         self._pickable = pickable
         self._snapshot = {"t": "snapshot", "v": self.version, "workers": workers}
         for link in self._links.values():
@@ -194,22 +189,6 @@ class DataPlanes:
 
     def _known(self) -> set[str]:
         return {worker.url for worker in self._registry}
-
-    def _trial_plane(self, url: str, circuit: str) -> int | None:
-        """The data plane that may send the trial of ``url``'s circuit (None while closed)."""
-        if circuit == CircuitState.CLOSED:
-            self._trials.pop(url, None)
-            return None
-        plane = self._trials[url] = trial_plane(self._trials.get(url), self._loads(url))
-        return plane
-
-    def _trial_moves(self) -> bool:
-        """Whether a half-open trial should go to another data plane than the one named."""
-        return any(trial_plane(p, self._loads(url)) != p for url, p in self._trials.items())
-
-    def _loads(self, url: str) -> dict[int, tuple[int, int]]:
-        """Each data plane's client connections and requests in flight on ``url``."""
-        return {i: (link.connections, link.inflight.get(url, 0)) for i, link in self._links.items()}
 
     # --- reports ----------------------------------------------------------------------------
 
@@ -290,7 +269,7 @@ class DataPlanes:
         sent_at = time.monotonic()
         while True:
             await asyncio.sleep(INFLIGHT_PUSH_SECS)
-            if self._trial_moves():
+            if self._trials.unsettled(self._links):
                 self.push()
             now = time.monotonic()
             share = connection_share([link.connections for link in self._links.values()])
@@ -339,20 +318,6 @@ class MetricsRequest:
         self._waiting.discard(index)
         if not self._waiting:
             self.done.set()
-
-
-def trial_plane(holder: int | None, loads: dict[int, tuple[int, int]]) -> int | None:
-    """The data plane that should send a worker's half-open trial, given each connected one's
-    (client connections, requests in flight on the worker). The one holding it keeps it unless
-    it exited, or has neither while another has clients; a trial may be in flight while it has
-    either. A new one is the one with the most connections (the lowest number on a tie)."""
-    if not loads:
-        return None
-    if holder in loads:
-        connections, inflight = loads[holder]
-        if connections or inflight or not any(c for c, _ in loads.values()):
-            return holder
-    return max(loads, key=lambda plane: (loads[plane][0], -plane))
 
 
 def entry_of(worker: Worker) -> dict[str, Any]:

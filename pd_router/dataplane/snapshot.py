@@ -53,9 +53,9 @@ class SharedCircuit:
 
     def update(self, state: str, half_open_at: float | None, trial_here: bool) -> None:
         """The control process's verdict; ``trial_here``: this process may send the trial of
-        a half-open circuit."""
-        if state != self._state:
-            self._trial = False
+        a half-open circuit. A trial in flight stays counted until its leg ends, whatever the
+        verdict: a snapshot made before the cool-down ended may still say open after this
+        process turned the circuit half-open and sent the trial."""
         self._state = state
         self._half_open_at = half_open_at
         self._trial_here = trial_here
@@ -143,7 +143,7 @@ class SnapshotPools:
     conversion waits for it); ``suspect`` tells the control process a worker answered for the
     other role; ``on_unavailable(url)`` ends the legs still running on a worker that left
     service. ``index`` is this data plane's number, by which a snapshot names the one that may
-    send a half-open circuit's trial."""
+    send a half-open circuit's trial (none at all while a trial moves)."""
 
     def __init__(
         self,
@@ -187,9 +187,8 @@ class SnapshotPools:
                 member.role = role
             member.bootstrap_port = entry["bootstrap_port"]
             member.pickable = entry["pickable"]
-            trial = entry["trial"]
             member.circuit.update(
-                entry["circuit"], entry["half_open_at"], trial is None or trial == self.index
+                entry["circuit"], entry["half_open_at"], entry["trial"] == self.index
             )
             self._set_usable(member, entry["usable"])
         for url in [url for url in self._members if url not in seen]:
