@@ -83,6 +83,9 @@ class ServerConfig:
     ``"auto"``: one per core this process may run on."""
 
     workers: int | str = 1
+    # On SIGINT or SIGTERM: how long requests in flight, and conversions whose switch call went
+    # out, may take to finish before the router stops anyway.
+    shutdown_grace_secs: float = 60.0
 
     @property
     def processes(self) -> int:
@@ -316,6 +319,7 @@ def validate(config: RouterConfig) -> None:
     workers = config.server.workers
     if workers != "auto" and not (isinstance(workers, int) and workers >= 1):
         raise ConfigError("server.workers", f"must be 'auto' or a number >= 1, not {workers!r}")
+    check_positive("server.shutdown_grace_secs", config.server.shutdown_grace_secs, True)
     for key in ("request_timeout_secs", "connect_timeout_secs", "worker_removal_timeout_secs"):
         check_positive(key, getattr(config, key))
     for key in ("max_connections", "max_payload_size"):
