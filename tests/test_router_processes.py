@@ -24,6 +24,7 @@ import pytest
 
 from pd_router.cli.main import config_from_argv
 from pd_router.config import ConfigError, load_config
+from pd_router.dataplane.listener import MAX_BACKLOG
 from pd_router.dataplane.policies import make_policy
 from pd_router.dataplane.reports import METRICS_PUSH_SECS
 from pd_router.dataplane.snapshot import SnapshotPools
@@ -402,6 +403,20 @@ async def test_a_second_router_on_the_same_port_is_refused(pd_cluster):
         _, stderr = await asyncio.wait_for(second.communicate(), 20.0)
         assert second.returncode != 0
         assert b"Address already in use" in stderr
+
+
+async def test_every_data_plane_listens_with_the_whole_backlog(pd_cluster):
+    overrides = {"server": {"workers": 2}, "max_client_connections": 4096}
+    async with router_process(
+        prefill=pd_cluster.prefill_urls, decode=pd_cluster.decode_urls, **overrides
+    ) as router:
+        ss = await asyncio.create_subprocess_exec(
+            "ss", "-ltnH", f"sport = :{router.port}", stdout=asyncio.subprocess.PIPE
+        )
+        listing = (await ss.communicate())[0].decode()
+    # For a listening socket, ss shows the backlog as Send-Q (the third column).
+    backlogs = [int(line.split()[2]) for line in listing.splitlines()]
+    assert backlogs == [MAX_BACKLOG, MAX_BACKLOG]
 
 
 def decode_entry(

@@ -62,13 +62,13 @@ class FrontServer:
         it cannot be bound."""
         loop = asyncio.get_running_loop()
         limits, connections, handler = self._limits, self._connections, self._handler
-        address = {"sock": sock} if sock is not None else {
-            "host": host, "port": port, "backlog": backlog_for(limits.max_connections),
-        }  # fmt: skip
+        # A socket given listens again with the backlog passed here (asyncio's default: 100).
+        address = {"sock": sock} if sock is not None else {"host": host, "port": port}
         self._server = await loop.create_server(
             lambda: ClientConnection(handler, limits, connections, loop),
             ssl=self._ssl_context,
             ssl_handshake_timeout=limits.header_timeout if self._ssl_context else None,
+            backlog=backlog_for(limits.max_connections),
             **address,
         )
         self._sweep = loop.create_task(self._apply_timeouts())
