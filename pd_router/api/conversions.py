@@ -88,7 +88,7 @@ async def _conversions(app: web.Application) -> AsyncIterator[None]:
         )
         router.conversions = manager
         yield
-        await manager.close()
+        await manager.close(router.config.server.shutdown_grace_secs)
 
 
 def _manager(request: web.Request) -> ConversionManager:

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from pd_router.api.app_socket import SHUTDOWN_GRACE_SECS, AppSocket
+from pd_router.api.app_socket import AppSocket
 from pd_router.api.info import DATAPLANES
-from pd_router.api.signals import stop_signalled
+from pd_router.api.signals import begin_stop, stop_signalled
 from pd_router.api.state import ROUTER
 from pd_router.config import RouterConfig
 from pd_router.control.dataplanes import DataPlanes
@@ -82,9 +82,9 @@ async def serve_processes(
         if crowded:
             log.warning(crowded)
         try:
-            await stop_signalled()
+            begin_stop(app, await stop_signalled())
         finally:
-            await supervisor.stop(SHUTDOWN_GRACE_SECS)
+            await supervisor.stop(config.server.shutdown_grace_secs)
             await dataplanes.stop()
     finally:
         await app_socket.stop()

@@ -5,11 +5,13 @@ the shared state) and the client side in front of it.
 ``build_app(config)`` returns an Application holding one :class:`~pd_router.api.state.Router` under
 :data:`ROUTER`; other modules add their routes to that app (``add_conversion_routes(app)``,
 ``add_dashboard_routes(app)``). Run it with :func:`start_server` (tests, demo) or :func:`run_server`
-(the CLI). Clients connect to the front (:mod:`pd_router.dataplane.front`: header and body
-timeouts, the client connection cap, HTTPS with ``[tls]`` cert and key), which serves the
-generation endpoints itself and relays every other request to the application, listening on a
-Unix socket of its own with handler cancellation, so a client that goes away cancels its
-request.
+(the CLI). Clients connect to a data plane's front (:mod:`pd_router.dataplane.front`: header
+and body timeouts, the client connection cap, HTTPS with ``[tls]`` cert and key), which serves
+the generation endpoints itself and relays every other request to the application, listening
+on a Unix socket of its own with handler cancellation, so a client that goes away cancels its
+request. With ``--workers 1`` the data plane runs in this process, fed by the same snapshots as
+the data-plane processes of ``--workers N`` (:mod:`pd_router.api.dataplane_process`) over a
+channel with no socket.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import asyncio
 import gc
 import logging
 import socket
-import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -33,29 +34,22 @@ from pd_router.api.autopilot import add_autopilot_routes
 from pd_router.api.conversions import add_conversion_routes
 from pd_router.api.cors import add_cors
 from pd_router.api.dashboard import add_dashboard_routes
+from pd_router.api.dataplane_process import DataPlane, client_limits
 from pd_router.api.processes import serve_processes
-from pd_router.api.signals import stop_signalled
+from pd_router.api.signals import begin_stop, stop_signalled
 from pd_router.api.state import ROUTER, Router
 from pd_router.config import RouterConfig
 from pd_router.control.discovery.config import DiscoveryUnavailable
 from pd_router.control.health import WorkersUnreachable
 from pd_router.dataplane.admission import BodyAdmission
-from pd_router.dataplane.front.cors import CorsPolicy
-from pd_router.dataplane.front.dispatch import Dispatcher, FrontPolicy
+from pd_router.dataplane.channel import LocalChannel
 from pd_router.dataplane.front.ids import RequestIds
 from pd_router.dataplane.front.relay import Relay
-from pd_router.dataplane.front.server import FrontServer
-from pd_router.dataplane.listener import (
-    ClientConnections,
-    ClientLimits,
-    default_max_connections,
-    fd_limit,
-    raise_fd_limit,
-)
-from pd_router.dataplane.path import RequestMetrics, RequestPath
+from pd_router.dataplane.listener import default_max_connections, fd_limit, raise_fd_limit
+from pd_router.dataplane.path import RequestMetrics
+from pd_router.dataplane.upstream import abort
 from pd_router.errors import MAPPED_ERRORS, ClientClosedRequest, RouterError, error_response
 from pd_router.metrics import RouterMetrics
-from pd_router.tls import server_context
 
 log = logging.getLogger("pd_router.api.server")
 
@@ -163,7 +157,7 @@ def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web
     router = Router(config, metrics)
     app = web.Application(middlewares=[core_middleware], client_max_size=config.max_payload_size)
     app[ROUTER] = router
-    app[REQUEST_METRICS] = router.path.metrics
+    app[REQUEST_METRICS] = router.request_metrics
     app[REQUEST_IDS] = RequestIds(config.request_id_headers)
     app[BODY_ADMISSION] = BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes)
     add_cors(app, config.cors_allowed_origins)
@@ -176,34 +170,6 @@ def build_app(config: RouterConfig, metrics: RouterMetrics | None = None) -> web
     return app
 
 
-def client_limits(config: RouterConfig) -> ClientLimits:
-    """The client side's timeouts and connection cap (the cap sized from the open file limit
-    unless configured)."""
-    return ClientLimits(
-        header_timeout=config.client_header_timeout_secs,
-        body_timeout=config.client_body_timeout_secs,
-        keepalive_timeout=config.client_keepalive_timeout_secs,
-        max_connections=config.max_client_connections or default_max_connections(fd_limit()),
-    )
-
-
-def front_server(
-    config: RouterConfig,
-    path: RequestPath,
-    relay: Relay,
-    admission: BodyAdmission,
-    ssl_context: ssl.SSLContext | None,
-    connections: ClientConnections | None = None,
-) -> FrontServer:
-    """The client side of one process: the generation endpoints served from ``path``, every
-    other request relayed by ``relay``; bodies admitted by ``admission``; its open connections
-    counted in ``connections`` (a data plane's, which it reports)."""
-    cors = CorsPolicy(config.cors_allowed_origins) if config.cors_allowed_origins else None
-    policy = FrontPolicy(RequestIds(config.request_id_headers), admission, cors)
-    dispatcher = Dispatcher(path, relay, policy)
-    return FrontServer(dispatcher, client_limits(config), ssl_context, connections)
-
-
 @dataclass
 class RunningServer:
     """A router serving on a port; ``url`` is where to reach it."""
@@ -211,7 +177,7 @@ class RunningServer:
     app: web.Application
     app_socket: AppSocket
     relay: Relay
-    front: FrontServer
+    dataplane: DataPlane
     host: str
     port: int
     scheme: str = "http"
@@ -228,7 +194,8 @@ class RunningServer:
     async def stop(self, grace_secs: float = SHUTDOWN_GRACE_SECS) -> None:
         """Stop accepting, let requests in flight finish (up to ``grace_secs``), stop the
         router."""
-        await self.front.stop(grace_secs)
+        await self.dataplane.stop(grace_secs)
+        await self.router.dataplanes.stop()
         await self.relay.stop()
         await self.app_socket.stop()
 
@@ -241,23 +208,37 @@ async def start_server(
     sock: socket.socket | None = None,
 ) -> RunningServer:
     """Serve the router application ``app`` in the running loop (port 0: a free port; ``sock``:
-    on that listening socket instead); stop with ``.stop()``. Client limits and TLS come from
-    its config. ListenError when the address cannot be bound."""
+    on that listening socket instead), its data plane in this process; stop with ``.stop()``.
+    Client limits and TLS come from its config. ListenError when the address cannot be
+    bound."""
     router = app[ROUTER]
-    config = router.config
-    ssl_context = server_context(config.tls)
     app_socket = await AppSocket.start(app)
     relay = Relay(app_socket.path)
     await relay.start()
-    front = front_server(config, router.path, relay, app[BODY_ADMISSION], ssl_context)
+    control_end, plane_end = LocalChannel.pair()
+    router.dataplanes.attach(0, control_end)
+    dataplane = DataPlane(
+        router.config,
+        0,
+        plane_end,
+        metrics=router.metrics,
+        request_metrics=router.request_metrics,
+        setup=router.leg_setup,
+        relay=relay,
+        body_admission=app[BODY_ADMISSION],
+        abort=lambda worker, rids: router.spawn(abort(router.session, worker, rids)),
+        # Its requests count into the router's own metrics: nothing to add to them.
+        samples=list,
+    )
     try:
-        host, port = await front.start(host, port, sock=sock)
+        host, port = await dataplane.start(host, port, sock=sock)
     except OSError as exc:
+        await router.dataplanes.stop()
         await relay.stop()
         await app_socket.stop()
         raise ListenError(host, port, "--port", exc) from exc
-    scheme = "https" if ssl_context is not None else "http"
-    return RunningServer(app, app_socket, relay, front, host, port, scheme)
+    scheme = "https" if router.config.tls.serves_https else "http"
+    return RunningServer(app, app_socket, relay, dataplane, host, port, scheme)
 
 
 def tune_gc() -> None:
@@ -278,9 +259,9 @@ async def serve_until_signalled(app: web.Application, config: RouterConfig) -> N
         server.url, limits.max_connections, fd_limit(),
     )  # fmt: skip
     try:
-        await stop_signalled()
+        begin_stop(app, await stop_signalled())
     finally:
-        await server.stop()
+        await server.stop(config.server.shutdown_grace_secs)
 
 
 def run_server(config: RouterConfig) -> None:

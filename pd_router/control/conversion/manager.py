@@ -226,9 +226,25 @@ class ConversionManager:
         await conversion.wait()
         return True
 
-    async def close(self) -> None:
-        """Cancel running conversions (router shutdown)."""
+    def abort_draining(self, why: str) -> None:
+        """Abort every conversion of this router that still drains (router shutdown): its
+        worker goes back to its old pool with admission reopened. One whose switch call went
+        out is not abortable: the worker switches whatever the router does next."""
+        for conversion in self.active():
+            if conversion.status is Status.DRAINING:
+                self.abort(conversion.id, why)
+
+    async def close(self, grace_secs: float = 0.0) -> None:
+        """Router shutdown: abort the conversions still draining, wait up to ``grace_secs``
+        for the others to end, then cancel what is left. Cancelling a conversion whose switch
+        call went out would not stop the worker (it switches anyway, its own drain timeout
+        bounding when), so the wait lets the record and the log say what happened; one still
+        waiting for the worker's answer when the grace ends is recorded with its role
+        unknown, never as back in a pool."""
+        self.abort_draining("because the router is shutting down")
         tasks = list(self._tasks)
+        if tasks and grace_secs > 0:
+            await asyncio.wait(tasks, timeout=grace_secs)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -314,9 +330,12 @@ class ConversionManager:
         except Stop as stop:
             await self._stop(conv, protocol, stop)
         except asyncio.CancelledError:
-            await self._stop(
-                conv, protocol, Stop(Status.ABORTED, "router shutting down", restore=True)
-            )
+            if conv.status is Status.DRAINING:
+                await self._stop(
+                    conv, protocol, Stop(Status.ABORTED, "router shutting down", restore=True)
+                )
+            else:
+                self._interrupted(conv)
             raise
         except Exception as exc:
             # A bug must not leave the worker stuck out of every pool: before the switch call it
@@ -544,6 +563,23 @@ class ConversionManager:
             await self._cluster.release(worker, conv.id, WorkerState.FAILED, worker.role, None)
             self._registry.end_conversion(worker, conv.id, WorkerState.FAILED, error=stop.message)
             logger.error("conversion %s: %s; worker %s FAILED", conv.id, stop, worker.url)
+
+    def _interrupted(self, conv: Conversion) -> None:
+        """The router stops with the switch call out and unanswered: the worker may switch
+        still, so nothing is claimed about its role. The cluster record keeps the
+        conversion, which another replica settles from the worker's live role once this
+        replica's lease is gone (a router alone reads it again when it starts)."""
+        step = "answered" if conv.status is Status.SWITCHING else "read back"
+        conv.status = Status.FAILED
+        conv.message = (
+            f"router stopped before the switch to {conv.to_role} was {step}: "
+            "the worker's role is unknown until read again"
+        )
+        for phase in conv.phases:
+            if phase.ended_at is None:
+                phase.end()
+        self._registry.end_conversion(conv.worker, conv.id, WorkerState.FAILED, error=conv.message)
+        logger.error("conversion %s: %s", conv.id, conv.message)
 
     def _finish(self, conv: Conversion) -> None:
         conv.finished_at = time.time()

@@ -1,0 +1,133 @@
+"""A router told to stop (SIGTERM) while it converts a worker: what its log says the worker became
+is what the worker really is, in one process and with ``--workers 2``.
+
+A conversion still draining when the signal comes is aborted at once: the worker stays in its
+pool with its admission open, even if the shutdown itself lets the drain end. One whose switch
+call went out cannot be taken back (the worker switches once its own drain ends, whoever asked):
+the router waits for the answer within its shutdown grace and logs the outcome, or, when the
+grace ends first, says that the role is unknown, never that the worker is back in its pool."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import httpx
+import pytest
+
+from pd_worker.testing import pd_generate
+from tests.conversion_helpers import LONG, live_roles, wait_for_busy, worker_role
+from tests.router_helpers import wait_until
+from tests.router_process import RouterProcess, router_process
+
+SPEED = 0.05
+PROCESSES = [1, 2]
+
+
+@pytest.fixture
+def cluster(cluster_factory):
+    return cluster_factory(prefill=1, decode=2, speed=SPEED)
+
+
+async def started_conversion(router: RouterProcess, url: str, status: str) -> str:
+    """Start converting ``url`` to prefill without waiting; returns its id once the record
+    reads ``status``."""
+    async with router.client() as http:
+        reply = await http.post("/convert_pd_role", json={"server_url": url, "wait": False})
+        assert reply.status_code == 202, reply.text
+        conversion = reply.json()["id"]
+
+        async def reached() -> bool:
+            return (await http.get(f"/conversions/{conversion}")).json()["status"] == status
+
+        await wait_until(reached, 10.0, f"conversion {status}")
+    return conversion
+
+
+async def stopped(router: RouterProcess) -> str:
+    """SIGTERM the router, wait for it to exit; its whole log."""
+    router.process.send_signal(signal.SIGTERM)
+    await asyncio.wait_for(router.process.wait(), 30.0)
+    return router.log_text()
+
+
+def outcome_line(log: str, conversion: str) -> str:
+    """The log line that ends ``conversion`` (its status, why, and where the worker went)."""
+    lines = [line for line in log.splitlines() if f"conversion {conversion}: " in line]
+    return "\n".join(lines)
+
+
+async def foreign_traffic(cluster, prefill: str, decode: str) -> asyncio.Task:
+    """A long request on ``decode`` that no router sent (another router's): the worker's own
+    drain waits for it after the switch call, the router's does not."""
+    client = httpx.AsyncClient(timeout=60.0)
+    task = asyncio.create_task(
+        pd_generate(client, prefill, decode, cluster.bootstrap_port(prefill), FOREIGN)
+    )
+    task.add_done_callback(lambda _: asyncio.ensure_future(client.aclose()))
+    await wait_for_busy([decode])
+    return task
+
+
+# About two seconds of decoding at SPEED: the worker's own drain outlasts the router's.
+FOREIGN = {"text": "from another router", "sampling_params": {"max_new_tokens": 2400}}
+
+
+@pytest.mark.parametrize("workers", PROCESSES)
+async def test_sigterm_after_the_switch_call_waits_and_logs_the_role_the_worker_took(
+    cluster, workers
+):
+    (prefill,), (decode, _) = await live_roles(cluster)
+    async with router_process(
+        prefill=[prefill], decode=cluster.decode_urls, server={"workers": workers}
+    ) as router:
+        foreign = await foreign_traffic(cluster, prefill, decode)
+        conversion = await started_conversion(router, decode, "switching")
+        log = await stopped(router)
+    await foreign
+    assert (await worker_role(decode))["role"] == "prefill"
+    ended = outcome_line(log, conversion)
+    assert "succeeded" in ended and "now a prefill" in ended, log
+    assert "back in the decode pool" not in ended, log
+
+
+@pytest.mark.parametrize("workers", PROCESSES)
+async def test_sigterm_past_the_grace_says_the_role_is_unknown_never_back_in_the_pool(
+    cluster, workers
+):
+    (prefill,), (decode, _) = await live_roles(cluster)
+    async with router_process(
+        prefill=[prefill],
+        decode=cluster.decode_urls,
+        server={"workers": workers, "shutdown_grace_secs": 0.2},
+    ) as router:
+        foreign = await foreign_traffic(cluster, prefill, decode)
+        conversion = await started_conversion(router, decode, "switching")
+        log = await stopped(router)
+    await foreign
+    assert (await worker_role(decode))["role"] == "prefill"
+    ended = outcome_line(log, conversion)
+    assert "role is unknown" in ended, log
+    assert "back in the decode pool" not in ended, log
+
+
+@pytest.mark.parametrize("workers", PROCESSES)
+async def test_sigterm_while_draining_aborts_and_the_worker_stays_a_decode(cluster, workers):
+    prefill_urls, decode_urls = await live_roles(cluster)
+    async with (
+        router_process(
+            prefill=prefill_urls, decode=decode_urls, server={"workers": workers}
+        ) as router,
+        router.client() as http,
+    ):
+        stream = asyncio.create_task(http.post("/generate", json=LONG))
+        decode = await wait_for_busy(decode_urls)
+        conversion = await started_conversion(router, decode, "draining")
+        log = await stopped(router)
+        assert (await stream).status_code == 200
+    assert "SIGTERM received: stopping" in log
+    ended = outcome_line(log, conversion)
+    assert "aborted because the router is shutting down" in ended, log
+    assert "back in the decode pool" in ended, log
+    reading = await worker_role(decode)
+    assert reading["role"] == "decode" and reading["draining"] is False
