@@ -214,7 +214,10 @@ NO_PARSERS = (
 NO_HISTORY = "pd-router serves no Responses or Conversations API, so it stores no history"
 NO_DISCOVERY = "pd-router discovers prefill and decode workers only"
 NO_EPD = "pd-router routes prefill/decode pairs; encode (EPD) disaggregation is not implemented"
-NO_MESH = "pd-router runs without an HA mesh; several instances share no state"
+NO_MESH = (
+    "pd-router has no gossip mesh; its replicas share workers and conversions through etcd "
+    "instead: start each with --etcd URL --cluster NAME (docs/router.md, 'Several replicas')"
+)
 NO_TRACES = "pd-router exports no OpenTelemetry traces; its JSON logs carry each request's id"
 NO_CONTROL_PLANE_USERS = (
     "pd-router guards its admin API with one bearer key (--admin-api-key); per-user keys, "
@@ -355,9 +358,9 @@ PEER_OPTIONS: Mapping[str, Option] = MappingProxyType({o.names[0]: o for o in (
     option("--stream-body-stall-timeout-secs", SMG, FLOAT, "client_body_timeout_secs"),
     warned("--sse-keepalive-secs", SMG, INT,
            "pd-router relays the worker's stream as it comes and adds no keep-alive frames"),
-    warned("--shutdown-grace-period-secs", BOTH, INT,
-           "not configurable: on SIGTERM pd-router stops accepting and lets requests in "
-           "flight finish within its server's fixed shutdown time"),
+    option("--shutdown-grace-period-secs", BOTH, FLOAT, "server.shutdown_grace_secs",
+           note="on SIGTERM or SIGINT: how long requests in flight, and conversions whose "
+           "switch call went out, may take to finish"),
     option("--cors-allowed-origins", BOTH, STRS, "cors_allowed_origins"),
     option("--max-concurrent-requests", BOTH, INT, "admission.max_concurrent_requests",
            convert=no_limit_below_one, note="-1 (the peers' off) becomes 0 (no limit)"),
