@@ -73,42 +73,41 @@ async def foreign_traffic(cluster, prefill: str, decode: str) -> asyncio.Task:
 FOREIGN = {"text": "from another router", "sampling_params": {"max_new_tokens": 2400}}
 
 
-@pytest.mark.parametrize("workers", PROCESSES)
-async def test_sigterm_after_the_switch_call_waits_and_logs_the_role_the_worker_took(
-    cluster, workers
-):
+async def sigterm_with_the_switch_call_out(cluster, **server: object) -> tuple[str, str]:
+    """Convert a decode busy with foreign traffic to prefill, SIGTERM the router once the switch
+    call went out, and let the foreign request end; returns (that decode's role now, the log
+    lines of the conversion)."""
     (prefill,), (decode, _) = await live_roles(cluster)
     async with router_process(
-        prefill=[prefill], decode=cluster.decode_urls, server={"workers": workers}
+        prefill=[prefill], decode=cluster.decode_urls, server=server
     ) as router:
         foreign = await foreign_traffic(cluster, prefill, decode)
         conversion = await started_conversion(router, decode, "switching")
         log = await stopped(router)
     await foreign
-    assert (await worker_role(decode))["role"] == "prefill"
-    ended = outcome_line(log, conversion)
-    assert "succeeded" in ended and "now a prefill" in ended, log
-    assert "back in the decode pool" not in ended, log
+    return (await worker_role(decode))["role"], outcome_line(log, conversion)
+
+
+@pytest.mark.parametrize("workers", PROCESSES)
+async def test_sigterm_after_the_switch_call_waits_and_logs_the_role_the_worker_took(
+    cluster, workers
+):
+    role, ended = await sigterm_with_the_switch_call_out(cluster, workers=workers)
+    assert role == "prefill"
+    assert "succeeded" in ended and "now a prefill" in ended, ended
+    assert "back in the decode pool" not in ended, ended
 
 
 @pytest.mark.parametrize("workers", PROCESSES)
 async def test_sigterm_past_the_grace_says_the_role_is_unknown_never_back_in_the_pool(
     cluster, workers
 ):
-    (prefill,), (decode, _) = await live_roles(cluster)
-    async with router_process(
-        prefill=[prefill],
-        decode=cluster.decode_urls,
-        server={"workers": workers, "shutdown_grace_secs": 0.2},
-    ) as router:
-        foreign = await foreign_traffic(cluster, prefill, decode)
-        conversion = await started_conversion(router, decode, "switching")
-        log = await stopped(router)
-    await foreign
-    assert (await worker_role(decode))["role"] == "prefill"
-    ended = outcome_line(log, conversion)
-    assert "role is unknown" in ended, log
-    assert "back in the decode pool" not in ended, log
+    role, ended = await sigterm_with_the_switch_call_out(
+        cluster, workers=workers, shutdown_grace_secs=0.2
+    )
+    assert role == "prefill"
+    assert "role is unknown" in ended, ended
+    assert "back in the decode pool" not in ended, ended
 
 
 @pytest.mark.parametrize("workers", PROCESSES)
