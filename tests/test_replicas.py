@@ -17,6 +17,7 @@ import pytest
 from pd_router.api.server import build_app, start_server
 from pd_router.cli import admin_client
 from pd_router.config import load_config
+from pd_worker.testing import pd_generate
 from tests.conversion_helpers import LONG, wait_for_busy, worker_role
 from tests.replica_helpers import (
     LEASE_TTL_SECS,
@@ -347,3 +348,35 @@ async def test_the_replica_that_converts_a_worker_never_puts_it_back_in_its_old_
         assert left == ["prefill"]
     finally:
         await server.stop()
+
+
+async def test_a_replica_killed_while_its_worker_drains_itself_is_settled_in_the_role_it_took(
+    workers, etcd_server
+):
+    """The switch call went out and the worker waits for foreign traffic before it switches:
+    the surviving replica settles the worker once that conversion ended, not as the role it is
+    about to leave."""
+    decode, prefill = workers.decode_urls[0], workers.prefill_urls[0]
+    foreign = {"text": "from another router", "sampling_params": {"max_new_tokens": 6000}}
+    async with (
+        replicas(workers, etcd_server, 2) as (r1, r2),
+        httpx.AsyncClient(timeout=60.0) as direct,
+    ):
+        other = asyncio.create_task(
+            pd_generate(direct, prefill, decode, workers.bootstrap_port(prefill), foreign)
+        )
+        await wait_for_busy([decode])
+        async with _client(r1) as via_r1:
+            started = await via_r1.post(
+                "/convert_pd_role", json={"server_url": decode, "wait": False}
+            )
+        assert started.status_code == 202, started.text
+        await wait_until(lambda: _state_on(r2.url, decode, "switching"), 2.0, "switching")
+        r1.process.send_signal(signal.SIGKILL)
+        await r1.process.wait()
+        await other
+        await wait_until(
+            lambda: roles_agree([r2], decode, "prefill"), 10.0, "settled in its new role"
+        )
+        assert (await worker_role(decode))["role"] == "prefill"
+        assert f"of worker {decode} lost its replica r1; settled as prefill" in r2.log_text()

@@ -40,7 +40,12 @@ from pd_router.control.conversion.protocols import (
     protocol_for,
     refused_request,
 )
-from pd_router.control.worker_control import ControlError, SwitchReply, WorkerControl
+from pd_router.control.worker_control import (
+    ControlError,
+    RoleReading,
+    SwitchReply,
+    WorkerControl,
+)
 from pd_router.control.workers import (
     RegistryError,
     Role,
@@ -55,6 +60,9 @@ from pd_router.metrics import RouterMetrics
 logger = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_TIMEOUT_SECS = 300.0
+# How often an orphaned worker that still runs its own conversion is read again.
+SETTLE_POLL_FIRST_SECS = 0.05
+SETTLE_POLL_MAX_SECS = 1.0
 
 __all__ = [
     "AlreadyInRole",
@@ -597,16 +605,33 @@ class ConversionManager:
 
     async def settle_orphan(self, worker: Worker, role: Role) -> tuple[Role, int | None]:
         """The role a worker serves now, for a conversion whose router replica went before it
-        ended: its live role (the switch took effect or not), admission reopened; ``role``, the
-        one it had, if it cannot be read (the health probes find out when it answers)."""
+        ended: its live role once any switch it still runs has ended, admission reopened;
+        ``role``, the one it had, if it cannot be read (the health probes find out when it
+        answers)."""
         try:
             reading = await self._control.read_role(worker)
             if reading.draining:
                 await self._control.set_admission(worker, open_=True)
+                reading = await self._after_running_conversion(worker)
         except ControlError as exc:
             logger.warning("settling %s: %s; keeping it as a %s", worker.url, exc, role)
             return role, None
         return reading.role or role, reading.bootstrap_port
+
+    async def _after_running_conversion(self, worker: Worker) -> RoleReading:
+        """The worker's reading once its own conversion ended. Still draining with admission
+        reopened, it runs a ``/convert_pd_role`` the gone replica called, which drains and
+        switches whoever waits for it: read too early, the role is the old one that the worker
+        is about to leave. Waits up to the drain timeout (a worker whose switch failed unsafely
+        drains for good; its role is then what it reports)."""
+        deadline = time.monotonic() + self._drain_timeout
+        delay = SETTLE_POLL_FIRST_SECS
+        while True:
+            reading = await self._control.read_role(worker)
+            if not reading.draining or time.monotonic() + delay > deadline:
+                return reading
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, SETTLE_POLL_MAX_SECS)
 
     async def _decode_peer_params(self, conv: Conversion) -> dict[str, Any]:
         """Decode graph parameters of a decode peer, fetched while the drain runs, for the ones
