@@ -130,3 +130,32 @@ async def test_sigterm_while_draining_aborts_and_the_worker_stays_a_decode(clust
     assert "back in the decode pool" in ended, log
     reading = await worker_role(decode)
     assert reading["role"] == "decode" and reading["draining"] is False
+
+
+async def test_a_control_process_killed_with_the_switch_call_out_leaves_the_next_router_the_truth(
+    cluster,
+):
+    """Nothing of a killed control process's record survives; the worker switches anyway, and the
+    next router over the same workers routes to it in the role it took."""
+    (prefill,), (decode, _) = await live_roles(cluster)
+    async with router_process(
+        prefill=[prefill], decode=cluster.decode_urls, server={"workers": 2}
+    ) as router:
+        foreign = await foreign_traffic(cluster, prefill, decode)
+        await started_conversion(router, decode, "switching")
+        router.process.send_signal(signal.SIGKILL)
+        await router.process.wait()
+    await foreign
+    assert (await worker_role(decode))["role"] == "prefill"
+    async with (
+        router_process(
+            prefill=[prefill], decode=cluster.decode_urls, server={"workers": 2}
+        ) as after,
+        after.client() as http,
+    ):
+
+        async def listed_as_prefill() -> bool:
+            workers = (await http.get("/workers")).json()["workers"]
+            return any(w["url"] == decode and w["role"] == "prefill" for w in workers)
+
+        await wait_until(listed_as_prefill, 10.0, "the next router lists the new prefill")
