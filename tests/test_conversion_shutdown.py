@@ -1,11 +1,13 @@
-"""A router told to stop (SIGTERM) while it converts a worker: what its log says the worker became
-is what the worker really is, in one process and with ``--workers 2``.
+"""A conversion ended from outside while its switch call may be out (the router told to stop
+with SIGTERM, an operator's abort, a killed control process): what the router records and logs
+the worker became is what the worker really is, in one process and with ``--workers 2``.
 
 A conversion still draining when the signal comes is aborted at once: the worker stays in its
 pool with its admission open, even if the shutdown itself lets the drain end. One whose switch
 call went out cannot be taken back (the worker switches once its own drain ends, whoever asked):
 the router waits for the answer within its shutdown grace and logs the outcome, or, when the
-grace ends first, says that the role is unknown, never that the worker is back in its pool."""
+grace ends first, says that the role is unknown, never that the worker is back in its pool; an
+operator's abort is refused (409) and the conversion goes on to its real end."""
 
 from __future__ import annotations
 
@@ -159,3 +161,33 @@ async def test_a_control_process_killed_with_the_switch_call_out_leaves_the_next
             return any(w["url"] == decode and w["role"] == "prefill" for w in workers)
 
         await wait_until(listed_as_prefill, 10.0, "the next router lists the new prefill")
+
+
+@pytest.mark.parametrize("workers", PROCESSES)
+async def test_an_abort_after_the_switch_call_is_refused_and_the_record_follows_the_worker(
+    cluster, workers
+):
+    (prefill,), (decode, _) = await live_roles(cluster)
+    async with (
+        router_process(
+            prefill=[prefill], decode=cluster.decode_urls, server={"workers": workers}
+        ) as router,
+        router.client() as http,
+    ):
+        foreign = await foreign_traffic(cluster, prefill, decode)
+        conversion = await started_conversion(router, decode, "switching")
+        refused = await http.delete(f"/conversions/{conversion}")
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["error"]["reason"] == "not_abortable"
+        await foreign
+
+        async def ended() -> bool:
+            return (await http.get(f"/conversions/{conversion}")).json()["status"] not in (
+                "switching",
+                "verifying",
+            )
+
+        await wait_until(ended, 10.0, "conversion ended")
+        record = (await http.get(f"/conversions/{conversion}")).json()
+    assert record["status"] == "succeeded", record
+    assert (await worker_role(decode))["role"] == "prefill"
