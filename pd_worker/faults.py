@@ -16,6 +16,10 @@ Body fields, all optional and combinable:
 - ``unhealthy``: bool -- ``/health`` and ``/health_generate`` answer 503.
 - ``exit_after_kv_publish``: bool -- the process exits right after its bootstrap server handed a
   room's payload to a decode, before the decode can read the KV it names (a transfer failure).
+- ``stale_bootstrap``: str -- ``host:port`` of a prefill's bootstrap server that this decode's
+  KV pulls never reach, as SGLang 0.5.23's decode keeps a round-tripped prefill's old endpoint:
+  each pull hangs until the bootstrap timeout and the prefill waits for it as long; ``""`` ends
+  it. Other prefills are served as usual.
 - ``exit``: int -- the process exits with this code right after replying.
 - ``clear``: bool -- reset every fault first.
 """
@@ -37,6 +41,7 @@ _FIELDS = {
     "native_only": bool,
     "unhealthy": bool,
     "exit_after_kv_publish": bool,
+    "stale_bootstrap": str,
     "exit": int,
     "clear": bool,
 }
@@ -55,6 +60,7 @@ class Faults:
     native_only: bool = False
     unhealthy: bool = False
     exit_after_kv_publish: bool = False
+    stale_bootstrap: str = ""
 
     def apply(self, body: dict[str, Any]) -> int | None:
         """Update from a ``POST /fault`` body; returns the requested exit code, if any.
@@ -81,6 +87,7 @@ class Faults:
             "native_only",
             "unhealthy",
             "exit_after_kv_publish",
+            "stale_bootstrap",
         ):
             if key in body:
                 setattr(self, key, body[key])

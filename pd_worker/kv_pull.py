@@ -133,6 +133,15 @@ class KVPuller:
         connections.append(connection)
 
 
+async def lost_pull(room_id: int, timeout_secs: float) -> PulledKV:
+    """A pull sent where no prefill listens any more (the ``stale_bootstrap`` fault): nothing
+    ever answers, and it fails as a real one does at ``timeout_secs``."""
+    await asyncio.sleep(timeout_secs)
+    raise KVTransferError(
+        room_id, f"Request {room_id} timed out after {timeout_secs:.1f}s in KVPoll.WaitingForInput"
+    )
+
+
 async def _request(connection: Connection, request: dict[str, object]) -> dict[str, object]:
     """Send one request and read the reply header; a connection closed before it is PeerClosed."""
     reader, writer = connection

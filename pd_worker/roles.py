@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pd_worker.errors import BadRequest, KVTransferError, RequestAborted
-from pd_worker.kv_pull import KVPuller, PulledKV
+from pd_worker.kv_pull import KVPuller, PulledKV, lost_pull
 from pd_worker.requests import GenItem, Progress, token_logprob
 from pd_worker.tokens import WORDS, detokenize, output_ids_from_payload, pack_prompt
 
@@ -210,13 +210,13 @@ class DecodeRole:
         engine = self._engine
         engine.set_stage(req, "transfer")
         started = time.monotonic()
+        host, port, room = item.bootstrap_host or "", item.bootstrap_port or 0, item.bootstrap_room
+        timeout = engine.timing.bootstrap_timeout_secs
         try:
-            pulled = await self._puller.pull(
-                item.bootstrap_host or "",
-                item.bootstrap_port or 0,
-                item.bootstrap_room or 0,
-                engine.timing.bootstrap_timeout_secs,
-            )
+            if engine.faults.stale_bootstrap == f"{host}:{port}":
+                pulled = await lost_pull(room or 0, timeout)
+            else:
+                pulled = await self._puller.pull(host, port, room or 0, timeout)
         except KVTransferError as exc:
             engine.stats.num_bootstrap_failed_reqs += 1
             raise RequestAborted(
