@@ -50,9 +50,12 @@ TICK_SECS = 0.2  # how often the pool checks its legs' timeouts and its idle con
 @dataclass(frozen=True, slots=True)
 class LegLimits:
     """The ``[legs]`` section of the router's configuration: the timeouts a leg has besides
-    connect and total, and the connection pool's limits per worker."""
+    connect and total, the wait for a pair's rendezvous (and how long a pair that missed it
+    rests: :mod:`pd_router.dataplane.pairs`), and the connection pool's limits per worker."""
 
     first_byte_timeout_secs: float = 300.0
+    rendezvous_timeout_secs: float = 30.0
+    rendezvous_cooldown_secs: float = 30.0
     stream_idle_timeout_secs: float = 120.0
     max_connections_per_worker: int = 1024
     pool_timeout_secs: float = 10.0

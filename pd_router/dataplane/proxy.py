@@ -10,6 +10,12 @@ client got a byte, the other leg is cancelled (and told to abort) and, for trans
 502/503/504, the request is retried on a new pair with new rooms. After the first byte a failure
 ends the stream with an SSE error event. A client that goes away cancels both legs and both
 workers get ``/abort_request``.
+
+A pair that does not meet within the rendezvous wait (the prefill's answer, and for a stream
+the decode's first event: :mod:`pd_router.dataplane.upstream`) has both legs ended and both
+workers told to abort; the pair is quarantined (:mod:`pd_router.dataplane.pairs`) and the
+request retried on another pair: the decode for a chosen prefill is picked avoiding the decodes
+quarantined with it, and a prefill left with quarantined decodes only gives way to another.
 """
 
 from __future__ import annotations
@@ -41,9 +47,9 @@ from pd_router.dataplane.retry import attempts, backoff_secs
 from pd_router.dataplane.target import Target
 from pd_router.dataplane.upstream import (
     UPSTREAM_ERRORS,
-    ErrorCounter,
     LegFailed,
     LegResult,
+    Legs,
     abort_failure,
     fetch_decode,
     fetch_prefill,
@@ -146,13 +152,13 @@ class Exchange:
     async def run(self) -> None:
         retry = self.path.retry
         pools = self.path.pools
+        pairs = self.path.legs.pairs
         avoid: list[Target] = []
         attempt = 0
         last: LegFailed | None = None
         while True:
             try:
-                prefill = pools.pick(Role.PREFILL, avoid, self.routing_prompt)
-                decode = pools.pick(Role.DECODE, avoid, self.routing_prompt)
+                prefill, decode = self.pick_pair(avoid)
             except NoWorkers:
                 if last is None:
                     raise
@@ -165,6 +171,7 @@ class Exchange:
                     extra={"request_id": self.request_id, "attempt": attempt,
                            "prefill": prefill.url, "decode": decode.url, "items": self.items},
                 )  # fmt: skip
+            trial = pairs.dispatch(prefill, decode)
             try:
                 if self.stream:
                     await self.stream_attempt(prefill, decode, payload, rids)
@@ -192,14 +199,36 @@ class Exchange:
                 )
                 if failure.wrong_role:
                     pools.suspect(failure.worker)
+                if failure.stuck:
+                    pairs.stuck(prefill, decode)
                 attempt += 1
                 if not failure.retryable or attempt >= attempts(retry):
                     await failure_response(self.reply, failure)
                     return
-                avoid.append(failure.worker)
+                if not failure.stuck:
+                    avoid.append(failure.worker)
                 last = failure
+            finally:
+                if trial:
+                    pairs.end_trial(prefill, decode)
             self.path.metrics.count_retry()
             await asyncio.sleep(backoff_secs(retry, attempt))
+
+    def pick_pair(self, avoid: list[Target]) -> tuple[Target, Target]:
+        """A prefill, and a decode for it that is not quarantined with it; a prefill left with
+        quarantined decodes only gives way to another prefill (whose pair is taken as it
+        comes: with nothing else left, a quarantined pair is used, as a circuit's panic mode
+        uses open circuits)."""
+        pools = self.path.pools
+        pairs = self.path.legs.pairs
+        prompt = self.routing_prompt
+        prefill = pools.pick(Role.PREFILL, avoid, prompt)
+        decode = pools.pick(Role.DECODE, pairs.avoid(prefill, avoid), prompt)
+        if pairs.blocks(prefill, decode):
+            other = pools.pick(Role.PREFILL, [*avoid, prefill], prompt)
+            if other is not prefill:
+                return other, pools.pick(Role.DECODE, pairs.avoid(other, avoid), prompt)
+        return prefill, decode
 
     def routing_prompt(self) -> str:
         """The prompt a cache-aware policy keys on, computed on first use and kept for both
@@ -287,19 +316,23 @@ class Exchange:
     ) -> None:
         pools = self.path.pools
         p_task, d_task = self.start_legs(prefill, decode, payload, fetch_decode)
-        client_gone = False
+        abort_both = False
         try:
             p_result, d_result = await join_unary(p_task, d_task)
         except asyncio.CancelledError:
-            client_gone = True
+            abort_both = True
+            raise
+        except LegFailed as failure:
+            abort_both = failure.stuck
             raise
         finally:
             pending = self.cleanup(
-                [(p_task, prefill, client_gone), (d_task, decode, client_gone)], rids
+                [(p_task, prefill, abort_both), (d_task, decode, abort_both)], rids
             )
             if pending:
                 await asyncio.wait(pending)
             pools.release(decode)
+        self.path.legs.pairs.met(prefill, decode)
         body = d_result.body
         if self.merge and p_result is not None:
             body = merge_body(body, prefill_logprobs(p_result.body))
@@ -312,22 +345,22 @@ class Exchange:
         self, prefill: Target, decode: Target, payload: bytes, rids: list[str]
     ) -> None:
         pools = self.path.pools
-        count_error = self.path.metrics.count_upstream_error
+        legs = self.path.legs
         p_task, d_task = self.start_legs(prefill, decode, payload, open_stream)
         first_task: asyncio.Task | None = None
         d_resp: Response | None = None
         decode_done = False
         client_gone = False
+        stuck = False
         try:
             d_resp = await guarded(d_task, p_task)
             pieces: AsyncIterator[bytes] = d_resp.chunks()
             if self.merge:
                 p_result = await p_task
                 pieces = merged_events(pieces, prefill_logprobs(p_result.body))
-            first_task = asyncio.create_task(
-                first_piece(pieces, decode, d_resp.content_type, count_error)
-            )
+            first_task = asyncio.create_task(first_piece(pieces, decode, d_resp.content_type, legs))
             first = await guarded(first_task, p_task)
+            legs.pairs.met(prefill, decode)
             try:
                 await self.start_stream(d_resp)
             except ConnectionResetError:
@@ -344,9 +377,13 @@ class Exchange:
         except asyncio.CancelledError:
             client_gone = True
             raise
+        except LegFailed as failure:
+            stuck = failure.stuck
+            raise
         finally:
             pending = self.cleanup(
-                [(p_task, prefill, client_gone), (d_task, decode, not decode_done)], rids
+                [(p_task, prefill, client_gone or stuck), (d_task, decode, not decode_done)],
+                rids,
             )
             if not decode_done:
                 decode.circuit.release_trial()
@@ -435,18 +472,19 @@ async def join_unary(
 
 
 async def first_piece(
-    pieces: AsyncIterator[bytes], decode: Target, content_type: str, count_error: ErrorCounter
+    pieces: AsyncIterator[bytes], decode: Target, content_type: str, legs: Legs
 ) -> bytes:
-    """The decode's first bytes; a stream that breaks or ends before them, or whose first
-    event is an abort the worker gave a 5xx status (a KV hand-off that failed), is a retryable
-    decode failure: nothing reached the client yet. Other aborts go to the client as sent."""
+    """The decode's first bytes; a stream that breaks or ends before them (or misses the
+    rendezvous wait), or whose first event is an abort the worker gave a 5xx status (a KV
+    hand-off that failed), is a retryable decode failure: nothing reached the client yet. Other
+    aborts go to the client as sent."""
+    count_error = legs.count_error
     try:
         piece = await anext(pieces)
     except StopAsyncIteration:
         piece = b""
     except UPSTREAM_ERRORS as exc:
-        failure = transport_failure(Role.DECODE, decode, exc)
-        raise recorded(decode, failure, count_error) from exc
+        raise recorded(decode, legs.failure(Role.DECODE, decode, exc), count_error) from exc
     if not piece:
         failure = LegFailed(
             Role.DECODE, decode, "disconnect",

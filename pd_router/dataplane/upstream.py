@@ -5,14 +5,21 @@ Every leg records its outcome on the worker's circuit breaker and in the upstrea
 so the request path only has to decide what to do next: retry with a new pair, pass the worker's
 answer through, or fail. The router's own failures (out of file descriptors, its connection cap
 per worker) are not the worker's: neither its circuit nor its error count sees them.
+
+The legs that carry a pair's rendezvous (every prefill leg, whose answer comes once the decode
+pulled its KV, and a streaming decode, whose first event comes after it) must see their first
+byte within ``rendezvous_timeout_secs`` when that is shorter than the first-byte timeout. Missing
+it is the pair's failure (kind ``rendezvous``): no verdict on either worker's circuit, the pair
+goes to the quarantine (:mod:`pd_router.dataplane.pairs`) and the request to another pair.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import aiohttp
@@ -28,6 +35,7 @@ from pd_router.dataplane.http1_conn import (
     UpstreamConnectError,
     UpstreamDisconnected,
 )
+from pd_router.dataplane.pairs import PairQuarantine
 from pd_router.dataplane.target import Target
 from pd_router.roles import Role
 
@@ -54,6 +62,10 @@ class Verdict(StrEnum):
 # A leg sent to a worker that serves the other role now (an extension worker's 421).
 WRONG_ROLE = "wrong_role"
 
+# A prefill leg or a streaming decode without its first byte within the rendezvous wait.
+RENDEZVOUS = "rendezvous"
+TIMEOUT_KINDS = frozenset({"timeout", RENDEZVOUS})
+
 # A worker's 4xx that says the request itself is wrong (bad parameters, unknown model, too
 # long): the client's error. It reaches the client with its status (counted under that status
 # in requests_total) and is neither the worker's upstream error nor a failure of its circuit.
@@ -79,11 +91,38 @@ class LegResult:
 
 @dataclass(slots=True)
 class Legs:
-    """What every leg of a request uses: the pool, its limits, the error metric."""
+    """What every leg of a request uses: the pool, its limits, the error metric, and this
+    process's quarantine of the pairs that missed a rendezvous."""
 
     pool: Http1Pool
     limits: LegLimits
     count_error: ErrorCounter
+    pairs: PairQuarantine = field(init=False)
+    # The limits of the legs that carry the rendezvous: their first byte is due within the
+    # rendezvous wait when that is the shorter of the two.
+    meeting: LegLimits = field(init=False)
+
+    def __post_init__(self) -> None:
+        limits = self.limits
+        self.pairs = PairQuarantine(limits.rendezvous_cooldown_secs)
+        self.meeting = dataclasses.replace(
+            limits,
+            first_byte_timeout_secs=min(
+                limits.first_byte_timeout_secs, limits.rendezvous_timeout_secs
+            ),
+        )
+
+    def failure(self, role: Role, worker: Target, exc: BaseException) -> LegFailed:
+        """A leg that carries the rendezvous failed with ``exc``: a first-byte timeout at the
+        rendezvous wait is the pair's failure, anything else the worker's."""
+        limits = self.limits
+        if (
+            isinstance(exc, LegTimeout)
+            and exc.phase is Phase.FIRST_BYTE
+            and limits.rendezvous_timeout_secs <= limits.first_byte_timeout_secs
+        ):
+            return rendezvous_failure(role, worker, limits.rendezvous_timeout_secs)
+        return transport_failure(role, worker, exc)
 
 
 class LegFailed(Exception):
@@ -126,7 +165,12 @@ class LegFailed(Exception):
 
     @property
     def timed_out(self) -> bool:
-        return self.kind == "timeout"
+        return self.kind in TIMEOUT_KINDS
+
+    @property
+    def stuck(self) -> bool:
+        """The pair missed its rendezvous (the pair's failure, not the worker's)."""
+        return self.kind == RENDEZVOUS
 
     @property
     def wrong_role(self) -> bool:
@@ -157,6 +201,20 @@ def transport_failure(role: Role, worker: Target, exc: BaseException) -> LegFail
         f"{role.value} worker {worker.url}: {kind}: {detail}",
         retryable=retryable,
         verdict=verdict,
+    )
+
+
+def rendezvous_failure(role: Role, worker: Target, wait: float) -> LegFailed:
+    """No first byte within the rendezvous wait: retried on another pair, no verdict on the
+    worker (the same worker may be fine with every other peer)."""
+    return LegFailed(
+        role,
+        worker,
+        RENDEZVOUS,
+        f"{role.value} worker {worker.url}: no first byte within the {wait:g} s rendezvous wait "
+        "(the prefill and the decode never met)",
+        retryable=True,
+        verdict=Verdict.NONE,
     )
 
 
@@ -242,13 +300,16 @@ async def _read(
     url: str,
     payload: bytes,
     headers: dict[str, str],
-    first_byte: bool,
+    meets: bool,
 ) -> LegResult:
     """POST ``payload`` and read the whole answer; LegFailed (recorded) unless the status is
-    2xx. A 2xx outcome is left for the caller to record."""
+    2xx. A 2xx outcome is left for the caller to record. ``meets``: the answer carries the
+    rendezvous (first-byte timeout, at most the rendezvous wait); otherwise it comes whole only
+    at the end of a long generation, and no first-byte timeout applies."""
     response: Response | None = None
+    limits = legs.meeting if meets else legs.limits
     try:
-        response = await legs.pool.post(url, payload, headers, legs.limits, first_byte=first_byte)
+        response = await legs.pool.post(url, payload, headers, limits, first_byte=meets)
         body = await response.read()
     except asyncio.CancelledError:
         if response is not None:
@@ -258,7 +319,8 @@ async def _read(
     except UPSTREAM_ERRORS as exc:
         if response is not None:
             response.close()
-        raise recorded(worker, transport_failure(role, worker, exc), legs.count_error) from exc
+        failure = legs.failure(role, worker, exc) if meets else transport_failure(role, worker, exc)
+        raise recorded(worker, failure, legs.count_error) from exc
     result = LegResult(response.status, body, response.content_type)
     if result.status >= 300:
         raise recorded(worker, status_failure(role, worker, result), legs.count_error)
@@ -294,15 +356,16 @@ async def open_stream(
 ) -> Response:
     """POST ``payload`` to a streaming decode and return the response once its head arrived
     with a 2xx status (the caller reads the body, records the outcome and releases or closes
-    it); LegFailed otherwise."""
+    it); LegFailed otherwise. Its first event carries the rendezvous: it is due within the
+    rendezvous wait (:meth:`Legs.failure` names a miss)."""
     role = Role.DECODE
     try:
-        response = await legs.pool.post(url, payload, headers, legs.limits)
+        response = await legs.pool.post(url, payload, headers, legs.meeting)
     except asyncio.CancelledError:
         worker.circuit.release_trial()
         raise
     except UPSTREAM_ERRORS as exc:
-        raise recorded(worker, transport_failure(role, worker, exc), legs.count_error) from exc
+        raise recorded(worker, legs.failure(role, worker, exc), legs.count_error) from exc
     if response.status < 300:
         return response
     try:
