@@ -58,6 +58,11 @@ NATIVE_OPTIONS: tuple[Option, ...] = (
     option("--first-byte-timeout-secs", (), FLOAT, "legs.first_byte_timeout_secs",
            help="per leg, until the first byte of the body (a stream's first event; a "
            "prefill's answer); not on a non-streaming decode, whose answer comes whole"),
+    option("--rendezvous-timeout-secs", (), FLOAT, "legs.rendezvous_timeout_secs",
+           help="per PD pair, until the prefill answers and a stream's first event: missed, "
+           "both legs are aborted, the request retried on another pair, the pair kept apart"),
+    option("--rendezvous-cooldown-secs", (), FLOAT, "legs.rendezvous_cooldown_secs",
+           help="a pair that missed its rendezvous rests this long before one trial request"),
     option("--stream-idle-timeout-secs", (), FLOAT, "legs.stream_idle_timeout_secs",
            help="per leg, between two bytes of the body"),
     option("--max-connections-per-worker", (), INT, "legs.max_connections_per_worker",
