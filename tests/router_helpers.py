@@ -35,6 +35,7 @@ class RouterUnderTest:
         self.server = server
         self.url = server.url
         self.state = server.router
+        self.dataplane = server.dataplane
 
     def client(self, **kwargs: Any) -> httpx.AsyncClient:
         kwargs.setdefault("timeout", 30.0)

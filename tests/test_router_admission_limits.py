@@ -44,7 +44,7 @@ def metric(text: str, line_start: str) -> float:
 
 async def test_requests_beyond_the_limit_wait_and_are_served_in_arrival_order(cluster):
     async with running_router(cluster, **limits(max_concurrent_requests=1)) as router:
-        admission = router.state.admission
+        admission = router.dataplane.path.admission
         finished: list[str] = []
         async with router.client() as http:
 
@@ -67,7 +67,7 @@ async def test_requests_beyond_the_limit_wait_and_are_served_in_arrival_order(cl
 
 async def test_a_stream_holds_its_slot_until_it_ended(cluster):
     async with running_router(cluster, **limits(max_concurrent_requests=1)) as router:
-        admission = router.state.admission
+        admission = router.dataplane.path.admission
         async with router.client() as http:
             body = generate_body("streamed", LONG, stream=True)
             async with http.stream("POST", "/generate", json=body) as stream:
@@ -85,7 +85,7 @@ async def test_a_stream_holds_its_slot_until_it_ended(cluster):
 
 async def test_a_full_queue_answers_429_with_retry_after_at_once(cluster):
     async with running_router(cluster, **limits(max_concurrent_requests=1, queue_size=1)) as router:
-        admission = router.state.admission
+        admission = router.dataplane.path.admission
         async with router.client() as http:
             running = asyncio.create_task(http.post("/generate", json=generate_body("a", LONG)))
             await wait_until(lambda: admission.active == 1, 5.0, what="first request admitted")
@@ -103,7 +103,7 @@ async def test_a_full_queue_answers_429_with_retry_after_at_once(cluster):
 async def test_a_request_waiting_longer_than_the_queue_timeout_gets_429(cluster):
     config = limits(max_concurrent_requests=1, queue_timeout_secs=0.3)
     async with running_router(cluster, **config) as router:
-        admission = router.state.admission
+        admission = router.dataplane.path.admission
         async with router.client() as http:
             running = asyncio.create_task(http.post("/generate", json=generate_body("a", LONG)))
             await wait_until(lambda: admission.active == 1, 5.0, what="first request admitted")
@@ -116,7 +116,7 @@ async def test_a_request_waiting_longer_than_the_queue_timeout_gets_429(cluster)
 
 async def test_a_client_that_leaves_while_queued_leaves_the_queue(cluster):
     async with running_router(cluster, **limits(max_concurrent_requests=1)) as router:
-        admission = router.state.admission
+        admission = router.dataplane.path.admission
         async with router.client() as http:
             running = asyncio.create_task(http.post("/generate", json=generate_body("a", LONG)))
             await wait_until(lambda: admission.active == 1, 5.0, what="first request admitted")
@@ -156,7 +156,7 @@ async def test_an_empty_token_bucket_answers_429_until_it_refills(cluster):
 async def test_probes_and_metrics_are_not_limited(cluster):
     config = limits(max_concurrent_requests=1, queue_size=0)
     async with running_router(cluster, **config) as router:
-        admission = router.state.admission
+        admission = router.dataplane.path.admission
         async with router.client() as http:
             running = asyncio.create_task(http.post("/generate", json=generate_body("a", LONG)))
             await wait_until(lambda: admission.active == 1, 5.0, what="first request admitted")

@@ -22,15 +22,28 @@ def circuit(router, url: str) -> str:
     return router.state.registry.get(url).circuit.state.value
 
 
+def upstream_errors(router) -> float:
+    """The legs the router saw fail, whatever the role and kind."""
+    return sum(
+        sample.value
+        for family in router.state.metrics.registry.collect()
+        if family.name == "pd_router_upstream_errors"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+
+
 async def open_circuit(router, http: httpx.AsyncClient, url: str) -> None:
-    """Make ``url`` fail one request (500) and send requests until that opened its circuit
-    (the policy may pick the other workers first; bounded)."""
+    """Make ``url`` fail one request (500) and send requests until one met the failure (the
+    policy may pick the other workers first; bounded), then wait for its circuit to open."""
     await fault(url, fail_next=1, fail_status=500)
+    failed_before = upstream_errors(router)
     for n in range(50):
-        if circuit(router, url) == "open":
-            return
         await http.post("/generate", json=generate_body(f"fails {n}", TOKENS))
-    raise AssertionError(f"the circuit of {url} did not open")
+        if upstream_errors(router) > failed_before:
+            await wait_until(lambda: circuit(router, url) == "open", 5.0, f"{url} circuit open")
+            return
+    raise AssertionError(f"no request met the failure of {url}")
 
 
 async def burst(http: httpx.AsyncClient, count: int, tokens: int = TOKENS) -> list[int]:
@@ -55,7 +68,9 @@ async def test_burst_after_every_decode_circuit_opened_is_served(cluster_factory
         for url in decodes:
             cluster.kill(url)
         await http.post("/generate", json=generate_body("outage", TOKENS))
-        assert {circuit(router, url) for url in decodes} == {"open"}
+        await wait_until(
+            lambda: {circuit(router, url) for url in decodes} == {"open"}, 5.0, "all open"
+        )
         for url in decodes:
             await asyncio.to_thread(cluster.restart, url)
         await wait_until(
@@ -63,7 +78,9 @@ async def test_burst_after_every_decode_circuit_opened_is_served(cluster_factory
         )
         statuses = await burst(http, BURST, tokens=32)
         assert statuses == [200] * BURST
-        assert {circuit(router, url) for url in decodes} == {"closed"}
+        await wait_until(
+            lambda: {circuit(router, url) for url in decodes} == {"closed"}, 5.0, "all closed"
+        )
 
 
 async def test_open_circuits_do_not_refuse_requests_when_no_other_worker_is_left(
@@ -77,9 +94,9 @@ async def test_open_circuits_do_not_refuse_requests_when_no_other_worker_is_left
     ):
         await fault(decode, fail_next=1, fail_status=500)
         assert (await http.post("/generate", json=generate_body("f", TOKENS))).status_code == 502
-        assert circuit(router, decode) == "open"
+        await wait_until(lambda: circuit(router, decode) == "open", 5.0, "circuit open")
         assert (await http.post("/generate", json=generate_body("ok", TOKENS))).status_code == 200
-        assert circuit(router, decode) == "closed"
+        await wait_until(lambda: circuit(router, decode) == "closed", 5.0, "circuit closed")
 
 
 async def test_open_circuit_still_steers_traffic_to_the_other_workers(cluster_factory):

@@ -281,7 +281,7 @@ async def test_router_serves_again_after_failures(cluster):
 
 async def test_retry_with_no_worker_left_reports_the_real_failure(cluster):
     prefill = cluster.prefill_urls[0]
-    await fault(prefill, fail_next=1, fail_status=502)
+    await fault(prefill, fail_next=10, fail_status=502)
     async with (
         running_router(
             cluster,

@@ -132,14 +132,14 @@ async def test_circuit_opens_on_failures_and_closes_after_a_good_trial(cluster):
             assert (
                 await http.post("/generate", json=generate_body("f", TOKENS))
             ).status_code == 502
-        assert worker.circuit.state.value == "open"
+        await wait_until(lambda: worker.circuit.state.value == "open", 5.0, "circuit open")
         assert worker not in router.state.registry.selectable(Role.DECODE)
         metrics = (await http.get("/metrics")).text
         assert f'pd_router_circuit_state{{worker="{decode}"}} 1.0' in metrics
         await wait_until(lambda: worker.circuit.state.value == "half_open", 5.0, "half-open")
         trial = await http.post("/generate", json=generate_body("trial", TOKENS))
         assert_paired(trial.json(), "trial", TOKENS)
-        assert worker.circuit.state.value == "closed"
+        await wait_until(lambda: worker.circuit.state.value == "closed", 5.0, "circuit closed")
 
 
 async def test_failed_half_open_trial_opens_the_circuit_again(cluster):
@@ -157,7 +157,7 @@ async def test_failed_half_open_trial_opens_the_circuit_again(cluster):
         await http.post("/generate", json=generate_body("f", TOKENS))
         await wait_until(lambda: worker.circuit.state.value == "half_open", 5.0, "half-open")
         assert (await http.post("/generate", json=generate_body("f", TOKENS))).status_code == 502
-        assert worker.circuit.state.value == "open"
+        await wait_until(lambda: worker.circuit.state.value == "open", 5.0, "circuit open again")
 
 
 async def test_client_errors_do_not_count_against_the_circuit(cluster):

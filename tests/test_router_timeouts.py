@@ -163,7 +163,7 @@ async def test_legs_on_a_worker_that_left_service_are_retried_on_another(cluster
         request = asyncio.create_task(http.post("/generate", json=body))
         await wait_until(lambda: _busy(stuck), 5.0, "decode started")
         with frozen(cluster, stuck):
-            router.state.legs.abort_target(stuck, WorkerUnavailable("worker left service"))
+            router.dataplane.legs.abort_target(stuck, WorkerUnavailable("worker left service"))
             response = await asyncio.wait_for(request, CLIENT_TIMEOUT)
         assert response.status_code == 200
         assert response.json()["text"] == expected_text("moved on", 100)
@@ -180,7 +180,7 @@ async def test_stream_on_a_worker_that_left_service_ends_with_an_error_event(clu
             lines = response.aiter_lines()
             first = await anext(lines)
             with frozen(cluster, decode):
-                router.state.legs.abort_target(decode, WorkerUnavailable("worker left service"))
+                router.dataplane.legs.abort_target(decode, WorkerUnavailable("worker left service"))
                 rest = [line async for line in lines]
         events = sse_events("\n\n".join([first, *rest]))
         assert events[-1] == "[DONE]"

@@ -206,7 +206,7 @@ async def test_router_without_a_client_certificate_is_refused_by_mtls_workers(mt
         refused = await http.post("/generate", json=generate_body("anonymous", TOKENS))
         assert refused.status_code == 503
         with pytest.raises((UpstreamDisconnected, UpstreamConnectError)):
-            leg = await router.state.legs.post(
+            leg = await router.dataplane.legs.post(
                 mtls_cluster.decode_urls[0] + "/generate", b"{}", {}, LegLimits()
             )
             await leg.read()
@@ -221,7 +221,7 @@ async def test_router_refuses_workers_whose_certificate_its_ca_did_not_sign(
     ):
         assert (await http.get("/readiness")).status_code == 503
         with pytest.raises(UpstreamConnectError):
-            await router.state.legs.post(
+            await router.dataplane.legs.post(
                 mtls_cluster.decode_urls[0] + "/generate", b"{}", {}, LegLimits()
             )
 

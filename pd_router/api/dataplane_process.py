@@ -1,20 +1,24 @@
-"""One data plane of a multi-process router (``--workers N``), started by the control process
+"""The data plane: the pools the control side's snapshots make, the request path over them,
+the client side, and the reports back (:class:`DataPlane`). Every router serves its clients
+through data planes: a one-process router (``--workers 1``) runs one beside its control side,
+fed over a :class:`~pd_router.dataplane.channel.LocalChannel`
+(:func:`pd_router.api.server.start_server`); a router of ``--workers N`` runs one in each
+data-plane process (:func:`serve_dataplane`), started by the control process
 (:mod:`pd_router.api.processes`) with its listening socket and its channel.
 
-It serves the generation endpoints from the pools the control process pushes (it waits for the
-first snapshot before it accepts a connection) and reports back (:mod:`pd_router.dataplane.
-reports`); every other path is relayed to the control process's application
-(:mod:`pd_router.dataplane.front.relay`).
+A data plane serves the generation endpoints from its pools (it takes the first snapshot
+before it accepts a connection) and reports back (:mod:`pd_router.dataplane.reports`); every
+other path is relayed to the router's application (:mod:`pd_router.dataplane.front.relay`).
 
-It stops on SIGTERM or SIGINT (exit status 0) and when the control process goes away (exit
-status 1): it stops accepting and lets the requests in flight finish, up to the shutdown
-deadline. Without the control process nothing probes the workers, decides their circuits or
-honours a conversion any more, so routing on from the last snapshot could send traffic to a
-worker another router is switching; the orchestrator restarts the whole router instead. A
-control process that hangs (stopped, or its event loop blocked) goes away too: one that sent
-nothing for :data:`CONTROL_SILENCE_SECS` (it sends every second) is killed, since it holds every
-listening socket and would keep taking connections that nobody answers once its data planes
-left.
+A data-plane process stops on SIGTERM or SIGINT (exit status 0) and when the control process
+goes away (exit status 1): it stops accepting and lets the requests in flight finish, up to the
+shutdown deadline. Without the control process nothing probes the workers, decides their
+circuits or honours a conversion any more, so routing on from the last snapshot could send
+traffic to a worker another router is switching; the orchestrator restarts the whole router
+instead. A control process that hangs (stopped, or its event loop blocked) goes away too: one
+that sent nothing for :data:`CONTROL_SILENCE_SECS` (it sends every second) is killed, since it
+holds every listening socket and would keep taking connections that nobody answers once its
+data planes left.
 """
 
 from __future__ import annotations
@@ -24,28 +28,38 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import Coroutine
+import ssl
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aiohttp
 
 from pd_router.api.app_socket import SHUTDOWN_GRACE_SECS
-from pd_router.api.server import client_limits, front_server
 from pd_router.api.signals import stop_signalled
 from pd_router.config import RouterConfig
 from pd_router.dataplane.admission import BodyAdmission
-from pd_router.dataplane.channel import Channel, ChannelClosed
+from pd_router.dataplane.channel import Channel, ChannelClosed, ChannelEnd, Message
 from pd_router.dataplane.concurrency import RequestAdmission
+from pd_router.dataplane.front.cors import CorsPolicy
+from pd_router.dataplane.front.dispatch import Dispatcher, FrontPolicy
+from pd_router.dataplane.front.ids import RequestIds
 from pd_router.dataplane.front.relay import Relay
+from pd_router.dataplane.front.server import FrontServer
 from pd_router.dataplane.http1_conn import WorkerUnavailable
-from pd_router.dataplane.legs import leg_setup
-from pd_router.dataplane.listener import ClientConnections
+from pd_router.dataplane.legs import LegSetup, leg_setup
+from pd_router.dataplane.listener import (
+    ClientConnections,
+    ClientLimits,
+    default_max_connections,
+    fd_limit,
+)
 from pd_router.dataplane.path import RequestMetrics, RequestPath
 from pd_router.dataplane.policies import make_policy
 from pd_router.dataplane.reports import Reports
 from pd_router.dataplane.snapshot import SnapshotPools
+from pd_router.dataplane.target import Target
 from pd_router.dataplane.upstream import abort
-from pd_router.metrics import RouterMetrics
+from pd_router.metrics import RouterMetrics, samples
 from pd_router.roles import Role
 from pd_router.tls import server_context
 
@@ -53,6 +67,157 @@ log = logging.getLogger("pd_router.dataplane")
 
 FIRST_SNAPSHOT_TIMEOUT_SECS = 30.0
 CONTROL_SILENCE_SECS = 10.0
+
+
+def client_limits(config: RouterConfig) -> ClientLimits:
+    """The client side's timeouts and connection cap (the cap sized from the open file limit
+    unless configured)."""
+    return ClientLimits(
+        header_timeout=config.client_header_timeout_secs,
+        body_timeout=config.client_body_timeout_secs,
+        keepalive_timeout=config.client_keepalive_timeout_secs,
+        max_connections=config.max_client_connections or default_max_connections(fd_limit()),
+    )
+
+
+def front_server(
+    config: RouterConfig,
+    path: RequestPath,
+    relay: Relay,
+    admission: BodyAdmission,
+    ssl_context: ssl.SSLContext | None,
+    connections: ClientConnections,
+) -> FrontServer:
+    """The client side of one data plane: the generation endpoints served from ``path``, every
+    other request relayed by ``relay``; bodies admitted by ``admission``; its open connections
+    counted in ``connections``, which it reports."""
+    cors = CorsPolicy(config.cors_allowed_origins) if config.cors_allowed_origins else None
+    policy = FrontPolicy(RequestIds(config.request_id_headers), admission, cors)
+    dispatcher = Dispatcher(path, relay, policy)
+    return FrontServer(dispatcher, client_limits(config), ssl_context, connections)
+
+
+class DataPlane:
+    """Data plane ``index``: pools, request path, client side and reports, talking to the
+    control side over ``channel``. Its requests count into ``metrics`` (and ``request_metrics``,
+    their cached children); ``samples()`` gives what its reports send of them (nothing when
+    they are the control side's own). Its legs go through ``setup``; clients connect with TLS
+    when ``ssl_context`` is given; ``abort(worker, rids)``
+    asks a worker to drop requests, in the background. ``on_control_silent`` is called when the
+    control side sent nothing for :data:`CONTROL_SILENCE_SECS` (None: never looked at)."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        index: int,
+        channel: ChannelEnd,
+        *,
+        metrics: RouterMetrics,
+        request_metrics: RequestMetrics,
+        setup: LegSetup,
+        relay: Relay,
+        body_admission: BodyAdmission,
+        ssl_context: ssl.SSLContext | None,
+        abort: Callable[[Target, list[str]], None],
+        samples: Callable[[], list[list]],
+        on_control_silent: Callable[[], None] | None = None,
+    ) -> None:
+        self.index = index
+        self.channel = channel
+        self.connections = ClientConnections(
+            client_limits(config).max_connections, metrics.client_connections_moved_total.inc
+        )
+        self.reports = Reports(channel, samples, self.connections)
+        self.legs = setup.pool
+        shared = config.server.processes > 1
+        self.pools = SnapshotPools(
+            {
+                role: make_policy(config.policy_of(role), config.cache_aware, shared=shared)
+                for role in Role
+            },
+            index=index,
+            wake=self.reports.wake,
+            suspect=self.reports.suspect,
+            count_refusal=self.reports.count_refusal,
+            on_unavailable=self._end_legs,
+        )
+        self.path = RequestPath(
+            pools=self.pools,
+            legs=setup.legs,
+            leg_headers=setup.leg_headers,
+            retry=config.retry,
+            admission=RequestAdmission(
+                config.admission.shared_by(config.server.processes), metrics
+            ),
+            latency=self.reports,
+            metrics=request_metrics,
+            abort=abort,
+        )
+        self.front = front_server(
+            config, self.path, relay, body_admission, ssl_context, self.connections
+        )
+        self._on_control_silent = on_control_silent
+        # Set once the control side is gone (its channel closed, or it fell silent).
+        self.control_gone = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(
+        self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None
+    ) -> tuple[str, int]:
+        """Take the control side's first snapshot, then listen on ``host``:``port`` (or
+        ``sock``) and follow the control side; returns the address bound. ChannelClosed or
+        TimeoutError without a snapshot, OSError when the address cannot be bound."""
+        first = await asyncio.wait_for(self.channel.receive(), FIRST_SNAPSHOT_TIMEOUT_SECS)
+        self.take(first)
+        address = await self.front.start(host, port, sock=sock)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._follow()),
+            loop.create_task(self.reports.run(self.pools)),
+        ]
+        return address
+
+    def take(self, message: Message) -> None:
+        """Apply one message of the control side."""
+        kind = message.get("t")
+        if kind == "snapshot":
+            self.pools.apply(message["v"], message["workers"])
+            self.reports.send(self.pools, force=True)
+        elif kind == "inflight":
+            self.pools.apply_inflight(message["totals"])
+            self.connections.share = message["share"]
+        elif kind == "metrics?":
+            self.reports.send_metrics(message["n"])
+
+    async def _follow(self) -> None:
+        """Apply what the control side sends until its channel closes, or until it has been
+        silent for :data:`CONTROL_SILENCE_SECS` where that is looked at."""
+        silence = None if self._on_control_silent is None else CONTROL_SILENCE_SECS
+        try:
+            while True:
+                self.take(await asyncio.wait_for(self.channel.receive(), silence))
+        except ChannelClosed:
+            pass
+        except TimeoutError:
+            if self._on_control_silent is not None:
+                self._on_control_silent()
+        self.control_gone.set()
+
+    async def stop(self, grace_secs: float = SHUTDOWN_GRACE_SECS) -> None:
+        """Stop accepting, let the requests in flight finish (up to ``grace_secs``), send the
+        last report and close the channel and the legs' pool."""
+        await self.front.stop(grace_secs)
+        for task in self._tasks:
+            task.cancel()
+        self.reports.send(self.pools)
+        self.channel.close()
+        self.legs.close()
+
+    def _end_legs(self, url: str) -> None:
+        """A worker left service (unhealthy, FAILED, removed): end the legs still running on
+        it now, so their clients get a retry or an error instead of waiting for a frozen or
+        departed worker until a timeout."""
+        self.legs.abort_target(url, WorkerUnavailable(f"worker {url} left service"))
 
 
 class Background:
@@ -74,29 +239,12 @@ async def serve_dataplane(
     channel_socket: socket.socket,
     control_socket: str,
 ) -> int:
-    """Serve until told to stop (0) or until the control process is gone (1)."""
-    channel = await Channel.over(channel_socket)
+    """Serve as data-plane process ``index`` until told to stop (0) or until the control
+    process is gone (1)."""
+    control = os.getppid()
     metrics = RouterMetrics()
     request_metrics = RequestMetrics(metrics)
-    connections = ClientConnections(
-        client_limits(config).max_connections, metrics.client_connections_moved_total.inc
-    )
-    reports = Reports(channel, metrics, connections)
     setup = leg_setup(config, request_metrics.count_upstream_error)
-    pool = setup.pool
-    pools = SnapshotPools(
-        {
-            role: make_policy(config.policy_of(role), config.cache_aware, shared=True)
-            for role in Role
-        },
-        index=index,
-        wake=reports.wake,
-        suspect=reports.suspect,
-        count_refusal=reports.count_refusal,
-        on_unavailable=lambda url: pool.abort_target(
-            url, WorkerUnavailable(f"worker {url} left service")
-        ),
-    )
     # For aborts only: the legs have their own pool.
     session = aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(ssl=setup.worker_ssl or True),
@@ -105,82 +253,42 @@ async def serve_dataplane(
         auto_decompress=False,
     )
     background = Background()
-    path = RequestPath(
-        pools=pools,
-        legs=setup.legs,
-        leg_headers=setup.leg_headers,
-        retry=config.retry,
-        admission=RequestAdmission(config.admission.shared_by(config.server.processes), metrics),
-        latency=reports,
-        metrics=request_metrics,
-        abort=lambda worker, rids: background.spawn(abort(session, worker, rids)),
-    )
     relay = Relay(control_socket)
     await relay.start()
-    admission = BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes)
-    tls = server_context(config.tls)
-    front = front_server(config, path, relay, admission, tls, connections)
+    plane = DataPlane(
+        config,
+        index,
+        await Channel.over(channel_socket),
+        metrics=metrics,
+        request_metrics=request_metrics,
+        setup=setup,
+        relay=relay,
+        body_admission=BodyAdmission(config.max_payload_size, config.max_inflight_body_bytes),
+        ssl_context=server_context(config.tls),
+        abort=lambda worker, rids: background.spawn(abort(session, worker, rids)),
+        samples=lambda: samples(metrics),
+        on_control_silent=lambda: kill_hung_control(control),
+    )
     try:
-        first = await asyncio.wait_for(channel.receive(), FIRST_SNAPSHOT_TIMEOUT_SECS)
-        take(first, pools, reports, connections)
-        await front.start(sock=listen)
+        await plane.start(sock=listen)
     except (ChannelClosed, TimeoutError):
         log.error("data plane %d: no snapshot from the control process; exiting", index)
         await relay.stop()
         await session.close()
         return 1
     loop = asyncio.get_running_loop()
-    follow = loop.create_task(follow_control(channel, pools, reports, connections))
-    reporting = loop.create_task(reports.run(pools))
+    gone = loop.create_task(plane.control_gone.wait())
     stopped = loop.create_task(stop_signalled())
-    await asyncio.wait((follow, stopped), return_when=asyncio.FIRST_COMPLETED)
-    control_gone = follow.done()
+    await asyncio.wait((gone, stopped), return_when=asyncio.FIRST_COMPLETED)
+    control_gone = plane.control_gone.is_set()
     if control_gone:
         log.error("data plane %d: the control process is gone; stopping", index)
-    await front.stop(SHUTDOWN_GRACE_SECS)
-    for task in (follow, reporting, stopped):
+    for task in (gone, stopped):
         task.cancel()
-    reports.send(pools)
-    channel.close()
+    await plane.stop(SHUTDOWN_GRACE_SECS)
     await relay.stop()
     await session.close()
-    pool.close()
     return 1 if control_gone else 0
-
-
-def take(
-    message: dict[str, Any],
-    pools: SnapshotPools,
-    reports: Reports,
-    connections: ClientConnections,
-) -> None:
-    """Apply one message of the control process."""
-    kind = message.get("t")
-    if kind == "snapshot":
-        pools.apply(message["v"], message["workers"])
-        reports.send(pools, force=True)
-    elif kind == "inflight":
-        pools.apply_inflight(message["totals"])
-        connections.share = message["share"]
-    elif kind == "metrics?":
-        reports.send_metrics(message["n"])
-
-
-async def follow_control(
-    channel: Channel, pools: SnapshotPools, reports: Reports, connections: ClientConnections
-) -> None:
-    """Apply what the control process sends until its channel closes, or until it has been
-    silent for :data:`CONTROL_SILENCE_SECS`: then it is hung, and killed."""
-    control = os.getppid()
-    while True:
-        try:
-            message = await asyncio.wait_for(channel.receive(), CONTROL_SILENCE_SECS)
-        except ChannelClosed:
-            return
-        except TimeoutError:
-            kill_hung_control(control)
-            return
-        take(message, pools, reports, connections)
 
 
 def kill_hung_control(pid: int) -> None:

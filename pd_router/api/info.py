@@ -21,7 +21,6 @@ from aiohttp import web
 
 from pd_router.api.auth import has_admin_key, require_admin
 from pd_router.api.state import Router, router_of
-from pd_router.control.dataplanes import DataPlanes
 from pd_router.control.worker_calls import Reply, call, fan_out
 from pd_router.control.workers import Role, Worker, WorkerState
 from pd_router.dataplane.requests import parse_body
@@ -84,19 +83,11 @@ async def handle_cluster(request: web.Request) -> web.Response:
     return json_response(router_of(request).cluster.as_dict())
 
 
-# The data planes of a multi-process router (absent in one process).
-DATAPLANES = web.AppKey("dataplanes", DataPlanes)
-
-
 async def handle_metrics(request: web.Request) -> web.Response:
-    """The router's metrics; with data-plane processes, each of their counters and
-    histograms added to the control process's own (one scrape shows the whole router)."""
-    metrics = router_of(request).metrics
-    dataplanes = request.app.get(DATAPLANES)
-    if dataplanes is None:
-        body, content_type = metrics.exposition()
-    else:
-        body, content_type = metrics.exposition(await dataplanes.collect_metrics())
+    """The router's metrics, each data-plane process's counters and histograms added to the
+    control process's own (one scrape shows the whole router)."""
+    router = router_of(request)
+    body, content_type = router.metrics.exposition(await router.dataplanes.collect_metrics())
     response = web.Response(body=body)
     response.headers["Content-Type"] = content_type
     return response

@@ -19,11 +19,9 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from pd_router.api.app_socket import AppSocket
-from pd_router.api.info import DATAPLANES
 from pd_router.api.signals import begin_stop, stop_signalled
 from pd_router.api.state import ROUTER
 from pd_router.config import RouterConfig
-from pd_router.control.dataplanes import DataPlanes
 from pd_router.control.supervisor import Supervisor, reuseport_sockets
 from pd_router.dataplane.channel import Channel
 from pd_router.dataplane.listener import backlog_for
@@ -56,9 +54,7 @@ async def serve_processes(
     ``processes`` data planes on the shared port until SIGINT or SIGTERM; then every data
     plane stops accepting and finishes its requests in flight."""
     sockets = reuseport_sockets(config.host, config.port, processes, backlog_for(max_connections))
-    router = app[ROUTER]
-    dataplanes = DataPlanes(router.registry, router.health, router.latency)
-    app[DATAPLANES] = dataplanes
+    dataplanes = app[ROUTER].dataplanes
 
     async def attach(index: int, sock: socket.socket) -> None:
         dataplanes.attach(index, await Channel.over(sock))

@@ -50,6 +50,7 @@ from pd_router.dataplane.path import RequestMetrics
 from pd_router.dataplane.upstream import abort
 from pd_router.errors import MAPPED_ERRORS, ClientClosedRequest, RouterError, error_response
 from pd_router.metrics import RouterMetrics
+from pd_router.tls import server_context
 
 log = logging.getLogger("pd_router.api.server")
 
@@ -212,6 +213,7 @@ async def start_server(
     Client limits and TLS come from its config. ListenError when the address cannot be
     bound."""
     router = app[ROUTER]
+    ssl_context = server_context(router.config.tls)
     app_socket = await AppSocket.start(app)
     relay = Relay(app_socket.path)
     await relay.start()
@@ -226,6 +228,7 @@ async def start_server(
         setup=router.leg_setup,
         relay=relay,
         body_admission=app[BODY_ADMISSION],
+        ssl_context=ssl_context,
         abort=lambda worker, rids: router.spawn(abort(router.session, worker, rids)),
         # Its requests count into the router's own metrics: nothing to add to them.
         samples=list,
@@ -237,7 +240,7 @@ async def start_server(
         await relay.stop()
         await app_socket.stop()
         raise ListenError(host, port, "--port", exc) from exc
-    scheme = "https" if router.config.tls.serves_https else "http"
+    scheme = "https" if ssl_context is not None else "http"
     return RunningServer(app, app_socket, relay, dataplane, host, port, scheme)
 
 

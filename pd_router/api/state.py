@@ -1,16 +1,16 @@
 """The router's state object: one per application, stored under :data:`ROUTER`.
 
-It owns the configuration, the worker registry, the metrics, the admission of generation
-requests by number and rate (:attr:`Router.admission`), the other router replicas it agrees
-with (:attr:`Router.cluster`, alone without ``[cluster]``), the one shared aiohttp client
-session (probes, fan-outs, aborts, worker control), the keep-alive pool of the request legs
-(:attr:`Router.legs`), the selection policies, the health monitor, the recent latencies of
-finished requests (:attr:`Router.latency`) and the autopilot that reads them; handlers reach
+It is the control side: the configuration, the worker registry, the metrics, the other router
+replicas it agrees with (:attr:`Router.cluster`, alone without ``[cluster]``), the one shared
+aiohttp client session (probes, fan-outs, aborts, worker control), the health monitor, the
+recent latencies of finished requests (:attr:`Router.latency`) and the autopilot that reads
+them, and the links to the data planes that serve the requests (:attr:`Router.dataplanes`:
+the snapshots of the registry they route from, the reports they send back); handlers reach
 everything through it. :attr:`Router.conversions` is set by ``conversion_api`` when the
 application starts (its conversion manager lives as long as its control session).
 
-Worker lifecycle lives in the registry alone. The router listens to it: the legs still running
-on a worker that stops taking requests (unhealthy, FAILED, removed) are ended at once.
+Worker lifecycle lives in the registry alone; a data plane learns of every change from the
+next snapshot (a worker that stops taking requests gets its legs ended there).
 """
 
 from __future__ import annotations
@@ -27,19 +27,15 @@ from pd_router.config import RouterConfig
 from pd_router.control.autopilot.controller import Autopilot
 from pd_router.control.cluster.etcd import EtcdCluster
 from pd_router.control.cluster.local import Cluster, LocalCluster
+from pd_router.control.dataplanes import DataPlanes
 from pd_router.control.discovery.config import DiscoveryUnavailable
 from pd_router.control.discovery.start import Started, start_discovery
 from pd_router.control.health import HealthMonitor, WorkersUnreachable
 from pd_router.control.latency import LatencyRecorder
-from pd_router.control.selection import RegistryPools
 from pd_router.control.worker_control import ControlError, WorkerControl, live_role
-from pd_router.control.workers import Unavailability, Worker, WorkerRegistry
-from pd_router.dataplane.concurrency import RequestAdmission
-from pd_router.dataplane.http1_conn import WorkerUnavailable
+from pd_router.control.workers import Worker, WorkerRegistry
 from pd_router.dataplane.legs import leg_setup
-from pd_router.dataplane.path import RequestMetrics, RequestPath
-from pd_router.dataplane.policies import make_policy
-from pd_router.dataplane.upstream import abort
+from pd_router.dataplane.path import RequestMetrics
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
 
@@ -57,7 +53,6 @@ class Router:
         self.metrics = metrics or RouterMetrics()
         self.registry = WorkerRegistry(self.metrics, config.circuit)
         self.health = HealthMonitor(self.registry, config.health)
-        self.admission = RequestAdmission(config.admission, self.metrics)
         self.conversions: ConversionManager | None = None
         self.latency = LatencyRecorder()
         self.autopilot = Autopilot(
@@ -82,34 +77,16 @@ class Router:
             if config.cluster.enabled
             else LocalCluster(self.registry)
         )
+        # The request metrics' cached children and the legs' setup: the data plane of a
+        # one-process router counts and sends with these (the control side calls workers with
+        # the same headers and TLS).
         self.request_metrics = RequestMetrics(self.metrics)
-        setup = leg_setup(config, self.request_metrics.count_upstream_error)
-        self.worker_headers = setup.worker_headers
-        self.worker_ssl = setup.worker_ssl
-        self.legs = setup.pool
+        self.leg_setup = leg_setup(config, self.request_metrics.count_upstream_error)
+        self.worker_headers = self.leg_setup.worker_headers
+        self.worker_ssl = self.leg_setup.worker_ssl
+        self.dataplanes = DataPlanes(self.registry, self.health, self.latency)
         self._session: aiohttp.ClientSession | None = None
         self.discovery: Started | None = None
-        self.pools = RegistryPools(
-            self.registry,
-            {role: make_policy(config.policy_of(role), config.cache_aware) for role in Role},
-            self.health,
-            self.latency,
-        )
-        # What the request path reaches (the generation handlers).
-        self.path = RequestPath(
-            pools=self.pools,
-            legs=setup.legs,
-            leg_headers=setup.leg_headers,
-            retry=config.retry,
-            admission=self.admission,
-            latency=self.latency,
-            metrics=self.request_metrics,
-            abort=lambda worker, rids: self.spawn(abort(self.session, worker, rids)),
-        )
-        self.registry.on_unavailable(self._end_legs)
-        self.registry.on_left_pool(
-            lambda worker, role: self.pools.policies[role].forget(worker.url)
-        )
         self._background: set[asyncio.Task] = set()
         for spec in config.prefill:
             self.registry.add(spec.url, Role.PREFILL, spec.bootstrap_port, healthy=False)
@@ -216,18 +193,9 @@ class Router:
             task.cancel()
         if self._background:
             await asyncio.wait(list(self._background), timeout=2.0)
-        self.legs.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-    def _end_legs(self, worker: Worker, why: Unavailability) -> None:
-        """A worker left service (unhealthy, FAILED, removed): end the legs still running on
-        it now, so their clients get a retry or an error instead of waiting for a frozen or
-        departed worker until a timeout."""
-        self.legs.abort_target(
-            worker.url, WorkerUnavailable(f"worker {worker.url} left service: {why.value}")
-        )
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
         """Run ``coro`` in the background (fire-and-forget aborts), kept until it ends."""

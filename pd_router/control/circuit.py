@@ -13,13 +13,15 @@ through and 503 for the rest. Two rules keep that from happening:
   recover (unhealthy -> healthy, a drain ending, a restart): the failures were the outage the
   probes saw, and the worker answers again;
 - when no worker of a pool is selectable although some are ACTIVE and healthy, so that only
-  their circuits keep them out, requests go to those workers anyway (Envoy's panic mode;
-  :meth:`pd_router.control.selection.RegistryPools.circuit_panic_pool`, and a data plane's
-  ``SnapshotPools.pick``): the circuit exists to steer traffic to other workers, and there are
-  none. A success then closes the circuit it went through.
+  their circuits keep them out, requests go to those workers anyway (Envoy's panic mode; a data
+  plane's ``SnapshotPools.pick``): the circuit exists to steer traffic to other workers, and
+  there are none. A success then closes the circuit it went through.
 
 Half-open stays at one trial in flight: with the pool-wide rule a burst is no longer limited by
-it, and while other workers serve, one trial is enough to learn that a worker is back.
+it, and while other workers serve, one trial is enough to learn that a worker is back. This
+breaker decides the states from the outcomes the data planes report; the data planes route by
+them and hold the one trial (:class:`pd_router.dataplane.snapshot.SharedCircuit`,
+:mod:`pd_router.control.trials`).
 
 The knobs the peers have (sglang-router's and smg's ``--cb-*`` flags): ``success_threshold``
 trials must succeed in a row to close a half-open circuit; ``window_secs`` > 0 opens the circuit
@@ -34,13 +36,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from enum import StrEnum
 
+from pd_router.circuit_state import CircuitState
 
-class CircuitState(StrEnum):
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half_open"
+__all__ = ["CIRCUIT_STATE_VALUES", "CircuitBreaker", "CircuitConfig", "CircuitState"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,6 @@ class CircuitBreaker:
         self._failures: deque[float] = deque(maxlen=self.config.failure_threshold)
         self._trial_successes = 0
         self._opened_at = 0.0
-        self._trial_in_flight = False
 
     @property
     def state(self) -> CircuitState:
@@ -89,23 +87,13 @@ class CircuitBreaker:
         return self._opened_at + self.config.cooldown_secs
 
     def allows(self) -> bool:
-        """Whether a new request may be sent (does not reserve the half-open trial)."""
-        if self._state is CircuitState.CLOSED:
-            return True
-        state = self.state
-        if state is CircuitState.CLOSED:
-            return True
-        return state is CircuitState.HALF_OPEN and not self._trial_in_flight
-
-    def on_dispatch(self) -> None:
-        """A request was sent; in half-open it is the one trial."""
-        if self._state is CircuitState.HALF_OPEN:
-            self._trial_in_flight = True
+        """Whether the circuit lets requests through (closed, or half-open: its one trial is
+        held by a data plane)."""
+        return self._state is CircuitState.CLOSED or self.state is not CircuitState.OPEN
 
     def record_success(self, count: int = 1) -> None:
         """``count`` requests succeeded in a row: consecutive counting starts over; a half-open
         circuit closes once ``success_threshold`` trials succeeded in a row."""
-        self._trial_in_flight = False
         if not self.config.window_secs:
             self._failures.clear()
         if self.state is CircuitState.CLOSED:
@@ -115,13 +103,7 @@ class CircuitBreaker:
             self._failures.clear()
             self._set(CircuitState.CLOSED)
 
-    def release_trial(self) -> None:
-        """A dispatched request ended with no verdict on this worker (it was cancelled because
-        the other leg failed or the client left): a half-open circuit may try again."""
-        self._trial_in_flight = False
-
     def record_failure(self) -> None:
-        self._trial_in_flight = False
         if not self.config.enabled:
             return
         now = self._clock()
@@ -136,7 +118,6 @@ class CircuitBreaker:
     def reset(self) -> None:
         """Forget past failures (a worker re-added by an operator starts closed)."""
         self._failures.clear()
-        self._trial_in_flight = False
         self._set(CircuitState.CLOSED)
 
     def _threshold_reached(self, now: float) -> bool:

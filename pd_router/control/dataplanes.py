@@ -1,4 +1,7 @@
-"""The control process's side of the data planes: the snapshots it pushes, the reports it reads.
+"""The control side of the data planes: the snapshots it pushes, the reports it reads. A
+one-process router has one data plane, linked in memory (a
+:class:`~pd_router.dataplane.channel.LocalChannel`); ``--workers N`` has N data-plane
+processes, linked over sockets. Both are read and fed alike.
 
 Every change to the registry that a data plane routes by (membership, role, state, health,
 admission, bootstrap port, circuit) makes a new snapshot version, pushed to every data plane at
@@ -12,8 +15,8 @@ stopped picking the worker and has nothing in flight on it, as the replicas' dra
 across routers. A data plane that exits takes its in-flight requests with it: its share is
 dropped at once, so nothing waits for a report that will not come.
 
-The rest of a report goes where the one-process request path would have put it: leg outcomes to
-the worker's circuit, TTFT/TPOT samples and refusals to the latency recorder the autopilot
+The rest of a report goes to the control side's owners of it: leg outcomes to the worker's
+circuit, TTFT/TPOT samples and refusals to the latency recorder the autopilot
 reads; a leg answered for the other role makes the health monitor read the worker's role now.
 
 Half-open trials. Every snapshot names, for each worker whose circuit is not closed, the one
@@ -38,7 +41,7 @@ from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
 from pd_router.control.trials import HalfOpenTrials
 from pd_router.control.workers import UnknownWorker, Worker, WorkerRegistry, WorkerState
-from pd_router.dataplane.channel import HEARTBEAT_SECS, Channel, ChannelClosed, Message
+from pd_router.dataplane.channel import HEARTBEAT_SECS, ChannelClosed, ChannelEnd, Message
 
 log = logging.getLogger("pd_router.dataplanes")
 
@@ -63,7 +66,7 @@ def connection_share(counts: list[int]) -> int | None:
 class DataPlaneLink:
     """One data plane as the control process knows it."""
 
-    def __init__(self, index: int, channel: Channel, version: int) -> None:
+    def __init__(self, index: int, channel: ChannelEnd, version: int) -> None:
         self.index = index
         self.channel = channel
         # The snapshot version it routes from: the one it acked, or the first one it was sent
@@ -109,7 +112,7 @@ class DataPlanes:
 
     # --- links ------------------------------------------------------------------------------
 
-    def attach(self, index: int, channel: Channel) -> None:
+    def attach(self, index: int, channel: ChannelEnd) -> None:
         """Start talking to data plane ``index``: send it the current snapshot, read its
         reports until its channel closes."""
         self.detach(index)

@@ -1,9 +1,9 @@
 """Which data plane may send a worker's half-open trial: one for the whole router.
 
-One process lets one trial request through a half-open circuit; N data planes deciding alone
-would let N. So every snapshot names, for each worker whose circuit is not closed, the one data
-plane that may send its trial (none: nobody may). It is the one with the most client
-connections when the circuit opened, the likeliest to have a request soon.
+A half-open circuit lets one trial request through for the whole router; N data planes
+deciding alone would let N. So every snapshot names, for each worker whose circuit is not
+closed, the one data plane that may send its trial (none: nobody may). It is the one with the
+most client connections when the circuit opened, the likeliest to have a request soon.
 
 A trial moves to another data plane when its holder exited, or has neither a client connection
 nor a request in flight on the worker while another has clients. What the control process knows

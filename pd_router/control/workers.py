@@ -175,8 +175,8 @@ class Worker:
     # it): it keeps its in-flight requests and its health, but gets no new ones.
     admitting: bool = True
     inflight: int = 0
-    # When the in-flight count last fell to zero in a data plane (monotonic; set by the data
-    # planes' reports in a multi-process router, None in one process).
+    # When the in-flight count last fell to zero in a data plane (monotonic; set from the data
+    # planes' reports, None before the first).
     idle_at: float | None = None
     has_extensions: bool | None = None
     # Whether the worker can switch roles (None: it has not said yet).
@@ -187,9 +187,9 @@ class Worker:
     origin: Origin | None = None
     bootstrap_host: str = ""
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    # Set while no process of this router may pick the worker unless it is selectable here:
-    # always in one process; in a multi-process router, cleared from its leaving selection
-    # until every data plane acked the snapshot that says so.
+    # Set while no data plane of this router may pick the worker unless it is selectable
+    # here: cleared from its leaving selection until every data plane acked the snapshot that
+    # says so.
     _unpicked: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # The worker_inflight{worker,role} child for the current role, so the hot path does no
     # label lookup per request.
@@ -219,7 +219,7 @@ class Worker:
         return not self._unpicked.is_set()
 
     async def wait_until_unpicked(self) -> None:
-        """Return once no data plane may pick this worker any more (at once in one process)."""
+        """Return once no data plane may pick this worker any more."""
         await self._unpicked.wait()
 
     def as_dict(self) -> dict:
@@ -600,32 +600,18 @@ class WorkerRegistry:
         (a role change this replica's probes found), so a cluster can share it."""
         self._adopted_callbacks.append(callback)
 
-    # --- in-flight accounting (hot path) ----------------------------------------------------
-
-    def acquire(self, worker: Worker) -> None:
-        """Count one request in flight on ``worker`` (both legs count until both end)."""
-        worker.inflight += 1
-        worker._idle.clear()
-        worker.circuit.on_dispatch()
-        worker._inflight_gauge.inc()
-
-    def release(self, worker: Worker) -> None:
-        worker.inflight -= 1
-        worker._inflight_gauge.dec()
-        if worker.inflight <= 0:
-            worker.inflight = 0
-            worker._idle.set()
+    # --- in-flight accounting (from the data planes' reports) -------------------------------
 
     def set_picked_elsewhere(self, worker: Worker, picked: bool) -> None:
-        """Whether a data plane of a multi-process router may still pick ``worker``, which
-        left selection, because it has not acked the snapshot that says so."""
+        """Whether a data plane may still pick ``worker``, which left selection, because it
+        has not acked the snapshot that says so."""
         if picked:
             worker._unpicked.clear()
         else:
             worker._unpicked.set()
 
     def set_inflight(self, worker: Worker, count: int, idle_at: float) -> None:
-        """The in-flight count the data planes of a multi-process router report in sum
+        """The in-flight count the data planes report in sum
         (:mod:`pd_router.control.dataplanes`); ``idle_at``: when the last of them became idle
         on the worker, for a count of zero."""
         worker.inflight = count
@@ -654,8 +640,8 @@ class WorkerRegistry:
 
     def on_change(self, callback: Callable[[], None]) -> None:
         """Call ``callback()`` after any change a data plane routes by: membership, role,
-        state, health, admission, bootstrap port, circuit (a multi-process router pushes a
-        new snapshot then). Called from the code that made the change: it must not block."""
+        state, health, admission, bootstrap port, circuit (the data planes get a new snapshot
+        then). Called from the code that made the change: it must not block."""
         self._changed_callbacks.append(callback)
 
     def _tell_changed(self) -> None:

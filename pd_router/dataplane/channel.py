@@ -1,6 +1,9 @@
-"""The control process and a data plane talk over one stream socket (a socketpair made by the
-control process, inherited by the data plane): messages are JSON objects (orjson), each sent as
-a 4-byte big-endian length and the bytes. A message's ``t`` names its kind.
+"""The control side and a data plane talk over a channel. Between processes (``--workers N``)
+it is one stream socket (a socketpair made by the control process, inherited by the data
+plane): messages are JSON objects (orjson), each sent as a 4-byte big-endian length and the
+bytes. In one process (``--workers 1``, the data plane beside the control side) it is a
+:class:`LocalChannel`: the same messages handed over as they are, so neither side may change a
+message once sent. A message's ``t`` names its kind.
 
 Sending never waits: a message goes into the transport's buffer and the sender carries on, so a
 data plane never blocks on a slow control process (nor the control process on a slow data
@@ -14,9 +17,10 @@ silence of the other for a hang.
 from __future__ import annotations
 
 import asyncio
+import collections
 import socket
 import struct
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -25,6 +29,17 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 HEARTBEAT_SECS = 1.0
 
 Message = dict[str, Any]
+
+
+class ChannelEnd(Protocol):
+    """One end of a channel, over a socket (:class:`Channel`) or in one process
+    (:class:`LocalChannel`)."""
+
+    @property
+    def closed(self) -> bool: ...
+    def send(self, message: Message) -> None: ...
+    async def receive(self) -> Message: ...
+    def close(self) -> None: ...
 
 
 class ChannelClosed(Exception):
@@ -70,3 +85,56 @@ class Channel:
 
     def close(self) -> None:
         self._writer.close()
+
+
+class LocalChannel:
+    """One end of a channel inside one process: what one end sends, the other receives, in
+    order; nothing is encoded. Closing either end closes both (the other receives what was
+    sent before, then ChannelClosed)."""
+
+    def __init__(self) -> None:
+        self._inbox: collections.deque[Message] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._peer: LocalChannel = self
+        self._closed = False
+
+    @classmethod
+    def pair(cls) -> tuple[LocalChannel, LocalChannel]:
+        """Two ends, each the other's peer."""
+        one, other = cls(), cls()
+        one._peer, other._peer = other, one
+        return one, other
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def send(self, message: Message) -> None:
+        """Hand ``message`` to the other end (dropped when the channel is closed)."""
+        if self._closed:
+            return
+        peer = self._peer
+        peer._inbox.append(message)
+        peer._wake()
+
+    async def receive(self) -> Message:
+        """The next message; ChannelClosed once the channel is closed and nothing is left."""
+        while not self._inbox:
+            if self._closed:
+                raise ChannelClosed("channel closed")
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._inbox.popleft()
+
+    def close(self) -> None:
+        for end in (self, self._peer):
+            end._closed = True
+            end._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)

@@ -1,10 +1,10 @@
 """What the request path needs, and nothing more: :class:`RequestPath`.
 
 The handlers of the generation endpoints reach their collaborators through it: the pools to
-pick from (:class:`Pools`: the registry itself in a one-process router, the control process's
-last snapshot in a data plane), the legs, the admission of requests, the latency sink the
-autopilot reads from (the recorder itself, or a data plane's reports), the request metrics and
-how to tell a worker to abort. Nothing in the data plane sees the router's control side.
+pick from (:class:`Pools`: the control side's last snapshot,
+:class:`pd_router.dataplane.snapshot.SnapshotPools`), the legs, the admission of requests, the
+latency sink the autopilot reads from (the data plane's reports), the request metrics and how
+to tell a worker to abort. Nothing in the data plane sees the router's control side.
 """
 
 from __future__ import annotations

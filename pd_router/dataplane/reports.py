@@ -10,7 +10,9 @@ least every ``HEARTBEAT_SECS`` (of the channel) even if nothing did:
 the control process takes a data plane that fell silent for hung, and replaces it. A leg
 answered for the other role is told at once (``{"t": "suspect"}``), and the metrics go out when
 the control process asks for them (a scrape) and every :data:`METRICS_PUSH_SECS` unasked, so a
-data plane that dies between scrapes takes at most that much of its counts with it.
+data plane that dies between scrapes takes at most that much of its counts with it. The data
+plane of a one-process router counts into the process's own metrics, which the control side
+shows as they are: it sends no samples.
 """
 
 from __future__ import annotations
@@ -18,12 +20,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sized
+from collections.abc import Callable, Sized
 from typing import Any
 
-from pd_router.dataplane.channel import HEARTBEAT_SECS, Channel
+from pd_router.dataplane.channel import HEARTBEAT_SECS, ChannelEnd
 from pd_router.dataplane.snapshot import SnapshotPools
-from pd_router.metrics import RouterMetrics, samples
 
 REPORT_INTERVAL_SECS = 0.025
 METRICS_PUSH_SECS = 1.0
@@ -36,13 +37,13 @@ class Reports:
 
     def __init__(
         self,
-        channel: Channel,
-        metrics: RouterMetrics,
+        channel: ChannelEnd,
+        samples: Callable[[], list[list]],
         connections: Sized,
         interval: float = REPORT_INTERVAL_SECS,
     ) -> None:
         self._channel = channel
-        self._metrics = metrics
+        self._samples = samples
         self._connections = connections
         self._last_connections = 0
         self._interval = interval
@@ -74,7 +75,7 @@ class Reports:
         self._channel.send({"t": "suspect", "url": url})
 
     def send_metrics(self, request: int) -> None:
-        self._channel.send({"t": "metrics", "n": request, "samples": samples(self._metrics)})
+        self._channel.send({"t": "metrics", "n": request, "samples": self._samples()})
 
     def send(self, pools: SnapshotPools, *, force: bool = False) -> None:
         """Report what changed since the last report (``force``: report even if nothing did)."""

@@ -3,10 +3,10 @@ process has in flight on each worker.
 
 The control process owns every worker's state; a snapshot says, per worker, its role, its
 bootstrap port, whether it may be picked (ACTIVE, healthy, admitting), whether requests may go
-to it at all (``usable``: a worker that turned unhealthy, FAILED or left gets its legs ended, as
-the registry's ``on_unavailable`` does in one process) and its circuit's verdict. The request
-path picks from :meth:`SnapshotPools.pick` exactly as from the registry: a :class:`Member` has
-the attributes of a worker that the legs and the policies read.
+to it at all (``usable``: a worker that turned unhealthy, FAILED or left gets its legs ended)
+and its circuit's verdict. Every data plane routes so, the one beside the control side of a
+one-process router too: the request path picks from :meth:`SnapshotPools.pick`, and a
+:class:`Member` has the attributes of a worker that the legs and the policies read.
 
 Router-wide in-flight: :attr:`Member.inflight` is this process's own count plus what the other
 data planes had in flight when the control process last summed their reports (pushed every
@@ -15,8 +15,8 @@ report interval), so ``least_inflight`` and ``power_of_two`` balance the whole r
 Circuits: the control process decides (it sums every data plane's leg outcomes); a member's
 :class:`SharedCircuit` holds its verdict, turns an open one half-open when its cool-down ends,
 lets one trial at a time through a half-open circuit when this process is the data plane the
-control process named for the trial (one for the whole router, as one process would), and
-queues the outcomes for the next report.
+control process named for the trial (one for the whole router), and queues the outcomes for
+the next report.
 """
 
 from __future__ import annotations
@@ -25,22 +25,30 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from pd_router.circuit_state import CircuitState
 from pd_router.dataplane.path import choose
 from pd_router.dataplane.policies import Policy
 from pd_router.roles import Role, bootstrap_host
 
-CLOSED = "closed"
-OPEN = "open"
-HALF_OPEN = "half_open"
+# The members, bound once: looking one up through its class costs about 70 ns on Python 3.11,
+# and a pick asks every member's circuit.
+CLOSED = CircuitState.CLOSED
+OPEN = CircuitState.OPEN
+HALF_OPEN = CircuitState.HALF_OPEN
 
 
 class SharedCircuit:
     """The control process's verdict on one worker, and this process's outcomes for it."""
 
-    __slots__ = ("_half_open_at", "_recorded", "_runs", "_state", "_trial", "_trial_here", "url")
+    __slots__ = (
+        "_half_open_at", "_recorded", "_runs", "_state", "_trial", "_trial_here", "_wake", "url",
+    )  # fmt: skip
 
-    def __init__(self, url: str, recorded: set[SharedCircuit]) -> None:
+    def __init__(self, url: str, recorded: set[SharedCircuit], wake: Callable[[], None]) -> None:
         self.url = url
+        # Asks for a report now: a failure, or a trial's outcome, is what the control process
+        # decides the circuit on, and the sooner it does the fewer requests meet a broken worker.
+        self._wake = wake
         # Outcomes since the last report, in order, as runs: [succeeded, how many in a row]
         # (one entry per run rather than per leg: a report carries thousands of legs).
         self._runs: list[list[Any]] = []
@@ -51,7 +59,7 @@ class SharedCircuit:
         self._trial = False
         self._trial_here = True
 
-    def update(self, state: str, half_open_at: float | None, trial_here: bool) -> None:
+    def update(self, state: CircuitState, half_open_at: float | None, trial_here: bool) -> None:
         """The control process's verdict; ``trial_here``: this process may send the trial of
         a half-open circuit. A trial in flight stays counted until its leg ends, whatever the
         verdict: a snapshot made before the cool-down ended may still say open after this
@@ -61,20 +69,19 @@ class SharedCircuit:
         self._trial_here = trial_here
 
     @property
-    def state(self) -> str:
+    def state(self) -> CircuitState:
         half_open_at = self._half_open_at
-        if self._state == OPEN and half_open_at is not None and time.monotonic() >= half_open_at:
+        if self._state is OPEN and half_open_at is not None and time.monotonic() >= half_open_at:
             self._state = HALF_OPEN
         return self._state
 
     def allows(self) -> bool:
-        if self._state == CLOSED:
+        if self._state is CLOSED:
             return True
-        state = self.state
-        return state == HALF_OPEN and self._trial_here and not self._trial
+        return self.state is HALF_OPEN and self._trial_here and not self._trial
 
     def on_dispatch(self) -> None:
-        if self._state == HALF_OPEN:
+        if self._state is HALF_OPEN:
             self._trial = True
 
     def record_success(self) -> None:
@@ -85,6 +92,8 @@ class SharedCircuit:
 
     def _record(self, ok: bool) -> None:
         self._trial = False
+        if not ok or self._state is not CLOSED:
+            self._wake()
         runs = self._runs
         if runs and runs[-1][0] is ok:
             runs[-1][1] += 1
@@ -180,7 +189,7 @@ class SnapshotPools:
             member = self._members.get(url)
             self._gone.discard(url)
             if member is None:
-                member = Member(url, role, SharedCircuit(url, self._recorded))
+                member = Member(url, role, SharedCircuit(url, self._recorded, self._wake))
                 self._members[url] = member
             elif member.role is not role:
                 self.policies[member.role].forget(url)
@@ -188,7 +197,7 @@ class SnapshotPools:
             member.bootstrap_port = entry["bootstrap_port"]
             member.pickable = entry["pickable"]
             member.circuit.update(
-                entry["circuit"], entry["half_open_at"], entry["trial"] == self.index
+                CircuitState(entry["circuit"]), entry["half_open_at"], entry["trial"] == self.index
             )
             self._set_usable(member, entry["usable"])
         for url in [url for url in self._members if url not in seen]:
@@ -226,9 +235,9 @@ class SnapshotPools:
         avoid: Iterable[Member] = (),
         prompt: Callable[[], str] | None = None,
     ) -> Member:
-        """As the one-process router picks: a selectable member of ``role`` (its circuit
-        allowing), the ones in ``avoid`` only when nothing else is left; when every
-        circuit keeps the pool out, the pickable members anyway (panic mode)."""
+        """A selectable member of ``role`` (its circuit allowing), the ones in ``avoid`` only
+        when nothing else is left; when every circuit keeps the pool out, the pickable members
+        not in ``avoid`` anyway (panic mode, :mod:`pd_router.control.circuit`)."""
         pool = self._pools[role]
         return choose(
             role,
