@@ -69,6 +69,32 @@ async def test_hung_bootstrap_fails_the_decode_and_frees_the_prefill_room(
     assert (await client.get(prefill + "/pd_role")).json()["idle"] is True
 
 
+async def test_stale_bootstrap_hangs_the_pair_until_the_bootstrap_timeout(
+    cluster, client, clear_faults
+):
+    prefill, decode = cluster.prefill_urls[0], cluster.decode_urls[0]
+    port = cluster.bootstrap_port(prefill)
+    await client.post(decode + "/fault", json={"stale_bootstrap": f"127.0.0.1:{port}"})
+    body = with_bootstrap({"text": "stale"}, port, new_room())
+    started = time.monotonic()
+    p, d = await asyncio.gather(
+        client.post(prefill + "/generate", json=body), client.post(decode + "/generate", json=body)
+    )
+    assert time.monotonic() - started >= SHORT
+    assert d.status_code == 500 and "timed out" in d.json()["message"]
+    assert p.status_code == 500 and "Prefill bootstrap failed" in p.json()["message"]
+
+
+async def test_stale_bootstrap_spares_the_other_prefills(cluster, client, clear_faults):
+    prefill, decode = cluster.prefill_urls[0], cluster.decode_urls[0]
+    await client.post(decode + "/fault", json={"stale_bootstrap": "127.0.0.1:1"})
+    body = with_bootstrap({"text": "fresh"}, cluster.bootstrap_port(prefill), new_room())
+    p, d = await asyncio.gather(
+        client.post(prefill + "/generate", json=body), client.post(decode + "/generate", json=body)
+    )
+    assert (p.status_code, d.status_code) == (200, 200)
+
+
 async def test_unhealthy_fault_turns_health_503_until_cleared(cluster, client, clear_faults):
     url = cluster.prefill_urls[0]
     await client.post(url + "/fault", json={"unhealthy": True})
