@@ -1,10 +1,11 @@
 """The wire contract of the native role switch and the extension endpoints.
 
 Native SGLang serves ``POST /pd_role_switch``; the extension (``server_patch`` on SGLang, and
-``pd_worker``) adds ``GET /pd_role``, ``POST /pd_drain`` and ``POST /convert_pd_role``. The paths,
-the role names, the body fields each route takes and the knobs an in-process switch cannot honour
-are defined here once: the servers validate bodies against them and the router builds bodies from
-them. Described in docs/server_patch.md (server side) and docs/conversion.md (router side).
+``pd_worker``) adds ``GET /pd_role``, ``POST /pd_drain``, ``POST /convert_pd_role`` and
+``POST /pd_forget_prefill``. The paths, the role names, the body fields each route takes and the
+knobs an in-process switch cannot honour are defined here once: the servers validate bodies
+against them and the router builds bodies from them. Described in docs/server_patch.md (server
+side) and docs/conversion.md (router side).
 """
 
 from __future__ import annotations
@@ -15,6 +16,11 @@ SWITCH_PATH = "/pd_role_switch"
 ROLE_PATH = "/pd_role"
 DRAIN_PATH = "/pd_drain"
 CONVERT_PATH = "/convert_pd_role"
+# On a decode: drop what it cached about one prefill (its rank endpoints), so the next request
+# from that prefill asks its bootstrap server again. A router calls it on every decode when a
+# worker becomes a prefill again (SGLang keeps the endpoints of the prefill's previous run).
+FORGET_PREFILL_PATH = "/pd_forget_prefill"
+FORGET_PREFILL_FIELDS = frozenset({"bootstrap_host", "bootstrap_port"})
 
 # A router names the role it routes a generation leg to in this header; a server with the
 # extension whose live role is the other one answers MISDIRECTED_STATUS at once (the body names its
