@@ -109,3 +109,14 @@ def test_a_missing_worker_certificate_is_one_line_naming_the_file(tmp_path):
 def test_the_demo_on_a_port_in_use_is_one_line_before_any_worker_starts(taken_port):
     line = one_line_error(run(PD_ROUTER, "demo", "--port", str(taken_port)))
     assert f"127.0.0.1:{taken_port}" in line and "already in use" in line
+
+
+def test_kubernetes_discovery_without_credentials_is_one_line_naming_where_it_looked(
+    tmp_path, free_port
+):
+    args = ["--service-discovery", "--selector", "app=sglang", "--port", str(free_port())]
+    env = {"HOME": str(tmp_path), "KUBECONFIG": ""}
+    line = one_line_error(run(PD_ROUTER, *args, env=env))
+    assert "no Kubernetes credentials" in line
+    assert "$KUBECONFIG" in line and "~/.kube/config" in line
+    assert "KUBERNETES_SERVICE_HOST" in line

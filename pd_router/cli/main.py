@@ -36,6 +36,8 @@ from pd_router.cli.compat import (
 from pd_router.cli.exposure import ADMIN_KEY_ENV, Exposed, admin_exposure
 from pd_router.cli.usage import INTERRUPTED, USAGE_ERROR, nearest
 from pd_router.config import LOG_FORMATS, ConfigError, RouterConfig, load_config, merge
+from pd_router.control.discovery.config import DiscoveryUnavailable
+from pd_router.control.discovery.kubernetes import check_credentials
 from pd_router.dataplane import policies
 
 SUBCOMMANDS = ("serve", "launch", "demo", "status", "convert", "autopilot")
@@ -206,9 +208,11 @@ def serve(argv: Sequence[str]) -> int:
     args = build_parser().parse_args(list(argv))
     try:
         config = config_from_args(args)
+        if config.discovery.active_provider == "kubernetes":
+            check_credentials(config.discovery.kubeconfig)
         check_can_listen(config.host, config.port, "--port")
         exposure = admin_exposure(config, admin_key_source(args, config))
-    except (ConfigError, ListenError, Exposed) as exc:
+    except (ConfigError, ListenError, Exposed, DiscoveryUnavailable) as exc:
         print(f"pd-router: {exc}", file=sys.stderr)
         return USAGE_ERROR
     configure_logging(config.log_level, config.log_format)

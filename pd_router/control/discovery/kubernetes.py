@@ -24,6 +24,7 @@ imported only here, when this provider starts.
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 from collections.abc import Mapping
@@ -43,6 +44,7 @@ BOOTSTRAP_ANNOTATION = "sglang.ai/bootstrap-port"
 WATCH_TIMEOUT_SECS = 240
 RETRY_MIN_SECS = 0.5
 RETRY_MAX_SECS = 15.0
+NOT_INSTALLED = "Kubernetes discovery needs kubernetes_asyncio: pip install 'pd-router[k8s]'"
 
 
 async def api_client(kubeconfig: str | None) -> Any:
@@ -51,9 +53,7 @@ async def api_client(kubeconfig: str | None) -> Any:
     try:
         from kubernetes_asyncio import client, config
     except ImportError as exc:
-        raise DiscoveryUnavailable(
-            "Kubernetes discovery needs kubernetes_asyncio: pip install 'pd-router[k8s]'"
-        ) from exc
+        raise DiscoveryUnavailable(NOT_INSTALLED) from exc
     configuration = client.Configuration()
     path = kubeconfig_path(kubeconfig)
     try:
@@ -62,8 +62,35 @@ async def api_client(kubeconfig: str | None) -> Any:
         else:
             config.load_incluster_config(client_configuration=configuration)
     except config.ConfigException as exc:
-        raise DiscoveryUnavailable(f"no Kubernetes credentials: {exc}") from exc
+        raise DiscoveryUnavailable(no_credentials(path, str(exc).rstrip("."))) from exc
     return client.ApiClient(configuration)
+
+
+def check_credentials(kubeconfig: str | None) -> None:
+    """Before the router starts: DiscoveryUnavailable when kubernetes_asyncio is missing or no
+    credentials can be there at all (no kubeconfig file, not in a pod), so the mistake is one
+    line at start-up; the client reads them for real when discovery starts."""
+    if importlib.util.find_spec("kubernetes_asyncio") is None:
+        raise DiscoveryUnavailable(NOT_INSTALLED)
+    path = kubeconfig_path(kubeconfig)
+    if path is not None and not Path(path).is_file():
+        raise DiscoveryUnavailable(no_credentials(path, "no such file"))
+    if path is None and "KUBERNETES_SERVICE_HOST" not in os.environ:
+        raise DiscoveryUnavailable(no_credentials(None, "KUBERNETES_SERVICE_HOST is not set"))
+
+
+def no_credentials(path: str | None, error: str) -> str:
+    """Why no credentials were found, naming every place looked at."""
+    if path is not None:
+        return f"no Kubernetes credentials in the kubeconfig {path}: {error}"
+    kubeconfig = os.environ.get("KUBECONFIG")
+    looked = f"$KUBECONFIG ({kubeconfig})" if kubeconfig else "$KUBECONFIG (unset), ~/.kube/config"
+    if "KUBERNETES_SERVICE_HOST" in os.environ:
+        return f"no Kubernetes credentials: the pod's service account: {error}"
+    return (
+        f"no Kubernetes credentials: no kubeconfig at {looked}, and not in a pod for a service "
+        f"account ({error}); set $KUBECONFIG or [discovery] kubeconfig"
+    )
 
 
 def kubeconfig_path(given: str | None) -> str | None:
@@ -143,8 +170,7 @@ class KubernetesDiscovery:
 
         call, args = self._list_call()
         selector = str(self._watched) or None
-        response = await call(*args, label_selector=selector, _preload_content=False)
-        listing = await response.json()
+        listing = await body_of(await call(*args, label_selector=selector, _preload_content=False))
         present = set()
         for pod in listing.get("items") or ():
             present.add(self._apply(pod))
@@ -207,18 +233,13 @@ class KubernetesDiscovery:
         """A pod left the watch: deleted, or relabelled so that the watch's selector no longer
         matches it. The API server reports both as a deletion of the pod as it was; reading the
         pod tells which."""
-        from kubernetes_asyncio.client.exceptions import ApiException
-
         namespace, name = pod_key_of(pod)
-        try:
-            response = await self._api.read_namespaced_pod(name, namespace, _preload_content=False)
-            now = await response.json()
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+        response = await self._api.read_namespaced_pod(name, namespace, _preload_content=False)
+        if response.status == 404:
+            response.release()
             self._gone((namespace, name), "deleted")
             return
-        self._apply(now)
+        self._apply(await body_of(response))
 
     def _propose(self, labels: Mapping[str, str]) -> tuple[bool, Role | None]:
         """Whether a pod with ``labels`` is a worker, and the role its labels propose."""
@@ -240,6 +261,18 @@ class KubernetesDiscovery:
         kind, _, key = source.partition(":")
         table = metadata.get("labels" if kind == "label" else "annotations") or {}
         return table.get(key)
+
+
+async def body_of(response: Any) -> dict[str, Any]:
+    """The JSON body of a call made with ``_preload_content=False`` (the raw dicts, without the
+    client's model objects), which does not raise on an error status as the client's other
+    calls do: ApiException then, so a ``Status`` body is never read as a pod or a list."""
+    from kubernetes_asyncio.client.exceptions import ApiException
+
+    if not 200 <= response.status < 300:
+        reason = await response.text()
+        raise ApiException(status=response.status, reason=f"{response.reason}: {reason[:200]}")
+    return await response.json()
 
 
 def pod_key_of(pod: Mapping[str, Any]) -> tuple[str, str]:
