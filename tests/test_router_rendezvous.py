@@ -23,6 +23,7 @@ from tests.router_helpers import (
     wait_until,
     worker_metric,
 )
+from tests.router_process import router_process
 
 WAIT = 1.5  # the rendezvous wait under test; the workers' own bootstrap timeout is 30 s
 SLACK = 2.0  # a retry on a healthy pair, the 0.2 s ticker, a loaded 2-core machine
@@ -174,3 +175,19 @@ async def test_converting_the_stuck_decode_drains_within_the_wait(cluster, stuck
         assert response.status_code == 200, response.text
         back = await convert(http, server_url=decode, new_role="decode")
         assert back.status_code == 200, back.text
+
+
+async def test_each_data_plane_waits_for_a_stuck_pair_once_at_most(cluster, stuck_pair):
+    processes = {**PAIRS, "server": {"workers": 2}}
+    slow = 0
+    async with router_process(
+        prefill=cluster.prefill_urls, decode=cluster.decode_urls, **processes
+    ) as router:
+        for n in range(10):
+            # A connection per request: the kernel spreads them over the data planes.
+            async with router.client(headers={"Connection": "close"}) as http:
+                elapsed, response = await timed_generate(http, f"plane {n}")
+            assert response.status_code == 200, response.text
+            assert elapsed < WAIT + SLACK
+            slow += elapsed >= WAIT
+    assert 1 <= slow <= 2
