@@ -423,7 +423,7 @@ def decode_entry(
     url: str, circuit: str = "closed", trial: int | None = None, half_open_at: float | None = None
 ) -> dict[str, Any]:
     """A decode as a snapshot carries it."""
-    return {"url": url, "role": "decode", "bootstrap_port": None, "pickable": True,
+    return {"url": url, "role": "decode", "epoch": 0, "bootstrap_port": None, "pickable": True,
             "usable": True, "circuit": circuit, "half_open_at": half_open_at,
             "trial": trial}  # fmt: skip
 

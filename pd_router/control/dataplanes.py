@@ -329,6 +329,7 @@ def entry_of(worker: Worker) -> dict[str, Any]:
     return {
         "url": worker.url,
         "role": worker.role.value,
+        "epoch": worker.epoch,
         "bootstrap_port": worker.bootstrap_port,
         "pickable": worker.state is WorkerState.ACTIVE and worker.healthy and worker.admitting,
         "usable": worker.healthy and worker.state is not WorkerState.FAILED,

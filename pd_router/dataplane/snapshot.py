@@ -116,6 +116,7 @@ class Member:
         "bootstrap_host",
         "bootstrap_port",
         "circuit",
+        "epoch",
         "idle_at",
         "inflight",
         "local",
@@ -129,6 +130,9 @@ class Member:
     def __init__(self, url: str, role: Role, circuit: SharedCircuit) -> None:
         self.url = url
         self.role = role
+        # The registry's epoch of the worker: a role change through a conversion or one the
+        # router adopted moves it on (a quarantined pair is released by it).
+        self.epoch = 0
         self.bootstrap_port: int | None = None
         self.bootstrap_host = bootstrap_host(url)
         self.circuit = circuit
@@ -194,6 +198,7 @@ class SnapshotPools:
             elif member.role is not role:
                 self.policies[member.role].forget(url)
                 member.role = role
+            member.epoch = entry["epoch"]
             member.bootstrap_port = entry["bootstrap_port"]
             member.pickable = entry["pickable"]
             member.circuit.update(
