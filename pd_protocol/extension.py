@@ -1,4 +1,5 @@
-"""The extension endpoints (`/pd_role`, `/pd_drain`, `/convert_pd_role`), written once.
+"""The extension endpoints (`/pd_role`, `/pd_drain`, `/convert_pd_role`, `/pd_forget_prefill`),
+written once.
 
 SGLang's in-process role switch leaves draining to the caller and says nothing about idleness or
 the bootstrap port. This module adds those on top of any server that can report its role and load
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 from pd_protocol.wire import (
     CONVERT_FIELDS,
     DEFAULT_DRAIN_TIMEOUT_SECS,
+    FORGET_PREFILL_FIELDS,
     MISDIRECTED_STATUS,
     ROLES,
     ROUTING_FIELDS,
@@ -65,6 +67,12 @@ class RoleBackend(Protocol):
 
     def switch_supported(self) -> bool:
         """Whether the in-process switch is enabled (`--enable-pd-role-switch`)."""
+        ...
+
+    async def forget_prefill(self, bootstrap_host: str, bootstrap_port: int) -> None:
+        """Drop what this server cached about the prefill whose KV bootstrap server is at
+        `bootstrap_host`:`bootstrap_port` (nothing to drop on a prefill); raises
+        `ExtensionError` when the server could not be asked."""
         ...
 
 
@@ -219,6 +227,21 @@ def _parse_convert_body(body: object, bootstrap_port: int | None) -> _ConvertReq
     )
 
 
+def _parse_forget_prefill_body(body: object) -> tuple[str, int]:
+    """Validate a /pd_forget_prefill body: the prefill's bootstrap host and port."""
+    body = _require_object(body)
+    for name in body:
+        if name not in FORGET_PREFILL_FIELDS:
+            raise ExtensionError(f"unknown field {name!r}", field=name)
+    host = body.get("bootstrap_host")
+    if not isinstance(host, str) or not host.strip():
+        raise ExtensionError("bootstrap_host must be a non-empty string", field="bootstrap_host")
+    port = body.get("bootstrap_port")
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        raise ExtensionError("bootstrap_port must be a port number", field="bootstrap_port")
+    return host.strip(), port
+
+
 def _parse_drain_body(body: object) -> bool:
     body = _require_object(body)
     for name in body:
@@ -341,6 +364,15 @@ class PDExtension:
             logger.info("admission %s by /pd_drain", "closed" if drain else "reopened")
         self._drain_requested = drain
         return await self.status()
+
+    async def forget_prefill(self, body: object) -> dict[str, Any]:
+        """POST /pd_forget_prefill: the server drops its cached endpoints of one prefill, so
+        the next request from that prefill fetches them from its bootstrap server again (after
+        the prefill went through decode and back, the old ones lead nowhere)."""
+        host, port = _parse_forget_prefill_body(body)
+        await self._backend.forget_prefill(host, port)
+        logger.info("forgot the endpoints of prefill %s:%d", host, port)
+        return {"success": True, "message": f"forgot prefill {host}:{port}"}
 
     async def switch(self, body: object) -> tuple[int, dict[str, Any]]:
         """Native POST /pd_role_switch through the extension, so the epoch counts it."""

@@ -23,6 +23,7 @@ from pd_protocol.extension import ExtensionError, PDExtension
 from pd_protocol.wire import (
     CONVERT_PATH,
     DRAIN_PATH,
+    FORGET_PREFILL_PATH,
     ROLE_HEADER,
     ROLE_PATH,
     SWITCH_FIELDS,
@@ -127,6 +128,7 @@ def _add_routes(app: web.Application) -> None:
     r.add_get(ROLE_PATH, pd_role)
     r.add_post(DRAIN_PATH, pd_drain)
     r.add_post(CONVERT_PATH, convert_pd_role)
+    r.add_post(FORGET_PREFILL_PATH, pd_forget_prefill)
     r.add_post("/fault", fault)
 
 
@@ -533,6 +535,12 @@ async def pd_drain(request: web.Request) -> web.Response:
     _require_extension(request)
     _require_admin(request)
     return _json(await request.app[WORKER].extension.set_drain(await _body(request)))
+
+
+async def pd_forget_prefill(request: web.Request) -> web.Response:
+    _require_extension(request)
+    _require_admin(request)
+    return _json(await request.app[WORKER].extension.forget_prefill(await _body(request)))
 
 
 async def convert_pd_role(request: web.Request) -> web.Response:

@@ -60,3 +60,8 @@ class EngineBackend:
 
     def switch_supported(self) -> bool:
         return self._engine.config.enable_pd_role_switch
+
+    async def forget_prefill(self, bootstrap_host: str, bootstrap_port: int) -> None:
+        """Nothing to drop: a decode here pulls every room from the prefill's bootstrap server
+        itself, which outlives role switches (an SGLang decode keeps the rank endpoints that
+        server named, which a prefill's round trip through decode replaces)."""

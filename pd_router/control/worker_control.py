@@ -8,12 +8,18 @@ extension endpoints (server_patch on SGLang, pd_worker) add ``GET /pd_role``, ``
 on the server side, then switch). The router uses the extension when a worker has it and falls
 back to the native protocol otherwise: the readings (role, load) hide the difference here, the
 conversion's steps over each protocol are in :mod:`pd_router.control.conversion.protocols`.
-Paths come
-from :mod:`pd_protocol.wire`.
+Paths come from :mod:`pd_protocol.wire`.
+
+When a worker becomes a prefill again, every decode is asked to forget what it cached about that
+prefill (``POST /pd_forget_prefill``): SGLang's decodes keep a prefill's rank endpoints keyed by
+its bootstrap address, and after the prefill's round trip through decode those lead nowhere
+(docs/sglang-bugs.md, bug b).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import ssl
 from dataclasses import dataclass
 from typing import Any
@@ -21,8 +27,16 @@ from typing import Any
 import aiohttp
 import orjson
 
-from pd_protocol.wire import CONVERT_PATH, DRAIN_PATH, ROLE_PATH, SWITCH_PATH
+from pd_protocol.wire import (
+    CONVERT_PATH,
+    DRAIN_PATH,
+    FORGET_PREFILL_PATH,
+    ROLE_PATH,
+    SWITCH_PATH,
+)
 from pd_router.control.workers import Role, Worker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECS = 10.0
 DEFAULT_SWITCH_TIMEOUT_SECS = 600.0
@@ -221,6 +235,38 @@ class WorkerControl:
     async def convert(self, worker: Worker, body: dict[str, Any]) -> SwitchReply:
         """Extension ``POST /convert_pd_role``: the worker drains itself, then switches."""
         return await self._switch_call(worker, CONVERT_PATH, body)
+
+    async def forget_prefill_on_decodes(self, prefill: Worker, bootstrap_port: int | None) -> None:
+        """``POST /pd_forget_prefill`` on every decode, at once, for ``prefill`` (which has just
+        become a prefill again, its KV bootstrap server at ``bootstrap_port``). Never raises: a
+        decode that cannot forget is logged, since its requests from that prefill may wait at
+        bootstrap until the router's rendezvous wait gives up on them."""
+        port = bootstrap_port or prefill.bootstrap_port
+        decodes = [w for w in self._registry.in_role(Role.DECODE) if w is not prefill]
+        if port is None or not decodes:
+            return
+        body = {"bootstrap_host": prefill.bootstrap_host, "bootstrap_port": port}
+        await asyncio.gather(*(self._forget_prefill(decode, prefill, body) for decode in decodes))
+
+    async def _forget_prefill(self, decode: Worker, prefill: Worker, body: dict[str, Any]) -> None:
+        try:
+            status, reply = await self._post(decode.url, FORGET_PREFILL_PATH, body, self._timeout)
+        except ControlError as exc:
+            why = exc.reason
+        else:
+            if status == 200:
+                logger.info("decode %s forgot the endpoints of prefill %s", decode.url, prefill.url)
+                return
+            why = (
+                "no such route: SGLang without server_patch"
+                if status == 404
+                else f"HTTP {status}: {_short(reply)}"
+            )
+        logger.warning(
+            "decode %s could not forget the old endpoints of prefill %s (%s): its requests from "
+            "that prefill may hang at bootstrap (SGLang bug, docs/sglang-bugs.md)",
+            decode.url, prefill.url, why,
+        )  # fmt: skip
 
     async def _switch_call(self, worker: Worker, path: str, body: dict[str, Any]) -> SwitchReply:
         status, reply = await self._post(worker.url, path, body, self._switch_timeout)

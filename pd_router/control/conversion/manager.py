@@ -135,6 +135,17 @@ class ConversionManager:
         self._started = 0
         self._tasks: set[asyncio.Task[None]] = set()
         self._succeeded: list[Callable[[Worker, Role], None]] = []
+        registry.on_adopted(self._forget_if_prefill)
+
+    def _forget_if_prefill(self, worker: Worker) -> None:
+        """A worker found to have become a prefill outside a conversion of this router (role
+        drift): the decodes forget its old endpoints, as after a conversion to prefill."""
+        if worker.role is Role.PREFILL:
+            task = asyncio.create_task(
+                self._control.forget_prefill_on_decodes(worker, worker.bootstrap_port)
+            )
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     def on_succeeded(self, callback: Callable[[Worker, Role], None]) -> None:
         """Call ``callback(worker, new_role)`` when a conversion of this router succeeded (the
@@ -532,6 +543,10 @@ class ConversionManager:
                 or reading.bootstrap_port
                 or conv.worker.bootstrap_port
             )
+        if conv.to_role is Role.PREFILL:
+            # SGLang's decodes keep the endpoints of the worker's previous run as a prefill:
+            # they forget them before it takes traffic again (docs/sglang-bugs.md, bug b).
+            await self._control.forget_prefill_on_decodes(conv.worker, port)
         await self._reopen(conv, protocol)
         conv.timings["verify_s"] = phase.end()
         await self._cluster.release(conv.worker, conv.id, WorkerState.ACTIVE, conv.to_role, port)
