@@ -8,6 +8,8 @@
 - ``etcd_server`` (function scope): a real single-member etcd (see tests/etcd_helpers.py).
 - ``kube_apiserver`` (module scope), ``kube`` (a fresh namespace): a real kube-apiserver (see
   tests/k8s_helpers.py).
+- ``sglang_fleet`` (session scope): real SGLang servers on the CPU, a colocated reference and a
+  2P2D (see tests/sglang_cluster.py).
 
 Clusters are synchronous objects; use them from async tests as well (only their ``kill``,
 ``add`` and ``terminate`` calls block, briefly).
@@ -24,6 +26,7 @@ from pd_worker.cluster import WorkerCluster
 from pd_worker.cluster import free_port as _free_port
 from tests.etcd_helpers import etcd_server  # noqa: F401 (a fixture, registered by import)
 from tests.k8s_helpers import kube, kube_apiserver  # noqa: F401 (fixtures, as etcd_server)
+from tests.sglang_cluster import sglang_fleet  # noqa: F401 (a fixture, as etcd_server)
 
 ClusterFactory = Callable[..., WorkerCluster]
 

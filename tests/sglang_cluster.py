@@ -1,0 +1,266 @@
+"""Real SGLang 0.5.23 servers on the CPU, for the tests that prove the router against the real
+thing (marker ``real_sglang``).
+
+What it takes (all built once and cached outside the clone by ``make sglang-venv``, see
+tests/sglang/build_venv.sh): SGLang's venv, with mooncake's non-CUDA transfer engine, and a
+stand-in ``libcuda.so.1``; the tiny Llama of tests/sglang/make_model.py (seeded real weights, a
+tokenizer trained here). The CPU shims (the stub library, tests/sglang/cpu_shim/sitecustomize.py)
+are test support, never part of what a GPU user runs. When the venv is missing or the machine has
+too little memory for the servers, the tests skip and say why.
+
+A server is one ``python -m sglang.launch_server`` (or ``server_patch.launch_server``) process
+group with the CPU flags of :data:`CPU_FLAGS`; PD servers run mooncake's TCP transport on
+loopback and each has its own bootstrap port (with ``--enable-pd-role-switch`` every instance
+runs a bootstrap server, decodes too). Servers die with the test process (``PR_SET_PDEATHSIG``)
+and are stopped as a process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pd_worker.cluster import free_port
+
+SGLANG_VERSION = "0.5.23"
+REPO = Path(__file__).resolve().parents[1]
+SUPPORT = REPO / "tests" / "sglang"
+CACHE = Path(os.environ.get("PD_ROUTER_CACHE", Path.home() / ".cache" / "pd-router"))
+VENV = CACHE / f"sglang-{SGLANG_VERSION}"
+# Per server: about 1-2.4 GB resident once warm, more while it starts.
+MEMORY_PER_SERVER_GB = 2.5
+READY_TIMEOUT_SECS = 240.0
+READY_LINE = "The server is fired up and ready to roll!"
+CPU_FLAGS = (
+    "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+    "--disable-cuda-graph", "--sleep-on-idle", "--disable-overlap-schedule",
+    "--max-total-tokens", "4096", "--tp", "1",
+)  # fmt: skip
+PD_FLAGS = (
+    "--disaggregation-transfer-backend", "mooncake_tcp",
+    "--disaggregation-decode-retraction-backup", "cpu_tensor",
+    "--enable-pd-role-switch",
+)  # fmt: skip
+# SGLang 0.5.23 crashes a server with a radix cache after prefill -> decode (docs/sglang-bugs.md):
+# every switchable server of the shared cluster runs without one, as docs/real-sglang.md says.
+NO_RADIX = ("--disable-radix-cache",)
+
+
+def missing() -> str | None:
+    """Why real SGLang cannot run here, or None when it can."""
+    if not (VENV / ".complete").exists():
+        return f"no SGLang venv at {VENV} (make sglang-venv builds it: ~11 GB, 3-5 minutes)"
+    return None
+
+
+def require(servers: int) -> None:
+    """Skip unless the venv is built and the machine has memory for ``servers`` servers."""
+    if reason := missing():
+        pytest.skip(reason)
+    available_gb = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    if available_gb < servers * MEMORY_PER_SERVER_GB:
+        pytest.skip(
+            f"{servers} real SGLang servers need about {servers * MEMORY_PER_SERVER_GB:.0f} GB of "
+            f"free memory; {available_gb:.1f} GB free"
+        )
+
+
+def tiny_model() -> Path:
+    """The tiny Llama's checkpoint directory, written once per version of its generator."""
+    script = SUPPORT / "make_model.py"
+    digest = hashlib.sha256(script.read_bytes()).hexdigest()[:12]
+    target = CACHE / f"tiny-llama-{digest}"
+    if not (target / "config.json").exists():
+        subprocess.run([str(VENV / "bin" / "python"), str(script), str(target)], check=True)
+    return target
+
+
+def environment() -> dict[str, str]:
+    """SGLang on the CPU: its CPU engine, the stub libcuda, the import-time shim, loopback
+    addresses for bootstrap, ZMQ and mooncake, one torch thread per server (several servers
+    share two cores; one count everywhere keeps outputs identical across servers)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA", "PYTHON"))}
+    env |= {
+        "SGLANG_USE_CPU_ENGINE": "1",
+        "SGLANG_HOST_IP": "127.0.0.1",
+        "LD_LIBRARY_PATH": str(VENV / "cpu-shim"),
+        "PYTHONPATH": os.pathsep.join([str(SUPPORT / "cpu_shim"), str(REPO)]),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: a new process group, and SIGTERM when the test process dies."""
+    os.setsid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class SGLangServer:
+    """One real SGLang server: ``mode`` prefill, decode or None (colocated, no PD)."""
+
+    name: str
+    mode: str | None
+    port: int
+    bootstrap_port: int | None
+    patched: bool = False
+    extra: Sequence[str] = ()
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+    _log: object = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self, model: Path) -> list[str]:
+        entry = "server_patch.launch_server" if self.patched else "sglang.launch_server"
+        args = [str(VENV / "bin" / "python"), "-m", entry, "--model-path", str(model)]
+        args += ["--host", "127.0.0.1", "--port", str(self.port), *CPU_FLAGS]
+        if self.mode is not None:
+            args += ["--disaggregation-mode", self.mode, *PD_FLAGS]
+            args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
+        return args + list(self.extra)
+
+    def start(self, model: Path, log_dir: Path) -> SGLangServer:
+        self.log_path = log_dir / f"{self.name}.log"
+        self._log = self.log_path.open("wb")
+        self.process = subprocess.Popen(
+            self.command(model), cwd=log_dir, env=environment(), stdout=self._log,
+            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        return self
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path else ""
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def ready(self) -> bool:
+        if READY_LINE not in self.log_text():
+            return False
+        try:
+            return httpx.get(self.url + "/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
+        """Stops the whole process group (the launcher, its scheduler and detokenizer)."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, sig)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        if self._log is not None:
+            self._log.close()
+
+    def kill(self) -> None:
+        """SIGKILL to the whole group, as a crash or an OOM kill would end it."""
+        self.stop(signal.SIGKILL)
+
+
+def server(name: str, mode: str | None, *, patched: bool = False, extra=()) -> SGLangServer:
+    """A server description on free ports (a bootstrap port for PD servers)."""
+    bootstrap = free_port() if mode is not None else None
+    return SGLangServer(name, mode, free_port(), bootstrap, patched, tuple(extra))
+
+
+def wait_ready(servers: Sequence[SGLangServer], timeout: float = READY_TIMEOUT_SECS) -> None:
+    """Until every server answers; a server that exits or stays silent fails with its log."""
+    deadline = time.monotonic() + timeout
+    waiting = list(servers)
+    while waiting:
+        for s in list(waiting):
+            if not s.alive():
+                raise RuntimeError(f"SGLang server {s.name} exited:\n{s.log_text()[-4000:]}")
+            if s.ready():
+                waiting.remove(s)
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(s.name for s in waiting)
+            raise RuntimeError(f"SGLang servers not ready in {timeout:.0f} s: {names}")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def running(servers: Sequence[SGLangServer]) -> Iterator[list[SGLangServer]]:
+    """Starts ``servers`` together (their start-ups overlap), yields them ready, stops them."""
+    require(len(servers))
+    model = tiny_model()
+    log_dir = Path(tempfile.mkdtemp(prefix="sglang-"))
+    try:
+        for s in servers:
+            s.start(model, log_dir)
+        wait_ready(servers)
+        yield list(servers)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def pd_args(prefill: Sequence[SGLangServer], decode: Sequence[SGLangServer]) -> list[str]:
+    """``pd-router`` arguments naming these workers as mini_lb's command line does."""
+    args: list[str] = []
+    for p in prefill:
+        args += ["--prefill", p.url, str(p.bootstrap_port)]
+    for d in decode:
+        args += ["--decode", d.url]
+    return args
+
+
+@dataclass
+class Fleet:
+    """The shared real-SGLang servers: a colocated reference (same weights, no PD) and a 2P2D
+    whose second prefill and decode run through server_patch (the router speaks the extension
+    protocol to those and SGLang's native one to the others). Tests that convert put every
+    server back in its first role before they end."""
+
+    reference: SGLangServer
+    prefill: list[SGLangServer]
+    decode: list[SGLangServer]
+
+    @property
+    def pd(self) -> list[SGLangServer]:
+        return self.prefill + self.decode
+
+    def router_args(self) -> list[str]:
+        return pd_args(self.prefill, self.decode)
+
+
+@pytest.fixture(scope="session")
+def sglang_fleet() -> Iterator[Fleet]:
+    """Five real SGLang servers for the whole session (about 90 s to start on 2 cores)."""
+    reference = server("colocated", None, extra=NO_RADIX)
+    prefill = [
+        server("p0", "prefill", extra=NO_RADIX),
+        server("p1", "prefill", patched=True, extra=NO_RADIX),
+    ]
+    decode = [
+        server("d0", "decode", extra=NO_RADIX),
+        server("d1", "decode", patched=True, extra=NO_RADIX),
+    ]
+    with running([reference, *prefill, *decode]):
+        yield Fleet(reference, prefill, decode)
