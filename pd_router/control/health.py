@@ -2,10 +2,12 @@
 the same interval.
 
 A worker turns unhealthy after ``failure_threshold`` failed probes in a row and healthy again
-after ``success_threshold`` good ones, so one lost probe does not flap the pools. The first probe
-of a worker decides at once (at start-up an unreachable worker is registered unhealthy and is
-picked up when it comes up). A prefill whose bootstrap port is unknown gets it from its
-``/server_info`` before it counts as healthy.
+after ``success_threshold`` good ones, so one lost probe does not flap the pools; a connection
+that cannot even be opened (refused: no process listens) is proof enough, and makes it unhealthy
+at once, from a probe or from a leg that could not connect (:meth:`HealthMonitor.suspect`).
+The first probe of a worker decides at once (at start-up an unreachable worker is registered
+unhealthy and is picked up when it comes up). A prefill whose bootstrap port is unknown gets it
+from its ``/server_info`` before it counts as healthy.
 
 Role drift. A worker's role can change without this router: a second router converts it, an
 operator calls its ``/pd_role_switch``, or it crashes and SGLang brings it back in its launch role
@@ -160,10 +162,13 @@ class HealthMonitor:
             del self._records[worker_id]
 
     def suspect(self, worker: Worker) -> asyncio.Task[None]:
-        """Read ``worker``'s live role now and move it if it is in another role than its pool.
+        """Read ``worker``'s live role now and move it if it is in another role than its pool;
+        with probes on, a worker that refuses the connection is unhealthy at once.
 
         For the request path, when a leg's answer says the worker is not in the role it was
-        routed as (421 from an extension worker). At most one read per worker is in flight:
+        routed as (421 from an extension worker), or a leg could not connect to it (a worker
+        that is gone must not look healthy until the failure threshold of the next probes).
+        At most one read per worker is in flight:
         calls meanwhile get the same task. Awaiting it is optional (the failed request is
         retried on another pair anyway); it never raises.
         """
@@ -189,6 +194,11 @@ class HealthMonitor:
         try:
             reading, detected = await self._read(worker)
         except ControlError as exc:
+            if not exc.delivered and self._config.enabled and worker.healthy:
+                error = f"connection refused: {exc}"
+                self._log_unhealthy(worker, False, error)
+                self._registry.set_health(worker, False, error)
+                return
             log.info("suspected worker not read", extra={"worker": worker.url, "error": str(exc)})
             return
         if self._current(worker, epoch):
@@ -215,7 +225,7 @@ class HealthMonitor:
             if not worker.healthy:
                 self._registry.mark_recovered(worker)
             return True
-        ok, error = await self._probe(worker)
+        ok, error, refused = await self._probe(worker)
         reading: RoleReading | None = None
         detected = False
         epoch = worker.epoch
@@ -224,10 +234,12 @@ class HealthMonitor:
                 reading, detected = await self._read(worker)
             except ControlError as exc:
                 ok, error = False, f"reading the live role failed: {exc}"
+                refused = not exc.delivered
         record = self._records.setdefault(worker.id, ProbeRecord())
         first = record.count(ok)
         if not ok:
-            if first or (worker.healthy and record.failures >= self._config.failure_threshold):
+            due = record.failures >= self._config.failure_threshold
+            if first or (worker.healthy and (due or refused)):
                 self._log_unhealthy(worker, first, error)
                 self._registry.set_health(worker, False, error)
             elif error is not None:
@@ -360,7 +372,8 @@ class HealthMonitor:
         self._registry.set_extensions(worker, None)
         return await control.read_role(worker), True
 
-    async def _probe(self, worker: Worker) -> tuple[bool, str | None]:
+    async def _probe(self, worker: Worker) -> tuple[bool, str | None, bool]:
+        """(healthy, the error, whether the connection could not even be opened)."""
         if self._session is None:
             raise RuntimeError("health monitor not started")
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_secs)
@@ -370,13 +383,14 @@ class HealthMonitor:
             ) as resp:
                 await resp.read()
                 if resp.status != 200:
-                    return False, f"health probe answered {resp.status}"
+                    return False, f"health probe answered {resp.status}", False
             if worker.role is Role.PREFILL and worker.bootstrap_port is None:
                 port = await self._bootstrap_port(worker, timeout)
                 self._registry.set_bootstrap_port(worker, port)
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
-            return False, f"health probe failed: {type(exc).__name__}: {exc}"
-        return True, None
+            refused = isinstance(exc, aiohttp.ClientConnectorError)
+            return False, f"health probe failed: {type(exc).__name__}: {exc}", refused
+        return True, None, False
 
     async def _learn_bootstrap_port(self, worker: Worker) -> None:
         """Read the prefill's bootstrap port once (probes off); the default if that fails."""

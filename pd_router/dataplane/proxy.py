@@ -197,7 +197,8 @@ class Exchange:
                         "error": failure.message,
                     },
                 )
-                if failure.wrong_role:
+                if failure.wrong_role or failure.kind == "connect":
+                    # Read at once: moved if in another role, unhealthy if the worker is gone.
                     pools.suspect(failure.worker)
                 if failure.stuck:
                     pairs.stuck(prefill, decode)
