@@ -1,9 +1,10 @@
 """The extension endpoints on a FastAPI app (SGLang's own `app` in production).
 
-Maps `GET /pd_role`, `POST /pd_drain`, `POST /convert_pd_role` and `POST /pd_role_switch` onto
-`PDExtension` and adds the admission middleware. `/pd_role_switch` is put in front of SGLang's
-native route, so that a direct switch is serialized with conversions and counted in the epoch;
-it forwards the same body to SGLang's tokenizer manager. Errors are mapped to HTTP here only.
+Maps `GET /pd_role`, `POST /pd_drain`, `POST /convert_pd_role`, `POST /pd_forget_prefill` and
+`POST /pd_role_switch` onto `PDExtension` and adds the admission middleware. `/pd_role_switch`
+is put in front of SGLang's native route, so that a direct switch is serialized with
+conversions and counted in the epoch; it forwards the same body to SGLang's tokenizer manager.
+Errors are mapped to HTTP here only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from pd_protocol.extension import ExtensionError, PDExtension
-from pd_protocol.wire import CONVERT_PATH, DRAIN_PATH, ROLE_PATH, SWITCH_PATH
+from pd_protocol.wire import (
+    CONVERT_PATH,
+    DRAIN_PATH,
+    FORGET_PREFILL_PATH,
+    ROLE_PATH,
+    SWITCH_PATH,
+)
 from server_patch.admission import AdmissionMiddleware, InFlight
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -47,9 +54,13 @@ def install(
     async def pd_role_switch(request: Request) -> Response:
         return await _answer(request, extension.switch)
 
+    async def pd_forget_prefill(request: Request) -> Response:
+        return await _answer(request, lambda body: _ok(extension.forget_prefill(body)))
+
     app.add_api_route(ROLE_PATH, pd_role, methods=["GET"])
     app.add_api_route(DRAIN_PATH, control_auth(pd_drain), methods=["POST"])
     app.add_api_route(CONVERT_PATH, control_auth(convert_pd_role), methods=["POST"])
+    app.add_api_route(FORGET_PREFILL_PATH, control_auth(pd_forget_prefill), methods=["POST"])
     app.add_api_route(SWITCH_PATH, control_auth(pd_role_switch), methods=["POST"])
     app.router.routes.insert(0, app.router.routes.pop())
     app.add_middleware(AdmissionMiddleware, extension=extension, in_flight=in_flight)

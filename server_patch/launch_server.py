@@ -2,14 +2,17 @@
 
 Starts SGLang exactly as `python -m sglang.launch_server` does (plugins, argument parsing,
 `run_server`, process-tree cleanup), after checking the SGLang version and PD mode, turning on
-`--enable-pd-role-switch` when missing, and adding the extension routes and admission gate to
-SGLang's FastAPI app before it serves. With `--pd-router-etcd URL --pd-router-cluster NAME`
-(taken out before SGLang parses its arguments) the server registers itself in that pd-router
-cluster's etcd while it serves (server_patch/registration.py, docs/self-registration.md).
+`--enable-pd-role-switch` when missing, adding the extension routes and admission gate to
+SGLang's FastAPI app before it serves, and handing SGLang a scheduler process function that
+installs server_patch's scheduler changes first (server_patch/scheduler_hooks.py). With
+`--pd-router-etcd URL --pd-router-cluster NAME` (taken out before SGLang parses its arguments)
+the server registers itself in that pd-router cluster's etcd while it serves
+(server_patch/registration.py, docs/self-registration.md).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import os
@@ -26,6 +29,7 @@ from server_patch.preflight import (
     with_role_switch,
 )
 from server_patch.registration import install_registration, split_registration_args
+from server_patch.scheduler_rpc import SchedulerRpc
 
 logger = logging.getLogger("server_patch")
 
@@ -87,13 +91,41 @@ def prepare(argv: list[str]) -> Any:
     if not plan.enable_pd_role_switch:
         logger.info("adding %s (server_patch converts roles in process)", ROLE_SWITCH_FLAG)
         server_args = prepare_server_args(with_role_switch(argv, enabled=False))
-    extension = install_on_sglang_app()
-    logger.info("extension routes installed: GET /pd_role, POST /pd_drain, POST /convert_pd_role")
+    rpc = SchedulerRpc()
+    extension = install_on_sglang_app(rpc)
+    launch_with_scheduler_hooks(rpc)
+    logger.info(
+        "extension routes installed: GET /pd_role, POST /pd_drain, POST /convert_pd_role, "
+        "POST /pd_forget_prefill"
+    )
     if registration is not None:
         from sglang.srt.entrypoints import http_server
 
         install_registration(http_server.app, extension, registration, server_url(server_args))
     return server_args
+
+
+def launch_with_scheduler_hooks(rpc: SchedulerRpc) -> None:
+    """Make SGLang's HTTP `launch_server` (the one `run_server` calls) start its schedulers
+    with `scheduler_hooks.run_scheduler_process` and tell `rpc` where their RPC socket is.
+
+    SGLang takes both functions as arguments of `launch_server`; its `run_server` passes
+    neither, so the module's `launch_server` is replaced by itself with these two given.
+    """
+    from sglang.srt.entrypoints import engine, http_server
+
+    from server_patch import scheduler_hooks
+
+    def init_tokenizer_manager(server_args: Any, port_args: Any) -> Any:
+        rpc.record_port_args(port_args)
+        return engine.init_tokenizer_manager(server_args, port_args)
+
+    launch = getattr(http_server.launch_server, "func", http_server.launch_server)
+    http_server.launch_server = functools.partial(
+        launch,
+        init_tokenizer_manager_func=init_tokenizer_manager,
+        run_scheduler_process_func=scheduler_hooks.run_scheduler_process,
+    )
 
 
 def _log_to_stderr() -> None:

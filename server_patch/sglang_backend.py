@@ -23,8 +23,10 @@ from sglang.srt.arg_groups.overrides import resolving_view
 from sglang.srt.managers.io_struct import PdRoleSwitchReqInput
 from sglang.srt.utils.common import msgspec_to_builtins
 
-from pd_protocol.extension import Load, PDExtension
+from pd_protocol.extension import ExtensionError, Load, PDExtension
 from server_patch.admission import InFlight
+from server_patch.scheduler_hooks import FORGET_PREFILL_METHOD
+from server_patch.scheduler_rpc import SchedulerRpc, SchedulerRpcError
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +36,12 @@ _REPLY_FIELDS = ("success", "message", "old_role", "new_role", "safe_to_restore"
 class SGLangRoleBackend:
     """Role, load and native switch of the SGLang server this process runs."""
 
-    def __init__(self, tokenizer_manager: Callable[[], Any], in_flight: InFlight) -> None:
+    def __init__(
+        self, tokenizer_manager: Callable[[], Any], in_flight: InFlight, rpc: SchedulerRpc
+    ) -> None:
         self._tokenizer_manager = tokenizer_manager
         self._in_flight = in_flight
+        self._rpc = rpc
 
     async def current_role(self) -> str:
         """The schedulers' live role (`internal_states`, as `/server_info` shows it); the
@@ -85,6 +90,16 @@ class SGLangRoleBackend:
     def switch_supported(self) -> bool:
         return bool(resolving_view(self._tokenizer_manager().server_args).enable_pd_role_switch)
 
+    async def forget_prefill(self, bootstrap_host: str, bootstrap_port: int) -> None:
+        """The scheduler's `pd_router_forget_prefill` (server_patch.scheduler_hooks), over
+        SGLang's scheduler RPC; 503 when the scheduler cannot be asked or fails."""
+        try:
+            await self._rpc.call(
+                FORGET_PREFILL_METHOD, bootstrap_host=bootstrap_host, bootstrap_port=bootstrap_port
+            )
+        except SchedulerRpcError as error:
+            raise ExtensionError(str(error), status=503) from error
+
 
 def _kv_in_flight(snapshot: Any) -> int:
     """Prefilled requests whose KV is still being sent to a decode server.
@@ -96,11 +111,12 @@ def _kv_in_flight(snapshot: Any) -> int:
     return 0 if section is None else section.prefill_inflight_queue_reqs
 
 
-def install_on_sglang_app(*, idle_poll_interval: float = 0.05) -> PDExtension:
+def install_on_sglang_app(rpc: SchedulerRpc, *, idle_poll_interval: float = 0.05) -> PDExtension:
     """Add the extension routes and admission gate to SGLang's FastAPI `app`.
 
     Must run before SGLang starts serving (Starlette refuses middleware after the first request);
-    the tokenizer manager is looked up through SGLang's global state at request time.
+    the tokenizer manager is looked up through SGLang's global state at request time, the
+    scheduler is reached through `rpc` once the launch recorded where.
     """
     from sglang.srt.entrypoints import http_server
     from sglang.srt.utils.auth import AuthLevel, auth_level
@@ -108,7 +124,9 @@ def install_on_sglang_app(*, idle_poll_interval: float = 0.05) -> PDExtension:
     from server_patch.fastapi_routes import install
 
     in_flight = InFlight()
-    backend = SGLangRoleBackend(lambda: http_server.get_global_state().tokenizer_manager, in_flight)
+    backend = SGLangRoleBackend(
+        lambda: http_server.get_global_state().tokenizer_manager, in_flight, rpc
+    )
     extension = PDExtension(backend, idle_poll_interval=idle_poll_interval)
     install(
         http_server.app,
