@@ -86,3 +86,23 @@ async def test_a_missing_or_invalid_manifest_changes_nothing_and_says_why_once(
         )
         assert await router.pools() == {p: "prefill", d: "decode"}
         assert router.log_text().count("unknown field(s) worker_typ") == 1
+
+
+async def test_a_manifest_that_empties_a_pool_says_so_in_a_warning(
+    cluster_factory: ClusterFactory, tmp_path: Path
+) -> None:
+    workers = cluster_factory(prefill=1, decode=2)
+    (p,), (d0, d1) = workers.prefill_urls, workers.decode_urls
+    manifest = tmp_path / "workers.json"
+    write_manifest(manifest, entry(p, "prefill"), entry(d0, "decode"), entry(d1, "decode"))
+    async with file_router(manifest, tmp_path) as router:
+        both = {p: "prefill", d0: "decode", d1: "decode"}
+        await wait_until(lambda: pools_are(router, both), LIVENESS_S)
+        write_manifest(manifest, entry(p, "prefill"), entry(d1, "decode"))
+        await wait_until(lambda: pools_are(router, {p: "prefill", d1: "decode"}), LIVENESS_S)
+        write_manifest(manifest, entry(p, "prefill"))
+        await wait_until(lambda: pools_are(router, {p: "prefill"}), LIVENESS_S)
+        log = router.log_text()
+    emptied = f"{d1} leaves: unlisted; no healthy decode worker is left"
+    assert f"WARNING pd_router.discovery: {emptied}" in log, log
+    assert f"INFO pd_router.discovery: {d0} leaves: unlisted" in log, log

@@ -32,6 +32,7 @@ from pd_router.control.workers import (
     WorkerConverting,
     WorkerRegistry,
     WorkerRemoving,
+    WorkerState,
 )
 from pd_router.errors import ClusterUnavailable
 from pd_router.metrics import RouterMetrics
@@ -167,6 +168,7 @@ class Membership:
         while True:
             try:
                 worker = self._registry.get(url)
+                empties = self._empties(worker)
                 await self._cluster.begin_removal(worker)
             except (UnknownWorker, WorkerRemoving):
                 return
@@ -180,5 +182,19 @@ class Membership:
                 continue
             break
         self._removed.labels(self._provider, reason).inc()
-        log.info("%s leaves: %s", url, reason, extra={"worker": url, "reason": reason})
+        fields = {"worker": url, "reason": reason}
+        if empties:
+            role = worker.role.value
+            log.warning("%s leaves: %s; no healthy %s worker is left", url, reason, role,
+                        extra=fields)  # fmt: skip
+        else:
+            log.info("%s leaves: %s", url, reason, extra=fields)
         await self._remove(worker)
+
+    def _empties(self, worker: Worker) -> bool:
+        """Whether ``worker`` leaving takes its pool's last active healthy worker (a warning:
+        requests of that role get 503 until another joins)."""
+        return (
+            worker.state is WorkerState.ACTIVE
+            and self._registry.active_healthy_count(worker.role, excluding=worker) == 0
+        )
