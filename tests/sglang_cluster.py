@@ -46,7 +46,7 @@ READY_LINE = "The server is fired up and ready to roll!"
 CPU_FLAGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
     "--disable-cuda-graph", "--sleep-on-idle", "--disable-overlap-schedule",
-    "--max-total-tokens", "4096", "--tp", "1",
+    "--max-total-tokens", "4096", "--tp", "1", "--enable-metrics",
 )  # fmt: skip
 PD_FLAGS = (
     "--disaggregation-transfer-backend", "mooncake_tcp",
@@ -229,6 +229,22 @@ def pd_args(prefill: Sequence[SGLangServer], decode: Sequence[SGLangServer]) -> 
     for d in decode:
         args += ["--decode", d.url]
     return args
+
+
+def router_ready(url: str, *, prefill: int, decode: int, timeout: float = 60.0) -> None:
+    """Until the router at ``url`` can pick among ``prefill`` and ``decode`` workers."""
+    deadline = time.monotonic() + timeout
+    want = {"prefill": prefill, "decode": decode}
+    while True:
+        try:
+            selectable = httpx.get(url + "/workers", timeout=5.0).json()["selectable"]
+            if selectable == want:
+                return
+        except httpx.HTTPError:
+            selectable = None
+        if time.monotonic() > deadline:
+            raise AssertionError(f"router pools {selectable}, want {want}")
+        time.sleep(0.2)
 
 
 @dataclass
