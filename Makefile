@@ -6,7 +6,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 TORCH_STAMP := $(VENV)/.installed-torch
 
-.PHONY: install browser kube-apiserver demo demo-torch test lint bench bench-worker bench-overhead bench-convert bench-rebalance screenshot clean
+.PHONY: install browser kube-apiserver sglang-venv demo demo-sglang demo-torch test lint bench bench-worker bench-overhead bench-convert bench-rebalance screenshot clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -50,7 +50,14 @@ browser:
 kube-apiserver: browser
 	@tests/k8s/build_kube_apiserver.sh >/dev/null || echo "no kube-apiserver: the Kubernetes tests will be skipped"
 
-test: $(TORCH_STAMP) browser kube-apiserver
+# Real SGLang 0.5.23 on the CPU for the real_sglang tests and make demo-sglang: its own venv
+# (SGLang pins a CUDA torch: about 11 GB and 3-5 minutes the first time, then cached in
+# ~/.cache/pd-router) and a stand-in libcuda; tests/sglang/build_venv.sh. Without it those tests
+# skip, saying why.
+sglang-venv: browser
+	@tests/sglang/build_venv.sh >/dev/null || echo "no SGLang venv: the real-SGLang tests will be skipped"
+
+test: $(TORCH_STAMP) browser kube-apiserver sglang-venv
 	$(VENV)/bin/python -m pytest -q
 
 lint: $(STAMP)

@@ -65,3 +65,9 @@ def pd_cluster() -> Iterator[WorkerCluster]:
 @pytest.fixture
 def free_port() -> Callable[[], int]:
     return _free_port
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The real-SGLang tests run last: their servers then share the machine with no other test
+    (timing-sensitive ones included) for as long as the session keeps them."""
+    items.sort(key=lambda item: item.get_closest_marker("real_sglang") is not None)
