@@ -285,7 +285,7 @@ async def serve_dataplane(
         log.error("data plane %d: the control process is gone; stopping", index)
     for task in (gone, stopped):
         task.cancel()
-    await plane.stop(SHUTDOWN_GRACE_SECS)
+    await plane.stop(config.server.shutdown_grace_secs)
     await relay.stop()
     await session.close()
     return 1 if control_gone else 0
