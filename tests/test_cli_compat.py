@@ -274,6 +274,11 @@ def test_options_map_onto_the_agreed_config_keys():
     }  # fmt: skip
 
 
+def test_the_peers_shutdown_grace_sets_the_routers():
+    config = config_from_argv([*WORKERS, "--shutdown-grace-period-secs", "5"])
+    assert config.server.shutdown_grace_secs == 5.0
+
+
 def test_wait_for_workers_sets_the_startup_wait():
     overrides = overrides_from_argv([*WORKERS, "--wait-for-workers", "30"])
     assert overrides["health"] == {"startup_wait_secs": 30.0}
