@@ -165,6 +165,15 @@ def test_recommend_mode_decides_but_applies_nothing():
     assert not converted[0].applied
 
 
+def test_recommend_mode_holds_for_the_cooldown_after_a_recommendation_and_says_so():
+    config = dataclasses.replace(CONFIG, mode="recommend")
+    policy = AutopilotPolicy(config, min_prefill=1, min_decode=1)
+    decisions = run(policy, trace([840.0] * 10, cluster(2, 4, 0.41)))
+    held = [d for d in decisions if d.at > conversions(decisions)[0].at]
+    assert held[0].reason.startswith("cooldown: last recommendation 5 s ago")
+    assert not any("conversion ended" in d.reason for d in decisions)
+
+
 def test_auto_mode_applies_its_conversion():
     policy = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1)
     converted = conversions(run(policy, trace([840.0] * 8, cluster(2, 4, 0.41))))

@@ -215,6 +215,9 @@ class AutopilotPolicy:
         self._window: deque[Sample] = deque()
         self._over_since: dict[str, float | None] = dict.fromkeys(ROLES)
         self._last_conversion: float | None = None
+        # What the cooldown counts from, as the hold says it: a conversion seen ending, one
+        # decided (not seen running yet), or a recommendation, which changed nothing.
+        self._last_event = "conversion ended"
         self.loads: dict[str, PoolLoad] = {}
 
     def reconfigure(self, config: AutopilotConfig) -> None:
@@ -227,6 +230,7 @@ class AutopilotPolicy:
             # the sample joins neither the window nor the over-target clocks; the loads shown
             # are this sample's alone. The cooldown runs from the end of the conversion.
             self._last_conversion = sample.at
+            self._last_event = "conversion ended"
             self.loads = {
                 role: self._pool_load(role, sample, (sample,), clock=False) for role in ROLES
             }
@@ -321,7 +325,7 @@ class AutopilotPolicy:
             if elapsed < self.config.cooldown_secs:
                 return self._hold(
                     sample,
-                    f"cooldown: last conversion ended {elapsed:.0f} s ago "
+                    f"cooldown: last {self._last_event} {elapsed:.0f} s ago "
                     f"(cooldown {self.config.cooldown_secs:.0f} s)",
                 )
         over = [p for p in (prefill, decode) if self._persistently_over(p)]
@@ -360,6 +364,10 @@ class AutopilotPolicy:
     def _convert(self, sample: Sample, needy: PoolLoad, donor: PoolLoad) -> Decision:
         worker, cost = pick_donor(sample.pool(donor.role), donor.role)
         self._last_conversion = sample.at
+        # Recommendations are spaced as the conversions they stand for would be: one per
+        # cooldown, not the same one at every tick.
+        recommends = self.config.mode == "recommend"
+        self._last_event = "recommendation" if recommends else "conversion decided"
         # Samples of the old split say nothing about the new one. The needy pool's clock keeps
         # running: if it is still over target once the converted server serves, the next step
         # toward it needs no new sustain period, only the cooldown and fresh samples.
