@@ -118,6 +118,25 @@ async def test_a_stuck_pair_is_not_picked_again_while_its_workers_serve_other_pa
             assert (await worker_entry(http, url))["circuit"] == "closed"
 
 
+async def test_a_prefill_whose_only_decode_is_stuck_with_it_gives_way_to_another(
+    cluster, stuck_pair
+):
+    prefill, decode = stuck_pair
+    other_prefill = cluster.prefill_urls[1]
+    async with (
+        running_router(cluster, decode=[decode], **PAIRS) as router,
+        router.client() as http,
+    ):
+        await timed_generate(http, "first")
+        assert rendezvous_misses(router) == 1
+        for n in range(6):
+            elapsed, response = await timed_generate(http, f"only {n}")
+            assert response.status_code == 200, response.text
+            assert elapsed < WAIT
+            assert response.json()["meta_info"]["kv_source"] == other_prefill
+        assert (await worker_entry(http, prefill))["circuit"] == "closed"
+
+
 async def test_a_stuck_pair_is_picked_again_once_its_prefill_changed_role_and_back(
     cluster, stuck_pair
 ):
