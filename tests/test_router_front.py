@@ -11,7 +11,8 @@ import zlib
 import orjson
 import pytest
 
-from tests.router_helpers import assert_paired, generate_body, running_router
+from pd_router.dataplane.channel import LocalChannel
+from tests.router_helpers import assert_paired, generate_body, running_router, wait_until
 
 GIVE_UP_SECS = 10.0
 
@@ -99,8 +100,20 @@ async def test_a_connection_moved_to_another_process_is_closed_after_its_pipelin
 ):
     raw = b"".join(post("/generate", generate(f"moving {i}", 2)) for i in range(3))
     async with running_router(cluster) as router:
-        router.server.front.connections.share = 0
-        answers = await exchange(router.server.port, raw, answers=3)
+        # A second data plane (in memory) with no client: the two idle connections here are
+        # one over this data plane's share, and only the exchange's answers can shed one.
+        control_end, quiet = LocalChannel.pair()
+        router.state.dataplanes.attach(1, control_end)
+        quiet.send({"t": "report", "v": router.state.dataplanes.version, "inflight": {},
+                    "idle_at": {}, "outcomes": [], "ttft": [], "tpot": [], "refused": {},
+                    "connections": 0})  # fmt: skip
+        idle = [await asyncio.open_connection("127.0.0.1", router.server.port) for _ in range(2)]
+        try:
+            await wait_until(lambda: router.dataplane.connections.share == 1, 5.0, "a share")
+            answers = await exchange(router.server.port, raw, answers=3)
+        finally:
+            for _, writer in idle:
+                writer.close()
     assert [status for status, _, _ in answers] == [200, 200, 200]
     assert [headers["connection"] for _, headers, _ in answers] == [
         "keep-alive", "keep-alive", "close",

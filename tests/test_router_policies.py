@@ -43,15 +43,14 @@ def test_round_robin_takes_each_worker_in_turn(registry):
 
 def test_least_inflight_never_picks_the_busier_of_two(registry):
     a, b, _ = registry.selectable(Role.DECODE)
-    registry.acquire(a)
+    a.inflight = 1
     policy = LeastInflightPolicy(random.Random(7))
     assert {policy.select([a, b]).url for _ in range(20)} == {b.url}
 
 
 def test_least_inflight_avoids_the_most_loaded_of_three(registry):
     workers = registry.selectable(Role.DECODE)
-    for _ in range(5):
-        registry.acquire(workers[0])
+    workers[0].inflight = 5
     policy = LeastInflightPolicy(random.Random(3))
     picks = Counter(policy.select(workers).url for _ in range(300))
     assert workers[0].url not in picks
@@ -95,11 +94,12 @@ async def test_round_robin_alternates_prefills_through_the_router(cluster):
 
 async def test_least_inflight_sends_traffic_to_the_idle_prefill(cluster):
     async with running_router(cluster, policy="least_inflight") as router:
-        busy = router.state.registry.get(cluster.prefill_urls[0])
-        router.state.registry.acquire(busy)
+        pools = router.dataplane.pools
+        busy = pools.member(cluster.prefill_urls[0])
+        pools.acquire(busy)
         async with router.client() as http:
             sources = {await served_by(http, f"li {i}") for i in range(10)}
-        router.state.registry.release(busy)
+        pools.release(busy)
     assert sources == {cluster.prefill_urls[1]}
 
 

@@ -253,6 +253,10 @@ class SnapshotPools:
             self._count_refusal,
         )
 
+    def member(self, url: str) -> Member | None:
+        """The member ``url`` of the last snapshot (or one left with requests in flight)."""
+        return self._members.get(url)
+
     def acquire(self, member: Member) -> None:
         member.local += 1
         member.inflight += 1
