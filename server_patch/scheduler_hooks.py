@@ -8,7 +8,7 @@ process function; it installs these changes in the new process and then runs SGL
 - **The prefix cache follows the role** (bug a). A decode launched as such runs its tree cache
   disabled (`disable=True`, SGLang's PD hook turns the radix cache off on decodes unless
   `--disaggregation-decode-enable-radix-cache`), and the decode paths are written for that: in
-  `SchedulerDisaggregationDecodeMixin.get_new_prebuilt_batch` (decode.py) a request whose KV row
+  `SchedulerDisaggregationDecodeMixin._get_new_prebuilt_batch` (decode.py) a request whose KV row
   was preallocated whole is matched against `self.tree_cache` again, and when it finishes
   `release_kv_cache` frees only the row past the matched prefix. A server launched as prefill
   keeps its enabled radix cache across the switch (`_release_prefix_cache_for_role_switch`
@@ -41,11 +41,20 @@ def run_scheduler_process(*args: Any, **kwargs: Any) -> None:
 
 
 def install() -> None:
-    """Wrap the role switch and add the forget method, in this (scheduler) process."""
-    from sglang.srt.disaggregation import role_switch
+    """Wrap the role switch and add the forget method, in this (scheduler) process. On an
+    SGLang without the names they build on (checked against 0.5.23) nothing is changed."""
     from sglang.srt.managers.scheduler import Scheduler
 
-    original = role_switch.handle_pd_role_switch
+    try:
+        from sglang.srt.disaggregation import role_switch
+        from sglang.srt.disaggregation.utils import DisaggregationMode  # noqa: F401
+        from sglang.srt.runtime_context import get_disagg  # noqa: F401
+        from sglang.srt.utils.network import NetworkAddress  # noqa: F401
+
+        original = role_switch.handle_pd_role_switch
+    except (ImportError, AttributeError) as missing:
+        logger.warning("scheduler changes not installed, this SGLang lacks %s", missing)
+        return
     if getattr(original, "_pd_router_wrapped", False):
         return
 

@@ -10,10 +10,13 @@ back to the native protocol otherwise: the readings (role, load) hide the differ
 conversion's steps over each protocol are in :mod:`pd_router.control.conversion.protocols`.
 Paths come from :mod:`pd_protocol.wire`.
 
-When a worker becomes a prefill again, every decode is asked to forget what it cached about that
-prefill (``POST /pd_forget_prefill``): SGLang's decodes keep a prefill's rank endpoints keyed by
-its bootstrap address, and after the prefill's round trip through decode those lead nowhere
-(docs/sglang-bugs.md, bug b).
+SGLang 0.5.21-0.5.23 without server_patch crashes a server that runs a radix cache once it was
+switched to decode and served requests sharing a prompt prefix (docs/sglang-bugs.md, bug a):
+such a worker is warned about, naming the flag that avoids it, when its protocol is detected and
+before a native switch to decode. When a worker becomes a prefill again, every
+decode is asked to forget what it cached about that prefill (``POST /pd_forget_prefill``):
+SGLang's decodes keep a prefill's rank endpoints keyed by its bootstrap address, and after the
+prefill's round trip through decode those lead nowhere (docs/sglang-bugs.md, bug b).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ from pd_router.control.workers import Role, Worker, WorkerRegistry
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECS = 10.0
+# SGLang versions whose role switch keeps a radix cache enabled in decode mode (bug a): from the
+# first with the switch to the last checked.
+RADIX_SWITCH_CRASH_VERSIONS = ((0, 5, 21), (0, 5, 23))
 DEFAULT_SWITCH_TIMEOUT_SECS = 600.0
 
 
@@ -172,7 +178,10 @@ class WorkerControl:
 
     async def read_role(self, worker: Worker) -> RoleReading:
         """The worker's live role (``/pd_role``, else ``internal_states[0]`` of ``/server_info``:
-        the top level of ``/server_info`` holds the launch arguments, not the live role)."""
+        the top level of ``/server_info`` holds the launch arguments, not the live role).
+        A native worker exposed to SGLang's radix-cache crash is warned about when its protocol
+        is detected (registration, restart)."""
+        detected = worker.has_extensions is None
         if await self.detect_extensions(worker):
             body = await self._get_ok(worker.url, ROLE_PATH)
             epoch = body.get("epoch")
@@ -187,6 +196,9 @@ class WorkerControl:
         info = await self.server_info(worker.url)
         if _is_router(info):
             raise NotAWorker(worker.url)
+        hazard = radix_switch_hazard(info)
+        if detected and hazard is not None:
+            logger.warning("worker %s: %s", worker.url, hazard)
         state = _live_state(info)
         return RoleReading(
             live_role(info),
@@ -229,8 +241,22 @@ class WorkerControl:
             )
 
     async def switch(self, worker: Worker, body: dict[str, Any]) -> SwitchReply:
-        """Native ``POST /pd_role_switch`` (HTTP 200 on success, 400 on any failure)."""
+        """Native ``POST /pd_role_switch`` (HTTP 200 on success, 400 on any failure). Before a
+        switch to decode of a worker exposed to SGLang's radix-cache crash, a warning names
+        the flag that avoids it (the switch itself succeeds; the crash comes later)."""
+        if body.get("new_role") == Role.DECODE.value:
+            await self._warn_before_decode(worker)
         return await self._switch_call(worker, SWITCH_PATH, body)
+
+    async def _warn_before_decode(self, worker: Worker) -> None:
+        """The radix-cache warning, when ``/server_info`` says so; a reading that fails only
+        skips it (the switch call that follows is what counts)."""
+        try:
+            hazard = radix_switch_hazard(await self.server_info(worker.url))
+        except ControlError:
+            return
+        if hazard is not None:
+            logger.warning("switching %s to decode: %s", worker.url, hazard)
 
     async def convert(self, worker: Worker, body: dict[str, Any]) -> SwitchReply:
         """Extension ``POST /convert_pd_role``: the worker drains itself, then switches."""
@@ -311,6 +337,34 @@ class WorkerControl:
                 return resp.status, _parse(await resp.read())
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise _control_error(url, path, exc) from exc
+
+
+def radix_switch_hazard(info: dict[str, Any]) -> str | None:
+    """Why switching this SGLang server to decode would crash it (``/server_info`` of plain
+    SGLang 0.5.21-0.5.23 launched with its radix cache and ``--enable-pd-role-switch``), or None.
+    A server with server_patch is never read this way (it has the extension)."""
+    version = _version(info.get("version"))
+    low, high = RADIX_SWITCH_CRASH_VERSIONS
+    if version is None or not low <= version <= high:
+        return None
+    if (
+        info.get("disable_radix_cache") is not False
+        or info.get("enable_pd_role_switch") is not True
+    ):
+        return None
+    return (
+        f"SGLang {info['version']} runs a radix cache here and dies ('pool memory leak detected') "
+        "after a switch to decode once it serves prompts sharing a prefix; relaunch it with "
+        "--disable-radix-cache, or under server_patch (python -m server_patch.launch_server), "
+        "which fixes it (docs/sglang-bugs.md)"
+    )
+
+
+def _version(value: Any) -> tuple[int, int, int] | None:
+    parts = str(value).split(".")[:3]
+    if len(parts) < 3 or not all(p.isdigit() for p in parts):
+        return None
+    return int(parts[0]), int(parts[1]), int(parts[2])
 
 
 def _parse(raw: bytes) -> Any:
