@@ -174,6 +174,24 @@ async def test_a_pod_that_leaves_is_out_within_a_second_and_its_requests_finish(
         assert await router.metric("pd_router_discovery_removed_total", reason=reason) == 1
 
 
+async def test_a_deleted_pod_leaves_without_an_error_or_a_new_listing(
+    kube: Namespace, cluster_factory: ClusterFactory, tmp_path: Path
+) -> None:
+    workers = cluster_factory(prefill=1, decode=2)
+    (p,), (d0, d1) = workers.prefill_urls, workers.decode_urls
+    kubeconfig = await router_credentials(kube, tmp_path)
+    async with discovery_router(kubeconfig, *discovery_args(kube)) as router:
+        await pods_for(kube, workers)
+        await changed_within(router, {p: "prefill", d0: "decode", d1: "decode"}, LIVENESS_S)
+        await kube.delete_pod("d1")
+        await wait_until(lambda: gone(router, d1), LIVENESS_S, "d1 removed")
+        # Long enough for a failed read of the deleted pod to have logged and listed again.
+        await asyncio.sleep(1.0)
+        log = router.log_text()
+    assert " ERROR " not in log, log
+    assert log.count("listed ") == 1, log
+
+
 async def inflight(router: DiscoveryRouter, url: str) -> bool:
     return (await router.workers()).get(url, {}).get("inflight", 0) > 0
 

@@ -171,8 +171,10 @@ class KubernetesDiscovery:
         call, args = self._list_call()
         selector = str(self._watched) or None
         listing = await body_of(await call(*args, label_selector=selector, _preload_content=False))
+        pods = listing.get("items") or ()
+        log.info("listed %d pod(s); watching for changes", len(pods))
         present = set()
-        for pod in listing.get("items") or ():
+        for pod in pods:
             present.add(self._apply(pod))
         for pod_key in set(self._keys) - present:
             self._gone(pod_key, "deleted")
