@@ -16,6 +16,7 @@ import pytest
 
 from pd_router.api.server import build_app, start_server
 from pd_router.cli import admin_client
+from pd_router.cli.progress import describe
 from pd_router.config import load_config
 from pd_worker.testing import pd_generate
 from tests.conversion_helpers import LONG, wait_for_busy, worker_role
@@ -211,6 +212,28 @@ async def _state_on(router_url: str, worker_url: str, state: str) -> bool:
 async def _conversion_done(http: httpx.AsyncClient, location: str) -> bool:
     status = (await http.get(location)).json()["status"]
     return status not in ("draining", "switching", "verifying")
+
+
+async def test_a_drain_waiting_for_another_replica_names_it_in_its_progress(workers, etcd_server):
+    async with (
+        replicas(workers, etcd_server, 2) as (r1, r2),
+        _client(r1) as via_r1,
+        _client(r2) as via_r2,
+    ):
+        long = asyncio.create_task(via_r2.post("/generate", json=LONG))
+        busy = await wait_for_busy(workers.decode_urls)
+        started = await via_r1.post("/convert_pd_role", json={"server_url": busy, "wait": False})
+        location = started.json()["location"]
+
+        async def waits_for_r2() -> bool:
+            progress = (await via_r1.get(location)).json()["progress"]
+            return progress.get("waiting_for_replicas") == ["r2"]
+
+        await wait_until(waits_for_r2, 2.0, "the record names r2")
+        line = describe((await via_r1.get(location)).json(), 1.0)
+        assert "in-flight 0 of 0" in line and "waiting for replica r2" in line, line
+        assert (await long).status_code == 200
+        await wait_until(lambda: _conversion_done(via_r1, location), 10.0, "conversion ended")
 
 
 async def _etcd_down(routers) -> bool:

@@ -25,7 +25,8 @@ def drained_fraction(progress: dict[str, Any]) -> float:
 
 
 def describe(record: dict[str, Any], elapsed: float) -> str:
-    """One line: the phase, the router's requests in flight on the worker, the worker's load
+    """One line: the phase, the router's requests in flight on the worker, the other router
+    replicas whose requests on it the drain still waits for, the worker's load
     (``worker_load`` tokens; running and waiting requests once the worker's own idleness is
     awaited), the time so far."""
     progress = record.get("progress", {})
@@ -34,6 +35,10 @@ def describe(record: dict[str, Any], elapsed: float) -> str:
         at_start = progress.get("router_inflight_at_start")
         of = f" of {at_start}" if at_start is not None else ""
         parts.append(f"in-flight {progress['router_inflight']}{of}")
+    replicas = progress.get("waiting_for_replicas")
+    if record.get("status") == "draining" and replicas:
+        parts.append(f"waiting for replica{'s' if len(replicas) > 1 else ''} "
+                     f"{', '.join(replicas)} to end their requests on it")  # fmt: skip
     load = record.get("worker_load")
     if isinstance(load, int) and load >= 0:
         parts.append(f"worker load {load} tokens")

@@ -458,7 +458,12 @@ class EtcdCluster:
             )  # fmt: skip
 
     async def wait_peers_drained(
-        self, worker: Worker, conversion_id: str, abort: asyncio.Event, deadline: float
+        self,
+        worker: Worker,
+        conversion_id: str,
+        abort: asyncio.Event,
+        deadline: float,
+        waiting: Callable[[list[str]], None],
     ) -> list[str]:
         aborted = asyncio.ensure_future(abort.wait())
         try:
@@ -468,6 +473,7 @@ class EtcdCluster:
                     - {self.replica_id}
                     - self.view.drained.get(conversion_id, set())
                 )
+                waiting(missing)
                 remaining = deadline - time.monotonic()
                 if not missing or abort.is_set() or remaining <= 0:
                     return missing

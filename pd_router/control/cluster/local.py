@@ -48,10 +48,16 @@ class Cluster(Protocol):
         """The conversion calls the switch now (shown on every replica)."""
 
     async def wait_peers_drained(
-        self, worker: Worker, conversion_id: str, abort: asyncio.Event, deadline: float
+        self,
+        worker: Worker,
+        conversion_id: str,
+        abort: asyncio.Event,
+        deadline: float,
+        waiting: Callable[[list[str]], None],
     ) -> list[str]:
         """Wait until every other live replica has no request in flight on ``worker`` (or
-        ``abort`` is set, or the monotonic ``deadline`` passed); the replicas not drained."""
+        ``abort`` is set, or the monotonic ``deadline`` passed); the replicas not drained.
+        ``waiting`` is told the replicas still waited for whenever they change."""
 
     async def release(
         self,
@@ -115,7 +121,12 @@ class LocalCluster:
         return None
 
     async def wait_peers_drained(
-        self, worker: Worker, conversion_id: str, abort: asyncio.Event, deadline: float
+        self,
+        worker: Worker,
+        conversion_id: str,
+        abort: asyncio.Event,
+        deadline: float,
+        waiting: Callable[[list[str]], None],
     ) -> list[str]:
         return []
 

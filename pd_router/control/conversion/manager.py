@@ -428,8 +428,12 @@ class ConversionManager:
     async def _wait_peers_idle(self, conv: Conversion, deadline: float) -> None:
         """Every other router replica stopped routing to the worker and has nothing left in
         flight on it (at once for a router alone)."""
+
+        def waiting(replicas: list[str]) -> None:
+            conv.progress["waiting_for_replicas"] = replicas
+
         missing = await self._cluster.wait_peers_drained(
-            conv.worker, conv.id, conv._abort, deadline
+            conv.worker, conv.id, conv._abort, deadline, waiting
         )
         self._check_abort(conv)
         if missing:
