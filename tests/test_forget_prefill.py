@@ -59,3 +59,22 @@ async def test_a_worker_found_turned_prefill_makes_the_decodes_forget_it(
         assert reply.json()["success"]
         await wait_until(lambda: worker.role is Role.PREFILL, 5.0, "router moved it")
         await wait_until(lambda: forgot(caplog, other, switched), 5.0, "decode forgot it")
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"bootstrap_host": "127.0.0.1", "bootstrap_port": 0}, "bootstrap_port"),
+        ({"bootstrap_host": "127.0.0.1", "bootstrap_port": "8998"}, "bootstrap_port"),
+        ({"bootstrap_port": 8998}, "bootstrap_host"),
+        ({"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "rank": 0}, "rank"),
+    ],
+)
+async def test_forget_prefill_refuses_a_body_naming_no_bootstrap_server(
+    cluster_factory, body: dict, field: str
+) -> None:
+    decode = cluster_factory(prefill=1, decode=1).decode_urls[0]
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        reply = await http.post(decode + "/pd_forget_prefill", json=body)
+    assert reply.status_code == 400
+    assert reply.json()["field"] == field
