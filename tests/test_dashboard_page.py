@@ -199,6 +199,32 @@ async def test_page_in_chromium_offers_no_convert_button_for_a_conversion_that_w
         assert "Convert to prefill" in page.cards[url].text
 
 
+async def test_redacted_status_says_which_conversions_the_router_would_refuse(cluster):
+    last_prefill = cluster.prefill_urls[0]
+    async with (
+        running_router(
+            prefill=[last_prefill], decode=cluster.decode_urls, admin_api_key="s3cret"
+        ) as router,
+        router.client() as http,
+    ):
+        body = (await http.get("/status")).json()
+    assert body["redacted"] is True
+    refused = {worker["url"]: worker["convert_refused"] for worker in body["workers"]}
+    assert "minimum" in refused[last_prefill]
+    assert all(refused[url] is None for url in cluster.decode_urls)
+
+
+@needs_chromium
+async def test_redacted_page_in_chromium_offers_no_convert_button_for_the_last_prefill(cluster):
+    last_prefill = cluster.prefill_urls[0]
+    async with running_router(
+        prefill=[last_prefill], decode=cluster.decode_urls, admin_api_key="s3cret"
+    ) as router:
+        page = await render(router.url + "/dashboard")
+    assert "Convert to" not in page.cards[last_prefill].text
+    assert "no conversion" in page.cards[last_prefill].text
+
+
 @needs_chromium
 async def test_page_in_chromium_shows_an_unreachable_worker_first_in_its_pool_as_unhealthy(
     cluster, free_port

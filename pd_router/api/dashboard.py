@@ -31,7 +31,11 @@ from pd_router.control.workers import Role, Worker, WorkerRegistry, WorkerState
 RECENT_CONVERSIONS = 20
 # The worker fields /metrics exposes as well (labels or values): all /status shows without the
 # admin key when one is configured.
-PUBLIC_WORKER_FIELDS = ("id", "url", "role", "state", "healthy", "inflight", "circuit")
+# ``convert_refused`` too: without it the page, before the key is entered, offered a Convert the
+# router refuses (the last prefill); why is built from what the pools already show.
+PUBLIC_WORKER_FIELDS = (
+    "id", "url", "role", "state", "healthy", "inflight", "circuit", "convert_refused",
+)  # fmt: skip
 
 # The page loads nothing from elsewhere; the browser enforces it.
 PAGE_HEADERS = {
