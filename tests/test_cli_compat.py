@@ -327,6 +327,12 @@ def test_each_inapplicable_option_is_named_in_its_own_warning():
         assert sum(line.startswith(name) for line in lines) == 1, name
 
 
+def test_the_mesh_flags_point_to_replicas_on_etcd():
+    (line,) = warnings_for([*WORKERS, "--enable-mesh", "--mesh-port", "39527"])[:1]
+    assert "--etcd" in line and "--cluster" in line
+    assert "share no state" not in line
+
+
 def test_options_that_ask_for_what_pd_router_does_give_no_warning():
     argv = [*WORKERS, "--pd-disaggregation", "--mini-lb", "--disable-tokenizer-autoload"]
     assert warnings_for(argv) == []
