@@ -19,7 +19,7 @@ Body fields, all optional and combinable:
 - ``stale_bootstrap``: str -- ``host:port`` of a prefill's bootstrap server that this decode's
   KV pulls never reach, as SGLang 0.5.23's decode keeps a round-tripped prefill's old endpoint:
   each pull hangs until the bootstrap timeout and the prefill waits for it as long; ``""`` ends
-  it. Other prefills are served as usual.
+  it. Other prefills are served as usual (the timing engine; the torch engine ignores it).
 - ``exit``: int -- the process exits with this code right after replying.
 - ``clear``: bool -- reset every fault first.
 """
