@@ -1,0 +1,213 @@
+"""SGLang 0.5.23's two role-switch bugs, reproduced on real servers on the CPU, and what
+server_patch and pd-router do about them (docs/sglang-bugs.md).
+
+(a) A server launched with its radix cache, switched prefill -> decode, dies on its next idle
+("pool memory leak detected") once it served decode requests whose prompts share a prefix;
+server_patch keeps its tree cache disabled in decode mode, as a launched decode's is.
+(b) After a prefill's round trip (prefill -> decode -> prefill) a decode that talked to it
+before keeps its old rank endpoint: its requests from that prefill hang at bootstrap.
+``POST /pd_forget_prefill`` on the decode drops it; pd-router calls it on every decode when a
+worker becomes a prefill again.
+
+Each test runs two servers (the machine has two cores), launched with the radix cache on (the
+default a GPU user gets), with the tiny Llama and the CPU recipe of tests/sglang_cluster.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.router_process import router_process
+from tests.sglang_cluster import SGLangServer, running, server
+
+# Starting two servers takes one to three minutes on two shared cores.
+pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(600)]
+
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+# Prompts sharing a 20-token prefix: the second one matches the first in a radix tree.
+SHARED_PREFIX = "The quick brown fox jumps over the lazy dog and then the cat sat on the mat"
+PROMPTS = [f"{SHARED_PREFIX} {i}" for i in range(3)]
+# Longer than a request needs on these servers (under a second), far shorter than a hang.
+HUNG_SECS = 20.0
+SWITCH_IDLE_SECS = 60.0  # a failed transfer's KV is held up to 30 s (deferred release)
+LEAK = "pool memory leak detected"
+# SGLang's /health runs a generation through the scheduler: seconds on a busy CPU.
+REAL_HEALTH = {"interval_secs": 0.5, "timeout_secs": 10.0, "failure_threshold": 3}
+
+
+async def pd_generate(prefill: SGLangServer, decode: SGLangServer, text: str) -> str:
+    """One PD request sent by hand, as a router sends it: the same body, with the prefill's
+    bootstrap address and a fresh room, to both servers at once; the decode's text."""
+    body = {
+        "text": text,
+        "sampling_params": GREEDY,
+        "bootstrap_host": "127.0.0.1",
+        "bootstrap_port": prefill.bootstrap_port,
+        "bootstrap_room": random.randrange(1 << 62),
+    }
+    async with httpx.AsyncClient(timeout=HUNG_SECS) as http:
+        _, reply = await asyncio.gather(
+            http.post(prefill.url + "/generate", json=body),
+            http.post(decode.url + "/generate", json=body),
+        )
+    assert reply.status_code == 200, reply.text
+    return reply.json()["text"]
+
+
+async def texts(prefill: SGLangServer, decode: SGLangServer) -> list[str]:
+    return [await pd_generate(prefill, decode, prompt) for prompt in PROMPTS]
+
+
+async def switch(target: SGLangServer, role: str) -> None:
+    """SGLang's native switch; retried while the server is not idle yet."""
+    body: dict[str, Any] = {"new_role": role}
+    if role == "decode":
+        body["decode_cuda_graph_memory_gb"] = 0
+    deadline = time.monotonic() + SWITCH_IDLE_SECS
+    async with httpx.AsyncClient(timeout=60.0) as http:
+        while True:
+            reply = (await http.post(target.url + "/pd_role_switch", json=body)).json()
+            if reply["success"] or "not idle" not in reply["message"]:
+                break
+            assert time.monotonic() < deadline, reply
+            await asyncio.sleep(1.0)
+    assert reply["success"], reply
+
+
+async def forget(decode: SGLangServer, prefill: SGLangServer) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        return await http.post(
+            decode.url + "/pd_forget_prefill",
+            json={"bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port},
+        )
+
+
+async def died_of_the_leak(target: SGLangServer) -> bool:
+    """Whether the server exits within a minute, its scheduler's idle memory check having
+    found the leak."""
+    try:
+        await asyncio.to_thread(target.process.wait, 60.0)
+    except subprocess.TimeoutExpired:
+        return False
+    return LEAK in target.log_text()
+
+
+async def survives_idle(target: SGLangServer) -> bool:
+    """Whether the server is up and healthy after some idle passes (the memory check runs on
+    each), with no leak found."""
+    await asyncio.sleep(3.0)
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        healthy = (await http.get(target.url + "/health")).status_code == 200
+    return healthy and target.alive() and LEAK not in target.log_text()
+
+
+async def cache_hit_rate(target: SGLangServer) -> float:
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        return (await http.get(target.url + "/v1/loads")).json()["loads"][0]["cache_hit_rate"]
+
+
+async def test_plain_sglang_with_a_radix_cache_dies_after_prefill_to_decode() -> None:
+    with running([server("plain-p", "prefill"), server("plain-d", "decode")]) as (p, d):
+        await switch(p, "decode")
+        await switch(d, "prefill")
+        for prompt in PROMPTS:
+            try:
+                await pd_generate(d, p, prompt)
+            except httpx.HTTPError:
+                break
+        assert await died_of_the_leak(p)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[SGLangServer, SGLangServer]]:
+    """A prefill and a decode under server_patch, radix cache on; each test sets the roles it
+    needs, ``pair[0]`` is the one launched as prefill."""
+    servers = [server(f"patched-{mode}", mode, patched=True) for mode in ("prefill", "decode")]
+    with running(servers) as (p, d):
+        yield p, d
+
+
+async def test_server_patch_keeps_a_radix_server_serving_after_prefill_to_decode(
+    pair: tuple[SGLangServer, SGLangServer],
+) -> None:
+    p, d = pair
+    before = await texts(p, d)
+    await switch(p, "decode")
+    await switch(d, "prefill")
+    try:
+        assert await texts(d, p) == before
+        assert await survives_idle(p), p.log_text()[-3000:]
+        assert "prefix cache disabled for the decode role" in p.log_text()
+    finally:
+        await switch(d, "decode")
+        await switch(p, "prefill")
+
+
+async def test_server_patch_gives_a_prefill_its_radix_cache_back_after_a_round_trip(
+    pair: tuple[SGLangServer, SGLangServer],
+) -> None:
+    p, d = pair
+    await switch(p, "decode")
+    await switch(p, "prefill")
+    assert (await forget(d, p)).status_code == 200
+    await texts(p, d)
+    assert await cache_hit_rate(p) > 0
+
+
+async def test_a_round_tripped_prefill_leaves_an_old_decode_hanging_at_bootstrap(
+    pair: tuple[SGLangServer, SGLangServer],
+) -> None:
+    p, d = pair
+    await pd_generate(p, d, PROMPTS[0])
+    await switch(p, "decode")
+    await switch(p, "prefill")
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            await pd_generate(p, d, PROMPTS[0])
+    finally:
+        await forget(d, p)
+
+
+async def test_forget_prefill_lets_the_old_decode_serve_the_round_tripped_prefill(
+    pair: tuple[SGLangServer, SGLangServer],
+) -> None:
+    p, d = pair
+    before = await pd_generate(p, d, PROMPTS[1])
+    await switch(p, "decode")
+    await switch(p, "prefill")
+    reply = await forget(d, p)
+    assert reply.status_code == 200, reply.text
+    assert await pd_generate(p, d, PROMPTS[1]) == before
+
+
+async def test_router_makes_decodes_forget_a_worker_converted_back_to_prefill(
+    pair: tuple[SGLangServer, SGLangServer],
+) -> None:
+    p, d = pair
+    async with (
+        router_process(
+            prefill=[(p.url, p.bootstrap_port)],
+            decode=[d.url],
+            conversion={"min_prefill": 0},
+            health=REAL_HEALTH,
+        ) as router,
+        router.client(timeout=120.0) as http,
+    ):
+        body = {"text": PROMPTS[2], "sampling_params": GREEDY}
+        before = (await http.post("/generate", json=body)).json()["text"]
+        for role in ("decode", "prefill"):
+            convert = {"server_url": p.url, "new_role": role}
+            reply = await http.post("/convert_pd_role", json=convert)
+            assert reply.status_code == 200, reply.text
+        reply = await http.post("/generate", json=body, timeout=HUNG_SECS)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["text"] == before
+        assert f"decode {d.url} forgot the endpoints of prefill {p.url}" in router.log_text()
