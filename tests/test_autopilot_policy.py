@@ -266,6 +266,24 @@ def test_loads_of_several_dp_ranks_are_summed():
     assert worker.queued_prefill_tokens == 50
 
 
+def test_a_prefills_bootstrap_queue_counts_as_queued_prompt_tokens():
+    """Real SGLang 0.5.23 under load: ten requests wait in the prefill's bootstrap queue, which
+    ``num_waiting_uncached_tokens`` does not count; ``num_total_tokens`` does (a /v1/loads rank
+    read from a real prefill, trimmed)."""
+    rank = {
+        "num_waiting_reqs": 10,
+        "num_used_tokens": 2660,
+        "num_total_tokens": 15962,
+        "max_total_num_tokens": 4096,
+        "num_waiting_uncached_tokens": 0,
+        "disaggregation": {"mode": "prefill", "prefill_bootstrap_queue_reqs": 10},
+    }
+    prefill = worker_from_loads("http://p0", "prefill", 12, {"loads": [rank]})
+    assert prefill.queued_prefill_tokens == 15962 - 2660
+    decode = worker_from_loads("http://d0", "decode", 12, {"loads": [rank]})
+    assert decode.queued_prefill_tokens == 0
+
+
 def decodes_with_slots(running: int, waiting: int, count: int = 2, kv: float = 0.1):
     """``count`` decodes with 8 batch slots each, ``running`` and ``waiting`` requests."""
     return tuple(

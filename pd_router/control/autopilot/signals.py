@@ -108,12 +108,22 @@ def _round(value: float | None) -> float | None:
 def worker_from_loads(url: str, role: str, inflight: int, body: Mapping[str, Any]) -> WorkerSignals:
     """A worker's signals from its ``/v1/loads`` body (SGLang 0.5.x: ``loads[]`` per DP rank
     with ``num_running_reqs``, ``num_waiting_reqs``, ``num_used_tokens``,
-    ``max_total_num_tokens``, ``num_waiting_uncached_tokens``, ``max_running_requests``, the
-    scheduler's ``queues.waiting``). Ranks are summed; the usage is
-    used over total tokens across ranks. Missing or mistyped fields count as zero."""
+    ``max_total_num_tokens``, ``num_waiting_uncached_tokens``, ``num_total_tokens``,
+    ``max_running_requests``, the scheduler's ``queues.waiting``). Ranks are summed; the usage is
+    used over total tokens across ranks. Missing or mistyped fields count as zero.
+
+    A prefill's queued prompt tokens: SGLang counts only its waiting queue in
+    ``num_waiting_uncached_tokens``, but a PD prefill holds new requests in its bootstrap queue
+    first (until the decode's KV destination arrives), where they are counted only in
+    ``num_total_tokens`` (KV in use plus every queued request's tokens). The larger of the two
+    readings is the backlog; under load on real SGLang 0.5.23 the bootstrap queue holds nearly
+    all of it."""
     ranks = [r for r in body.get("loads", ()) if isinstance(r, Mapping)]
     used = _total(ranks, "num_used_tokens")
     capacity = _total(ranks, "max_total_num_tokens")
+    queued = _total(ranks, "num_waiting_uncached_tokens")
+    if role == "prefill":
+        queued = max(queued, _total(ranks, "num_total_tokens") - used)
     return WorkerSignals(
         url=url,
         role=role,
@@ -122,7 +132,7 @@ def worker_from_loads(url: str, role: str, inflight: int, body: Mapping[str, Any
         waiting=_total(ranks, "num_waiting_reqs"),
         token_usage=used / capacity if capacity > 0 else 0.0,
         used_tokens=used,
-        queued_prefill_tokens=_total(ranks, "num_waiting_uncached_tokens"),
+        queued_prefill_tokens=queued,
         max_running=_total(ranks, "max_running_requests"),
         waiting_for_slot=_total(
             (q for r in ranks if isinstance(q := r.get("queues"), Mapping)), "waiting"
