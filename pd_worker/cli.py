@@ -166,22 +166,34 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_timing_flags(serve)
     _add_registration_flags(serve)
     cluster = sub.add_parser("cluster", help="start a cluster of worker processes")
-    cluster.add_argument("--prefill", type=int, default=2)
-    cluster.add_argument("--decode", type=int, default=2)
+    cluster.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
+    cluster.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
     cluster.add_argument(
         "--base-port",
         type=int,
         default=None,
         help="HTTP ports from here; bootstrap ports from here + 1000",
     )
-    cluster.add_argument("--host", default="127.0.0.1")
-    cluster.add_argument("--speed", type=float, default=1.0)
-    cluster.add_argument("--profile", choices=sorted(PROFILES), default=None)
+    cluster.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    cluster.add_argument(
+        "--speed", type=float, default=1.0,
+        help="the timing model's speed (default 1.0; 0: no simulated GPU time)",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--profile", choices=sorted(PROFILES), default=None,
+        help="named timing model calibrated to a real GPU",
+    )  # fmt: skip
     cluster.add_argument(
         "--no-role-switch", action="store_true", help="launch without --enable-pd-role-switch"
     )
-    cluster.add_argument("--engine", choices=ENGINES, default="timing")
-    cluster.add_argument("--kv-transfer", choices=TRANSPORTS, default=None)
+    cluster.add_argument(
+        "--engine", choices=ENGINES, default="timing",
+        help="timing: the timing model (default); torch: a small real model over a real KV pool",
+    )  # fmt: skip
+    cluster.add_argument(
+        "--kv-transfer", choices=TRANSPORTS, default=None,
+        help="the torch engine's KV transport (default mooncake)",
+    )  # fmt: skip
     return parser
 
 

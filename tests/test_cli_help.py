@@ -4,6 +4,7 @@ line and the error, with a suggestion for a near miss; both commands say their v
 
 from __future__ import annotations
 
+import itertools
 from importlib.metadata import version
 
 import pytest
@@ -78,3 +79,24 @@ def test_version_comes_from_the_package_metadata(binary):
     assert result.returncode == 0, result.stderr
     name = binary.rsplit("/", 1)[1]
     assert result.stdout.strip() == f"{name} {version('pd-router')}"
+
+
+def undescribed(help_text: str) -> list[str]:
+    """The options of an argparse help text shown without a description: a flag line with no
+    text after it whose next line is not its description (indented under the column)."""
+    lines = [*help_text.split("options:", 1)[1].splitlines(), ""]
+    return [
+        line.strip()
+        for line, following in itertools.pairwise(lines)
+        if line.startswith("  -") and "  " not in line.strip() and not following.startswith(" " * 8)
+    ]
+
+
+@pytest.mark.parametrize(
+    "command", [(PD_WORKER, "cluster"), (PD_ROUTER, "demo")], ids=["worker-cluster", "demo"]
+)
+def test_every_option_of_the_cluster_and_demo_commands_says_what_it_does(command):
+    result = run(*command, "--help")
+    assert result.returncode == 0, result.stderr
+    assert undescribed(result.stdout) == [], result.stdout
+    assert "``" not in result.stdout

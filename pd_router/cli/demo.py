@@ -202,18 +202,24 @@ async def conversion(demo: Demo) -> None:
 
 
 STEPS: list[Step] = [pools, traffic, worker_counts, conversion, failure, pools]
+DESCRIPTION = (
+    "A 2P2D reference cluster behind the router on loopback: real traffic, a conversion under "
+    "load, a worker failure, and a summary of each step."
+)
 
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p = Parser(
         prog="pd-router demo",
         short_usage="pd-router demo [--prefill N] [--decode N] [--port PORT] [--keep-running]",
-        description=__doc__.splitlines()[0],
+        description=DESCRIPTION,
     )
     p.add_argument("--prefill", type=int, default=2, help="prefill workers (default 2)")
     p.add_argument("--decode", type=int, default=2, help="decode workers (default 2)")
-    p.add_argument("--requests", type=int, default=300)
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--requests", type=int, default=300,
+                   help="requests of the traffic step (default 300)")  # fmt: skip
+    p.add_argument("--concurrency", type=int, default=16,
+                   help="clients sending them at once (default 16)")  # fmt: skip
     p.add_argument("--speed", type=float, default=0.2,
                    help="worker timing model speed (0: no simulated GPU time)")  # fmt: skip
     p.add_argument("--port", type=int, default=0, help="router port (default: a free one)")

@@ -83,7 +83,8 @@ NATIVE_OPTIONS: tuple[Option, ...] = (
            help="an idle client connection is closed after this long"),
     option("--max-client-connections", (), INT, "max_client_connections",
            help="open client connections at most (0: from the open file limit)"),
-    option("--log-format", (), Arity(type=str, choices=lambda: LOG_FORMATS), "log_format"),
+    option("--log-format", (), Arity(type=str, choices=lambda: LOG_FORMATS), "log_format",
+           help="json: one JSON object a line, for a log collector; text: for people"),
     option("--admin-api-key-file", (), STR, "admin_api_key_file",
            help="file holding the key that guards the admin API (Authorization: Bearer); "
            f"default: ${ADMIN_KEY_ENV}"),
