@@ -30,16 +30,23 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    """Human-readable lines that still show the extra fields (for the demo and a terminal)."""
+    """Human-readable lines that still show the extra fields (for the demo and a terminal):
+    each one the message does not already say (an error or a worker url named in the message
+    and kept as a field for the JSON logs would show twice), on the message's line, before a
+    traceback."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+        message = record.getMessage()
         extras = " ".join(
             f"{key}={value}"
             for key, value in record.__dict__.items()
-            if key not in STANDARD_ATTRS and not key.startswith("_")
+            if key not in STANDARD_ATTRS
+            and not key.startswith("_")
+            and (value is None or str(value) not in message)
         )
-        return f"{line} {extras}" if extras else line
+        line = logging.makeLogRecord({**record.__dict__, "args": None})
+        line.msg = f"{message} {extras}" if extras else message
+        return super().format(line)
 
 
 def configure_logging(level: str, fmt: str) -> None:
