@@ -66,6 +66,8 @@ async def test_prompt_traffic_makes_the_autopilot_convert_a_decode_with_no_faile
         assert await sample(http, "pd_router_autopilot_decisions_total", **action) == 1.0
         desired = await sample(http, "pd_router_autopilot_desired_workers", role="prefill")
         assert desired == 2.0
+        (record,) = (await http.get("/conversions")).json()["conversions"]
+        assert (record["started_by"], record["replica"]) == ("autopilot", None)
 
 
 async def test_recommend_mode_decides_and_changes_nothing(cluster):

@@ -98,7 +98,7 @@ async def test_cli_status_prints_the_pools_every_worker_and_recent_conversions(r
         assert url in text
     recent = text.split("Recent conversions\n", 1)[1].splitlines()
     (row,) = [line.split() for line in recent if decode in line]
-    assert row[1:5] == [decode, "decode", "prefill", "succeeded"]
+    assert row[1:6] == [decode, "decode", "prefill", "operator", "succeeded"]
     assert KEY not in text
 
 

@@ -151,6 +151,7 @@ async def test_wait_false_answers_202_with_location_of_the_record(http):
         await asyncio.sleep(0.01)
     assert record["status"] == "succeeded"
     assert record["worker_url"] == decode
+    assert (record["started_by"], record["replica"]) == ("operator", None)
     assert record["worker_replies"][0]["call"] == "/convert_pd_role"
     assert record["worker_replies"][0]["body"]["success"] is True
     assert all(p["started_at"] <= p["ended_at"] for p in record["phases"])

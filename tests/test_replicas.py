@@ -80,6 +80,7 @@ async def test_a_draining_worker_is_out_of_every_replica_until_each_has_finished
         await wait_until(lambda: _conversion_done(via_r1, location), 10.0, "conversion ended")
         record = (await via_r1.get(location)).json()
         assert record["status"] == "succeeded", record
+        assert (record["started_by"], record["replica"]) == ("operator", "r1")
         await wait_until(lambda: roles_agree([r1, r2], busy, "prefill"), 2.0, "agreed role")
 
 

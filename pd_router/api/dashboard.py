@@ -147,6 +147,12 @@ def recent_conversions(manager: ConversionManager | None) -> list[dict[str, Any]
     ]
 
 
+def started_by(conversion: Conversion) -> str:
+    """Who started a conversion, and through which replica when there are several."""
+    by = conversion.request.started_by
+    return f"{by} on {conversion.replica}" if conversion.replica else by
+
+
 def conversion_summary(conversion: Conversion, now: float) -> dict[str, Any]:
     """One row of the page's table (the full record is at ``GET /conversions/{id}``)."""
     ended = conversion.finished_at if conversion.finished_at is not None else now
@@ -161,5 +167,6 @@ def conversion_summary(conversion: Conversion, now: float) -> dict[str, Any]:
         "success": conversion.succeeded,
         "message": conversion.message,
         "started_at": conversion.created_at,
+        "started_by": started_by(conversion),
         "duration_s": round(ended - conversion.created_at, 4),
     }

@@ -252,13 +252,14 @@ def render_status(workers: list[dict[str, Any]], conversions: list[dict[str, Any
         ),
         "\nRecent conversions\n",
         _table(
-            ["id", "worker", "from", "to", "status", "total_s", "message"],
+            ["id", "worker", "from", "to", "by", "status", "total_s", "message"],
             [
                 [
                     str(c.get("id", "")),
                     str(c.get("worker_url", "")),
                     str(c.get("from_role", "")),
                     str(c.get("to_role", "")),
+                    by(c),
                     str(c.get("status", "")),
                     _seconds(c.get("timings", {}).get("total_s")),
                     str(c.get("message", "")),
@@ -294,6 +295,12 @@ def render_conversion(record: dict[str, Any]) -> str:
         ),
     ]
     return "\n".join(lines) + "\n"
+
+
+def by(record: dict[str, Any]) -> str:
+    """Who started a conversion (operator, autopilot), with the replica that runs it."""
+    who = str(record.get("started_by", ""))
+    return f"{who} on {record['replica']}" if record.get("replica") else who
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

@@ -53,7 +53,9 @@ def conversion_for(decision: Decision) -> ConversionRequest | None:
     recommends."""
     if not decision.applied or decision.worker is None or decision.to_role is None:
         return None
-    return ConversionRequest(worker=decision.worker, new_role=Role(decision.to_role))
+    return ConversionRequest(
+        worker=decision.worker, new_role=Role(decision.to_role), started_by="autopilot"
+    )
 
 
 class Autopilot:

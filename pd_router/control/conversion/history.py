@@ -60,6 +60,8 @@ class ConversionRequest:
     decode_cuda_graph_memory_gb: float | None = None
     bootstrap_port: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # Who asked: "operator" (the admin API, the dashboard, pd-router convert) or "autopilot".
+    started_by: str = "operator"
 
 
 @dataclass
@@ -94,6 +96,8 @@ class Conversion:
     to_role: Role
     request: ConversionRequest
     protocol: str
+    # The router replica that runs it ("" for a router alone).
+    replica: str = ""
     status: Status = Status.DRAINING
     message: str = ""
     created_at: float = field(default_factory=time.time)
@@ -143,6 +147,8 @@ class Conversion:
             "from_role": self.from_role.value,
             "to_role": self.to_role.value,
             "protocol": self.protocol,
+            "started_by": self.request.started_by,
+            "replica": self.replica or None,
             "request": {
                 "drain": self.request.drain,
                 "drain_timeout_secs": self.request.drain_timeout_secs,

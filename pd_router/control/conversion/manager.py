@@ -205,12 +205,14 @@ class ConversionManager:
             to_role=target,
             request=request,
             protocol=protocol.name,
+            replica=self._cluster.replica_id,
         )
         self._history.remember(conversion)
         conversion.phases.append(PhaseRecord("drain", time.time()))
         logger.info(
-            "conversion %s: %s %s -> %s started (%s protocol)",
-            conversion.id, worker.url, conversion.from_role, target, conversion.protocol,
+            "conversion %s: %s %s -> %s started by the %s (%s protocol)",
+            conversion.id, worker.url, conversion.from_role, target, request.started_by,
+            conversion.protocol,
         )  # fmt: skip
         task = asyncio.create_task(
             self._run(conversion, protocol), name=f"conversion-{conversion.id}"
