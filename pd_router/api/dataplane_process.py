@@ -102,9 +102,10 @@ class DataPlane:
     control side over ``channel``. Its requests count into ``metrics`` (and ``request_metrics``,
     their cached children); ``samples()`` gives what its reports send of them (nothing when
     they are the control side's own). Its legs go through ``setup``; clients connect with TLS
-    when ``ssl_context`` is given; ``abort(worker, rids)``
-    asks a worker to drop requests, in the background. ``on_control_silent`` is called when the
-    control side sent nothing for :data:`CONTROL_SILENCE_SECS` (None: never looked at)."""
+    when ``ssl_context`` is given; ``abort(worker, rids)`` asks a worker to drop requests, in
+    the background. ``on_control_silent`` is called when the control side sent nothing for
+    :data:`CONTROL_SILENCE_SECS` (None: not watched, as for a data plane in the control side's
+    own event loop, where a silence could only be that loop stalled)."""
 
     def __init__(
         self,
@@ -122,7 +123,6 @@ class DataPlane:
         samples: Callable[[], list[list]],
         on_control_silent: Callable[[], None] | None = None,
     ) -> None:
-        self.index = index
         self.channel = channel
         self.connections = ClientConnections(
             client_limits(config).max_connections, metrics.client_connections_moved_total.inc
