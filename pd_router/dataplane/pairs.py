@@ -14,8 +14,7 @@ How it decides whether a pair may be picked:
   decode for that prefill (the decode stays free for every other prefill).
 - It is released at once when either side is no longer the worker it failed with: another
   object (removed and added again), another role, or another epoch (a role change through a
-  conversion or one the router adopted). A data plane's snapshot member carries no epoch: there
-  only a role seen changed, or the cool-down, releases the pair.
+  conversion or one the router adopted), as the data plane's snapshot says.
 - After the cool-down the pair is **half-open**: one attempt may go through it (the trial);
   while it runs the pair stays avoided. A trial that meets releases the pair; one that misses
   quarantines it for another cool-down; one that ends otherwise (client gone, another failure)
@@ -39,7 +38,7 @@ Stamp = tuple[Any, Any]
 
 def stamp(worker: Target) -> Stamp:
     """What tells that a worker is still the one a pair failed with: its role and, where the
-    worker object has one (the registry's worker), its epoch."""
+    worker object has one (a snapshot's member, the registry's worker), its epoch."""
     return worker.role, getattr(worker, "epoch", None)
 
 
