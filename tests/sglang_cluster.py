@@ -39,8 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 SUPPORT = REPO / "tests" / "sglang"
 CACHE = Path(os.environ.get("PD_ROUTER_CACHE", Path.home() / ".cache" / "pd-router"))
 VENV = CACHE / f"sglang-{SGLANG_VERSION}"
-# Per server: about 1-2.4 GB resident once warm, more while it starts.
-MEMORY_PER_SERVER_GB = 2.5
+# Per server: about 1-1.6 GB resident once warm (its scheduler and launcher), more while it starts.
+MEMORY_PER_SERVER_GB = 2.0
 READY_TIMEOUT_SECS = 240.0
 READY_LINE = "The server is fired up and ready to roll!"
 CPU_FLAGS = (
@@ -69,12 +69,20 @@ def require(servers: int) -> None:
     """Skip unless the venv is built and the machine has memory for ``servers`` servers."""
     if reason := missing():
         pytest.skip(reason)
-    available_gb = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    available_gb = available_memory_gb()
     if available_gb < servers * MEMORY_PER_SERVER_GB:
         pytest.skip(
             f"{servers} real SGLang servers need about {servers * MEMORY_PER_SERVER_GB:.0f} GB of "
             f"free memory; {available_gb:.1f} GB free"
         )
+
+
+def available_memory_gb() -> float:
+    """MemAvailable: free memory plus what the kernel would give back from its caches."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    return 0.0
 
 
 def tiny_model() -> Path:
@@ -161,20 +169,23 @@ class SGLangServer:
         except httpx.HTTPError:
             return False
 
+    def send(self, sig: int) -> None:
+        """``sig`` to the whole process group (the launcher, its scheduler and detokenizer)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
-        """Stops the whole process group (the launcher, its scheduler and detokenizer)."""
+        """Stops the whole process group: ``sig``, then SIGKILL after ``timeout``."""
         if self.process is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, sig)
+        self.send(sig)
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
+            self.send(signal.SIGKILL)
             self.process.wait()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
+        self.send(signal.SIGKILL)
         if self._log is not None:
             self._log.close()
 
@@ -217,6 +228,8 @@ def running(servers: Sequence[SGLangServer]) -> Iterator[list[SGLangServer]]:
         wait_ready(servers)
         yield list(servers)
     finally:
+        for s in servers:
+            s.send(signal.SIGTERM)
         for s in servers:
             s.stop()
 

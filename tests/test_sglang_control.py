@@ -1,0 +1,170 @@
+"""The router's control side against real SGLang 0.5.23 servers: a switch made on a server behind
+the router's back is followed, the autopilot converts a real server when the load shifts, and
+server_patch's extension endpoints are answered by a real SGLang process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.cli_process import Served, serving
+from tests.sglang_cluster import Fleet, SGLangServer, router_ready
+
+pytestmark = pytest.mark.real_sglang
+
+TIMEOUT = 120.0
+GREEDY = {"temperature": 0, "max_new_tokens": 8}
+
+
+@pytest.fixture(scope="module")
+def router(sglang_fleet: Fleet) -> Iterator[Served]:
+    args = [*sglang_fleet.router_args(), "--host", "127.0.0.1"]
+    args += ["--health-check-interval-secs", "1"]
+    with serving(*args) as served:
+        router_ready(served.url, prefill=2, decode=2)
+        yield served
+
+
+def generate(url: str, prompt: str = "The quick brown fox", **extra: Any) -> httpx.Response:
+    body = {"text": prompt, "sampling_params": GREEDY, **extra}
+    return httpx.post(url + "/generate", json=body, timeout=TIMEOUT)
+
+
+def router_role(router: Served, server: SGLangServer) -> str | None:
+    workers = httpx.get(router.url + "/workers", timeout=10).json()["workers"]
+    return next((w["role"] for w in workers if w["url"] == server.url), None)
+
+
+def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.2)
+
+
+def native_switch(server: SGLangServer, role: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"new_role": role}
+    if role == "decode":
+        body["decode_cuda_graph_memory_gb"] = 0
+    reply = httpx.post(server.url + "/pd_role_switch", json=body, timeout=TIMEOUT)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_a_switch_made_on_the_server_is_followed(sglang_fleet: Fleet, router: Served) -> None:
+    """SGLang's own /pd_role_switch on an idle decode: the router reads the new role from the
+    server, routes to it as a prefill, and follows it back."""
+    d0 = sglang_fleet.decode[0]
+    native_switch(d0, "prefill")
+    eventually(lambda: router_role(router, d0) == "prefill", 30, "router follows to prefill")
+    router_ready(router.url, prefill=3, decode=1)
+    for _ in range(6):
+        assert generate(router.url).status_code == 200
+    native_switch(d0, "decode")
+    eventually(lambda: router_role(router, d0) == "decode", 30, "router follows back")
+    router_ready(router.url, prefill=2, decode=2)
+    for _ in range(6):
+        assert generate(router.url).status_code == 200
+
+
+def test_extension_endpoints_answered_by_real_sglang(sglang_fleet: Fleet) -> None:
+    """server_patch's routes on a real SGLang process (launched by server_patch.launch_server,
+    which also added nothing the command line lacked: --enable-pd-role-switch was given)."""
+    d1 = sglang_fleet.decode[1]
+    role = httpx.get(d1.url + "/pd_role", timeout=10).json()
+    assert role["role"] == "decode" and role["idle"] and role["switch_supported"]
+    assert role["bootstrap_port"] == d1.bootstrap_port
+    epoch = role["epoch"]
+
+    drained = httpx.post(d1.url + "/pd_drain", json={"drain": True}, timeout=10).json()
+    assert drained["draining"]
+    refused = generate(d1.url)
+    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+    assert not httpx.post(d1.url + "/pd_drain", json={"drain": False}, timeout=10).json()[
+        "draining"
+    ]
+
+    wrong = httpx.post(
+        d1.url + "/generate",
+        json={"text": "x", "sampling_params": GREEDY},
+        headers={"X-PD-Role": "prefill"},
+        timeout=TIMEOUT,
+    )
+    assert wrong.status_code == 421 and wrong.json()["role"] == "decode"
+
+    converted = httpx.post(
+        d1.url + "/convert_pd_role", json={"new_role": "prefill"}, timeout=TIMEOUT
+    ).json()
+    assert converted["success"] and converted["new_role"] == "prefill", converted
+    assert (
+        httpx.get(d1.url + "/server_info", timeout=10).json()["internal_states"][0][
+            "disaggregation_mode"
+        ]
+        == "prefill"
+    )
+    back = httpx.post(
+        d1.url + "/pd_role_switch",
+        json={"new_role": "decode", "decode_cuda_graph_memory_gb": 0},
+        timeout=TIMEOUT,
+    ).json()
+    assert back["success"], back
+    assert httpx.get(d1.url + "/pd_role", timeout=10).json()["epoch"] == epoch + 2
+
+    p0 = sglang_fleet.prefill[0]
+    forgot = httpx.post(
+        d1.url + "/pd_forget_prefill",
+        json={"bootstrap_host": "127.0.0.1", "bootstrap_port": p0.bootstrap_port},
+        timeout=TIMEOUT,
+    )
+    assert forgot.status_code == 200, forgot.text
+
+
+def test_the_autopilot_converts_a_real_server_when_prompts_grow(
+    sglang_fleet: Fleet, tmp_path: Path
+) -> None:
+    """Long prompts at a rate two prefills cannot keep up with: the autopilot in auto mode moves
+    a decode to the prefill pool, through a real drain and switch."""
+    config = tmp_path / "router.toml"
+    config.write_text(
+        "[autopilot]\n"
+        'mode = "auto"\n'
+        "interval_secs = 0.5\nwindow_secs = 3.0\nsustain_secs = 2.0\ncooldown_secs = 600.0\n"
+        "prefill_queue_tokens = 400.0\n"
+    )
+    args = [*sglang_fleet.router_args(), "--host", "127.0.0.1", "--config", str(config)]
+    args += ["--health-check-interval-secs", "1"]
+    long_prompt = " ".join(f"word{i} of a long prompt" for i in range(120))
+    with serving(*args) as router:
+        router_ready(router.url, prefill=2, decode=2)
+
+        def converted() -> bool:
+            records = httpx.get(router.url + "/conversions", timeout=10).json()["conversions"]
+            return any(r["status"] == "succeeded" for r in records)
+
+        statuses: list[int] = []
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            deadline = time.monotonic() + 90
+            while not converted() and time.monotonic() < deadline:
+                batch = [pool.submit(generate, router.url, f"{i} {long_prompt}") for i in range(8)]
+                statuses += [f.result().status_code for f in batch]
+        records = httpx.get(router.url + "/conversions", timeout=10).json()["conversions"]
+        decisions = httpx.get(router.url + "/autopilot", timeout=10).json()
+        assert converted(), decisions
+        moved = next(r for r in records if r["status"] == "succeeded")
+        assert (moved["from_role"], moved["to_role"]) == ("decode", "prefill"), moved
+        assert set(statuses) == {200}, statuses
+        server = next(s for s in sglang_fleet.pd if s.url == moved["worker_url"])
+        # Back to 2P2D for the tests after this one, the autopilot off first.
+        httpx.put(router.url + "/autopilot", json={"mode": "off"}, timeout=10)
+        reply = httpx.post(
+            router.url + "/convert_pd_role",
+            json={"server_url": server.url, "new_role": "decode"},
+            timeout=TIMEOUT,
+        )
+        assert reply.status_code == 200, reply.text
