@@ -28,7 +28,8 @@ def sweep_period(limits: ClientLimits) -> float:
 
 
 class FrontServer:
-    """Serves client connections with ``handler`` (HTTPS with ``ssl_context``).
+    """Serves client connections with ``handler`` (HTTPS with ``ssl_context``), counted and
+    capped in its data plane's ``connections``.
 
     With TLS a connection reaches the cap and the timeouts once its handshake is done; the
     handshake itself gets the header timeout, so a client that never finishes its hello holds
@@ -38,14 +39,12 @@ class FrontServer:
         self,
         handler: RequestHandler,
         limits: ClientLimits,
-        ssl_context: ssl.SSLContext | None = None,
-        connections: ClientConnections | None = None,
+        ssl_context: ssl.SSLContext | None,
+        connections: ClientConnections,
     ) -> None:
         self._handler = handler
         self._limits = limits
         self._ssl_context = ssl_context
-        if connections is None:
-            connections = ClientConnections(limits.max_connections)
         self._connections = connections
         self._server: asyncio.Server | None = None
         self._sweep: asyncio.Task[None] | None = None
