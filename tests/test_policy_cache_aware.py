@@ -21,6 +21,7 @@ from pd_router.dataplane.policies import (
     prompt_key,
 )
 from pd_router.dataplane.radix_tree import ApproxRadixTree
+from pd_router.dataplane.snapshot import SnapshotPools
 from pd_router.metrics import RouterMetrics
 from tests.router_helpers import assert_paired, generate_body, running_router
 
@@ -279,16 +280,24 @@ async def test_requests_sharing_a_prefix_hit_one_prefills_cache(cluster):
     assert min(cached) >= len(SYSTEM) - 16
 
 
+def snapshot_entry(url: str, role: Role) -> dict:
+    """A pickable worker as a snapshot carries it."""
+    return {"url": url, "role": role.value, "epoch": 0, "bootstrap_port": None,
+            "pickable": True, "usable": True, "circuit": "closed", "half_open_at": None,
+            "trial": None}  # fmt: skip
+
+
 def test_a_worker_that_leaves_a_pool_leaves_that_pools_cache_aware_tree():
-    registry = WorkerRegistry(RouterMetrics())
     policies = {role: CacheAwarePolicy(CacheAwareConfig(), Clock()) for role in Role}
-    registry.on_left_pool(lambda worker, role: policies[role].forget(worker.url))
-    moved, removed, kept = (registry.add(url, Role.PREFILL) for url in (A, B, C))
-    for worker in (moved, removed, kept):
-        policies[Role.PREFILL].select([worker], f"{worker.url} prompt")
-    registry.adopt_role(moved, Role.DECODE)
-    registry.begin_removal(removed)
-    registry.forget(removed)
+    pools = SnapshotPools(
+        policies, index=0, wake=lambda: None, suspect=lambda url: None,
+        on_unavailable=lambda url: None, count_refusal=lambda role: None,
+    )  # fmt: skip
+    pools.apply(1, [snapshot_entry(url, Role.PREFILL) for url in (A, B, C)])
+    for url in (A, B, C):
+        policies[Role.PREFILL].select([pools.member(url)], f"{url} prompt")
+    # A moved to the decode pool, B was removed, C stayed.
+    pools.apply(2, [snapshot_entry(A, Role.DECODE), snapshot_entry(C, Role.PREFILL)])
     tree = policies[Role.PREFILL].tree
     assert [tree.tenant_size(url) for url in (A, B, C)] == [0, 0, len(f"{C} prompt")]
 
