@@ -153,7 +153,8 @@ UnavailableCallback = Callable[[str], None]
 class SnapshotPools:
     """The pools of one data plane: pick, count in flight, apply what the control process
     pushes. ``wake`` asks for a report now (a worker out of selection became idle here: a
-    conversion waits for it); ``suspect`` tells the control process a worker answered for the
+    conversion waits for it; a leg failed, or a trial ended: its circuit is decided on it);
+    ``suspect`` tells the control process a worker answered for the
     other role; ``on_unavailable(url)`` ends the legs still running on a worker that left
     service. ``index`` is this data plane's number, by which a snapshot names the one that may
     send a half-open circuit's trial (none at all while a trial moves)."""
