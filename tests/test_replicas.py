@@ -404,3 +404,32 @@ async def test_a_replica_killed_while_its_worker_drains_itself_is_settled_in_the
         )
         assert (await worker_role(decode))["role"] == "prefill"
         assert f"of worker {decode} lost its replica r1; settled as prefill" in r2.log_text()
+
+
+async def test_a_replica_whose_lease_lapsed_mid_drain_does_not_switch_a_worker_settled_meanwhile(
+    workers, etcd_server
+):
+    """r1 stops answering (SIGSTOP) while its conversion drains; its lease expires and r2 settles
+    the worker in its old role. r1, back, must not call the switch: the record r2 published
+    would then name a role the worker no longer has."""
+    async with replicas(workers, etcd_server, 2) as (r1, r2), _client(r1) as via_r1:
+        long = asyncio.create_task(via_r1.post("/generate", json=LONG, timeout=30.0))
+        busy = await wait_for_busy(workers.decode_urls)
+        started = await via_r1.post("/convert_pd_role", json={"server_url": busy, "wait": False})
+        assert started.status_code == 202, started.text
+        location = started.json()["location"]
+        await wait_until(lambda: _state_on(r2.url, busy, "draining"), 2.0, "draining on r2")
+        r1.process.send_signal(signal.SIGSTOP)
+        try:
+            await wait_until(
+                lambda: _state_on(r2.url, busy, "active"), LEASE_TTL_SECS + 5.0, "settled by r2"
+            )
+        finally:
+            r1.process.send_signal(signal.SIGCONT)
+        with contextlib.suppress(httpx.HTTPError):
+            await long
+        await wait_until(lambda: _conversion_done(via_r1, location), 10.0, "conversion ended")
+        record = (await via_r1.get(location)).json()
+        assert record["status"] != "succeeded", record
+        assert (await worker_role(busy))["role"] == "decode"
+        assert (await workers_of(r2.url))[busy]["role"] == "decode"

@@ -46,6 +46,7 @@ from pd_protocol.etcd_client import (
     put_op,
 )
 from pd_router.control.cluster.config import default_replica_id
+from pd_router.control.cluster.local import ConversionTaken
 from pd_router.control.cluster.mirror import Mirror
 from pd_router.control.cluster.view import ClusterView, StoredRecord
 from pd_router.control.conversion.manager import ConversionRefused
@@ -434,10 +435,19 @@ class EtcdCluster:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.view.changed(), deadline - time.monotonic())
 
-    async def mark_switching(self, worker: Worker, conversion_id: str) -> None:
+    def _taken(self, conversion_id: str) -> bool:
+        """Whether the shared record of this replica's conversion's worker names another
+        conversion now, or none (settled by another replica after this one's lease lapsed)."""
         own = self._own.get(conversion_id)
         if own is None:
-            return
+            return False
+        current = self.view.records.get(own[0])
+        return current is not None and current.record.conversion != conversion_id
+
+    async def mark_switching(self, worker: Worker, conversion_id: str) -> bool:
+        own = self._own.get(conversion_id)
+        if own is None:
+            return True
         url, stored = own
         switching = stored.record.evolve(state=WorkerState.SWITCHING.value)
         key = stored.key
@@ -451,11 +461,13 @@ class EtcdCluster:
             )
         except EtcdError as exc:
             log.info("conversion %s: switching not shown to peers: %s", conversion_id, exc)
-            return
-        if result.succeeded:
-            self._own[conversion_id] = (
-                url, StoredRecord(switching, key, result.revision, stored.lease)
-            )  # fmt: skip
+            return True
+        if not result.succeeded:
+            return False
+        self._own[conversion_id] = (
+            url, StoredRecord(switching, key, result.revision, stored.lease)
+        )  # fmt: skip
+        return True
 
     async def wait_peers_drained(
         self,
@@ -468,6 +480,8 @@ class EtcdCluster:
         aborted = asyncio.ensure_future(abort.wait())
         try:
             while True:
+                if self._taken(conversion_id):
+                    raise ConversionTaken(conversion_id)
                 missing = sorted(
                     self.view.replicas
                     - {self.replica_id}

@@ -16,6 +16,12 @@ from typing import Any, Protocol
 from pd_router.control.workers import Role, Worker, WorkerRegistry, WorkerState
 
 
+class ConversionTaken(Exception):
+    """Another replica settled the worker a conversion of this one held: this replica's lease
+    lapsed (a freeze, a long etcd outage) and its lock went with it. The conversion must let
+    the worker go without a switch: the settled record stands."""
+
+
 class Cluster(Protocol):
     enabled: bool
     replica_id: str
@@ -44,8 +50,10 @@ class Cluster(Protocol):
         when the pools, as they are now, no longer allow the conversion (called when another
         replica changed them since the caller's check)."""
 
-    async def mark_switching(self, worker: Worker, conversion_id: str) -> None:
-        """The conversion calls the switch now (shown on every replica)."""
+    async def mark_switching(self, worker: Worker, conversion_id: str) -> bool:
+        """The conversion calls the switch now (shown on every replica); False when the
+        conversion no longer holds the worker's shared record (another replica settled it
+        after this one's lease expired): the switch must not be called."""
 
     async def wait_peers_drained(
         self,
@@ -57,7 +65,8 @@ class Cluster(Protocol):
     ) -> list[str]:
         """Wait until every other live replica has no request in flight on ``worker`` (or
         ``abort`` is set, or the monotonic ``deadline`` passed); the replicas not drained.
-        ``waiting`` is told the replicas still waited for whenever they change."""
+        ``waiting`` is told the replicas still waited for whenever they change.
+        ConversionTaken when another replica settled the worker meanwhile."""
 
     async def release(
         self,
@@ -117,8 +126,8 @@ class LocalCluster:
     ) -> None:
         return None
 
-    async def mark_switching(self, worker: Worker, conversion_id: str) -> None:
-        return None
+    async def mark_switching(self, worker: Worker, conversion_id: str) -> bool:
+        return True
 
     async def wait_peers_drained(
         self,

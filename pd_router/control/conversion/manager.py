@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pd_router.control.cluster.local import Cluster, LocalCluster
+from pd_router.control.cluster.local import Cluster, ConversionTaken, LocalCluster
 from pd_router.control.conversion.history import (
     HISTORY_SIZE,
     Conversion,
@@ -60,6 +60,10 @@ from pd_router.metrics import RouterMetrics
 logger = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_TIMEOUT_SECS = 300.0
+SETTLED_ELSEWHERE = (
+    "aborted before the switch call: another replica settled the worker while this one's "
+    "lease had lapsed"
+)
 # How often an orphaned worker that still runs its own conversion is read again.
 SETTLE_POLL_FIRST_SECS = 0.05
 SETTLE_POLL_MAX_SECS = 1.0
@@ -434,9 +438,12 @@ class ConversionManager:
         def waiting(replicas: list[str]) -> None:
             conv.progress["waiting_for_replicas"] = replicas
 
-        missing = await self._cluster.wait_peers_drained(
-            conv.worker, conv.id, conv._abort, deadline, waiting
-        )
+        try:
+            missing = await self._cluster.wait_peers_drained(
+                conv.worker, conv.id, conv._abort, deadline, waiting
+            )
+        except ConversionTaken as exc:
+            raise Stop(Status.ABORTED, SETTLED_ELSEWHERE, restore=True) from exc
         self._check_abort(conv)
         if missing:
             raise Stop(
@@ -474,7 +481,8 @@ class ConversionManager:
         conv.phases.append(phase)
         conv.status = Status.SWITCHING
         self._registry.advance_conversion(conv.worker, conv.id, WorkerState.SWITCHING)
-        await self._cluster.mark_switching(conv.worker, conv.id)
+        if not await self._cluster.mark_switching(conv.worker, conv.id):
+            raise Stop(Status.ABORTED, SETTLED_ELSEWHERE, restore=True)
         body = self._switch_body(conv, peer_params)
         body.update(protocol.switch_fields(conv, deadline))
         conv.timings["idle_to_switch_s"] = time.monotonic() - conv.timings.pop("router_idle_at")
