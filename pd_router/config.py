@@ -74,6 +74,8 @@ class ConversionConfig:
     min_decode: int = 1
     max_concurrent: int = 1
     drain_timeout_secs: float = 300.0
+    # One real request through a converted worker before clients get it (0: none).
+    canary_timeout_secs: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -355,6 +357,7 @@ def validate(config: RouterConfig) -> None:
     check_positive("conversion.min_decode", c.min_decode, allow_zero=True)
     check_positive("conversion.max_concurrent", c.max_concurrent)
     check_positive("conversion.drain_timeout_secs", c.drain_timeout_secs)
+    check_positive("conversion.canary_timeout_secs", c.canary_timeout_secs, allow_zero=True)
     for f in dataclasses.fields(LegLimits):
         check_positive(f"legs.{f.name}", getattr(config.legs, f.name))
     validate_autopilot(config.autopilot)

@@ -84,6 +84,7 @@ async def _conversions(app: web.Application) -> AsyncIterator[None]:
             min_decode=settings.min_decode,
             max_concurrent=settings.max_concurrent,
             drain_timeout_secs=settings.drain_timeout_secs,
+            canary_timeout_secs=settings.canary_timeout_secs,
             cluster=router.cluster,
         )
         router.conversions = manager
@@ -187,11 +188,15 @@ async def abort_conversion(request: web.Request) -> web.Response:
 # --- replies --------------------------------------------------------------------------------
 
 
+# Worker replies a conversion records that are checks of the switch, not switch calls.
+CHECKS = frozenset({"verify", "canary"})
+
+
 def mini_lb_reply(conversion: Conversion) -> tuple[int, dict[str, Any]]:
     """The worker's last switch reply with its status, as mini_lb relays it; a 400 reply in the
     same shape when the conversion ended before or after the switch call, or the switch call got
     no reply (mini_lb answers 400 for a lost connection too)."""
-    switch_replies = [r for r in conversion.worker_replies if r["call"] != "verify"]
+    switch_replies = [r for r in conversion.worker_replies if r["call"] not in CHECKS]
     last = switch_replies[-1] if switch_replies else None
     if conversion.succeeded and last is not None:
         return 200, last["body"]

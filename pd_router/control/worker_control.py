@@ -22,6 +22,7 @@ prefill's round trip through decode those lead nowhere (docs/sglang-bugs.md, bug
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from pd_protocol.wire import (
     CONVERT_PATH,
     DRAIN_PATH,
     FORGET_PREFILL_PATH,
+    ROLE_HEADER,
     ROLE_PATH,
     SWITCH_PATH,
 )
@@ -294,6 +296,18 @@ class WorkerControl:
             decode.url, prefill.url, why,
         )  # fmt: skip
 
+    async def canary_leg(
+        self, worker: Worker, role: Role, body: dict[str, Any], timeout_secs: float
+    ) -> tuple[int, Any]:
+        """One leg of a conversion's canary request: ``POST /generate`` sent as ``role``."""
+        limit = aiohttp.ClientTimeout(total=timeout_secs)
+        return await self._post(worker.url, "/generate", body, limit, {ROLE_HEADER: role.value})
+
+    async def abort_request(self, worker: Worker, rid: str) -> None:
+        """``POST /abort_request`` for ``rid``; best effort (a worker that is gone has none)."""
+        with contextlib.suppress(ControlError):
+            await self._post(worker.url, "/abort_request", {"rid": rid}, self._timeout)
+
     async def _switch_call(self, worker: Worker, path: str, body: dict[str, Any]) -> SwitchReply:
         status, reply = await self._post(worker.url, path, body, self._switch_timeout)
         if not isinstance(reply, dict):
@@ -325,13 +339,18 @@ class WorkerControl:
             raise _control_error(url, path, exc) from exc
 
     async def _post(
-        self, url: str, path: str, body: dict[str, Any], limit: aiohttp.ClientTimeout
+        self,
+        url: str,
+        path: str,
+        body: dict[str, Any],
+        limit: aiohttp.ClientTimeout,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, Any]:
         try:
             async with self._session.post(
                 url + path,
                 data=orjson.dumps(body),
-                headers={"Content-Type": "application/json", **self._headers},
+                headers={"Content-Type": "application/json", **self._headers, **(headers or {})},
                 timeout=limit,
             ) as resp:
                 return resp.status, _parse(await resp.read())

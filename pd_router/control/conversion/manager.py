@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pd_router.control.cluster.local import Cluster, ConversionTaken, LocalCluster
+from pd_router.control.conversion.canary import run_canary
 from pd_router.control.conversion.history import (
     HISTORY_SIZE,
     Conversion,
@@ -60,6 +61,9 @@ from pd_router.metrics import RouterMetrics
 logger = logging.getLogger(__name__)
 
 DEFAULT_DRAIN_TIMEOUT_SECS = 300.0
+# The canary request's bound (and the switch back's, when it fails): a tiny request through an
+# idle pair answers in well under a second; SGLang's KV hand-off gives up only after 300 s.
+DEFAULT_CANARY_TIMEOUT_SECS = 30.0
 SETTLED_ELSEWHERE = (
     "aborted before the switch call: another replica settled the worker while this one's "
     "lease had lapsed"
@@ -124,6 +128,7 @@ class ConversionManager:
         min_decode: int = 1,
         max_concurrent: int = 1,
         drain_timeout_secs: float = DEFAULT_DRAIN_TIMEOUT_SECS,
+        canary_timeout_secs: float = DEFAULT_CANARY_TIMEOUT_SECS,
         history_size: int = HISTORY_SIZE,
         cluster: Cluster | None = None,
     ) -> None:
@@ -135,6 +140,7 @@ class ConversionManager:
         self._minimum = {Role.PREFILL: min_prefill, Role.DECODE: min_decode}
         self._max_concurrent = max_concurrent
         self._drain_timeout = drain_timeout_secs
+        self._canary_timeout = canary_timeout_secs
         self._history = ConversionHistory(metrics, history_size)
         self._started = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -562,6 +568,7 @@ class ConversionManager:
             # they forget them before it takes traffic again (docs/sglang-bugs.md, bug b).
             await self._control.forget_prefill_on_decodes(conv.worker, port)
         await self._reopen(conv, protocol)
+        await self._canary(conv, protocol, port)
         conv.timings["verify_s"] = phase.end()
         await self._cluster.release(conv.worker, conv.id, WorkerState.ACTIVE, conv.to_role, port)
         self._registry.end_conversion(
@@ -580,6 +587,54 @@ class ConversionManager:
         except ControlError as exc:
             logger.warning("conversion %s: could not reopen admission: %s", conv.id, exc)
             self._report_down(conv.worker, f"reopening admission failed: {exc}")
+
+    async def _canary(self, conv: Conversion, protocol: ControlProtocol, port: int | None) -> None:
+        """One real request through the worker in its new role before clients get it
+        (:mod:`.canary`); a failed one switches the worker back to its old role, or leaves it
+        FAILED when that does not work either."""
+        if self._canary_timeout <= 0:
+            return
+        result = await run_canary(
+            self._control, self._registry, conv.worker, conv.to_role, port, self._canary_timeout
+        )
+        conv.timings["canary_s"] = result.duration_s
+        conv.reply(
+            "canary",
+            200 if result.failure is None else 502,
+            {"peer": result.peer, "failure": result.failure},
+        )
+        if result.failure is None:
+            return
+        logger.warning("conversion %s: canary failed: %s", conv.id, result.failure)
+        raise await self._switch_back(conv, protocol, f"canary failed ({result.failure})")
+
+    async def _switch_back(self, conv: Conversion, protocol: ControlProtocol, why: str) -> Stop:
+        """The worker switched but cannot serve in its new role: back to the old one. Returns
+        how the conversion ends: RESTORED when the worker reports its old role again, FAILED
+        when it does not."""
+        old = conv.from_role
+        forward = conv.timings.get("worker_switch_s")
+        deadline = time.monotonic() + self._canary_timeout
+        try:
+            reply, _ = await protocol.switch_until_idle(conv, {"new_role": old.value}, deadline)
+            reading = await self._control.read_role(conv.worker)
+        except ControlError as exc:
+            return Stop(Status.FAILED, f"{why}; switching back failed: {exc.reason}", restore=False)
+        finally:
+            conv.timings["switch_back_s"] = conv.timings.pop("worker_switch_s", 0.0)
+            if forward is not None:
+                conv.timings["worker_switch_s"] = forward
+        conv.reply("switch_back", reply.status, reply.body)
+        if not reply.success or reading.role is not old:
+            return Stop(
+                Status.FAILED,
+                f"{why}; switching back to {old} did not take (it reports "
+                f"{reading.role or 'no role'})",
+                restore=False,
+            )
+        if old is Role.PREFILL:
+            await self._control.forget_prefill_on_decodes(conv.worker, reading.bootstrap_port)
+        return Stop(Status.RESTORED, f"{why}; switched back to {old}", restore=True)
 
     async def _stop(self, conv: Conversion, protocol: ControlProtocol, stop: Stop) -> None:
         conv.status = stop.status
