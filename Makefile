@@ -27,6 +27,12 @@ demo: $(STAMP)
 demo-torch: $(TORCH_STAMP)
 	$(VENV)/bin/python bench/demo_torch.py
 
+# Real SGLang 0.5.23 on the CPU behind the router: a colocated reference and a 2P2D, token checks,
+# a conversion each way under traffic (docs/real-sglang.md). The first run builds SGLang's venv
+# (about 11 GB, 3-5 minutes); the servers take 1.5-3 minutes to start on 2 cores.
+demo-sglang: $(STAMP) sglang-venv
+	$(VENV)/bin/python bench/demo_sglang.py
+
 # Tools some tests drive for real: headless Chromium (the status page), Prometheus' promtool
 # (alert rules) and etcd (the replicas' coordination store), and the shared libraries mooncake's
 # TransferEngine links against (the KV transfer tests import it; found with ldconfig, since they
