@@ -89,16 +89,6 @@ async def test_single_input_ids_is_not_a_batch(http):
     assert_paired(response.json(), [1, 2, 3], TOKENS)
 
 
-async def test_parallel_sampling_gets_one_room_per_prompt(http):
-    body = {"text": "sample me", "sampling_params": {"max_new_tokens": TOKENS, "n": 3}}
-    response = await http.post("/generate", json=body)
-    assert response.status_code == 200
-    items = response.json()
-    assert len(items) == 3
-    for item in items:
-        assert_paired(item, "sample me", TOKENS)
-
-
 async def test_batch_with_parallel_sampling_pairs_every_sample(http):
     prompts = ["first of two", "second of two"]
     body = {"text": prompts, "sampling_params": {"max_new_tokens": TOKENS, "n": 2}}

@@ -73,7 +73,7 @@ def prefill():
 
 def test_single_request_gets_scalar_bootstrap_fields_with_ipv6_in_brackets(prefill):
     body = {"text": "x"}
-    inject_bootstrap(body, prefill, None, 1)
+    inject_bootstrap(body, prefill, None)
     assert body["bootstrap_host"] == "[::1]"
     assert body["bootstrap_port"] == 9001
     assert 0 <= body["bootstrap_room"] < 2**63
@@ -81,34 +81,25 @@ def test_single_request_gets_scalar_bootstrap_fields_with_ipv6_in_brackets(prefi
 
 def test_batch_gets_one_distinct_room_per_item(prefill):
     body = {"text": ["a", "b", "c"]}
-    inject_bootstrap(body, prefill, 3, 1)
+    inject_bootstrap(body, prefill, 3)
     assert body["bootstrap_host"] == ["[::1]"] * 3
     assert body["bootstrap_port"] == [9001] * 3
     assert len(set(body["bootstrap_room"])) == 3
 
 
-def test_parallel_sampling_gets_one_room_per_prompt_not_per_sample(prefill):
-    body = {"text": ["a", "b"], "sampling_params": {"n": 3}}
-    inject_bootstrap(body, prefill, 6, 3)
-    assert body["bootstrap_host"] == ["[::1]"] * 2
-    assert body["bootstrap_port"] == [9001] * 2
-    assert len(set(body["bootstrap_room"])) == 2
-
-
 def test_new_attempt_gets_new_rooms(prefill):
     body = {"text": "x"}
-    inject_bootstrap(body, prefill, None, 1)
+    inject_bootstrap(body, prefill, None)
     first = body["bootstrap_room"]
-    inject_bootstrap(body, prefill, None, 1)
+    inject_bootstrap(body, prefill, None)
     assert body["bootstrap_room"] != first
 
 
 def test_rids_the_router_assigns_and_aborts_by():
-    assert router_rid(GENERATE, "r1", None, 1) == ("r1", ["r1"])
-    assert router_rid(GENERATE, "r1", 2, 1) == (["r1_0", "r1_1"], ["r1_0", "r1_1"])
-    assert router_rid(GENERATE, "r1", 4, 4) == (None, [])
-    assert router_rid(COMPLETIONS, "r1", 2, 1) == ("r1", ["r1_0", "r1_1"])
-    assert router_rid(CHAT, "r1", None, 1) == ("r1", ["r1"])
+    assert router_rid(GENERATE, "r1", None) == ("r1", ["r1"])
+    assert router_rid(GENERATE, "r1", 2) == (["r1_0", "r1_1"], ["r1_0", "r1_1"])
+    assert router_rid(COMPLETIONS, "r1", 2) == ("r1", ["r1_0", "r1_1"])
+    assert router_rid(CHAT, "r1", None) == ("r1", ["r1"])
 
 
 @pytest.mark.parametrize(

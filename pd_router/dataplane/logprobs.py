@@ -91,16 +91,24 @@ def merge_body(decode_body: bytes, prefill: PrefillLogprobs) -> bytes:
     return orjson.dumps(parsed)
 
 
-def merge_event(event: bytes, prefill: PrefillLogprobs) -> bytes:
-    """One SSE event (``data: {...}\\n\\n``) with the prefill's logprobs prepended."""
+def event_payload(event: bytes) -> Any:
+    """The JSON of an SSE ``data:`` event; None for another event, ``[DONE]`` or data that is
+    not JSON."""
     if not event.startswith(b"data:"):
-        return event
+        return None
     data = event[5:].strip()
     if data == b"[DONE]":
-        return event
+        return None
     try:
-        parsed = orjson.loads(data)
+        return orjson.loads(data)
     except orjson.JSONDecodeError:
+        return None
+
+
+def merge_event(event: bytes, prefill: PrefillLogprobs) -> bytes:
+    """One SSE event (``data: {...}\\n\\n``) with the prefill's logprobs prepended."""
+    parsed = event_payload(event)
+    if parsed is None:
         return event
     _merge_into(parsed, prefill, 0)
     return b"data: " + orjson.dumps(parsed) + b"\n\n"

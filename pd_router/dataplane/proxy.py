@@ -30,7 +30,8 @@ from typing import Any, TypeVar
 import orjson
 
 from pd_router.dataplane.aborts import find_abort
-from pd_router.dataplane.front.reply import Reply
+from pd_router.dataplane.fanout import Sampling, serve_samples
+from pd_router.dataplane.front.reply import Answer, sse_error_event
 from pd_router.dataplane.http1 import Response
 from pd_router.dataplane.logprobs import merge_body, merged_events, prefill_logprobs
 from pd_router.dataplane.path import RequestPath
@@ -84,7 +85,7 @@ async def serve(
     path: RequestPath,
     endpoint: Endpoint,
     raw: bytes,
-    reply: Reply,
+    reply: Answer,
     request_id: str,
     upstream_id: str,
 ) -> None:
@@ -94,7 +95,24 @@ async def serve(
     items, samples = endpoint.count_items(body)
     async with path.admission.admitted():
         ids = (request_id, upstream_id)
-        await Exchange(path, reply, ids, endpoint, body, items, samples, started).run()
+        if samples > 1:
+            run = functools.partial(run_sample, path, endpoint, started)
+            await serve_samples(Sampling(endpoint, body, samples), reply, ids, run)
+            return
+        await Exchange(path, reply, ids, endpoint, body, items, started).run()
+
+
+async def run_sample(
+    path: RequestPath,
+    endpoint: Endpoint,
+    started: float,
+    reply: Answer,
+    ids: tuple[str, str],
+    body: dict[str, Any],
+    items: int | None,
+) -> None:
+    """One sample of a fanned-out request, served as a request of its own."""
+    await Exchange(path, reply, ids, endpoint, body, items, started).run()
 
 
 async def guarded(main: asyncio.Task[T], guard: asyncio.Task) -> T:
@@ -123,12 +141,11 @@ class Exchange:
     def __init__(
         self,
         path: RequestPath,
-        reply: Reply,
+        reply: Answer,
         ids: tuple[str, str],
         endpoint: Endpoint,
         body: dict[str, Any],
         items: int | None,
-        samples: int,
         started: float,
     ) -> None:
         self.path = path
@@ -136,7 +153,6 @@ class Exchange:
         self.endpoint = endpoint
         self.body = body
         self.items = items
-        self.samples = samples
         self.started = started
         self.request_id, self.upstream_id = ids
         self.client_rid = body.get("rid")
@@ -240,14 +256,12 @@ class Exchange:
 
     def prepare(self, attempt: int, prefill: Target) -> tuple[bytes, list[str]]:
         """The body for this attempt (new rooms, the rid workers know it by) and its rids."""
-        inject_bootstrap(self.body, prefill, self.items, self.samples)
+        inject_bootstrap(self.body, prefill, self.items)
         if self.client_rid is not None:
             rids = item_rids(self.client_rid, self.items)
         else:
             base = self.upstream_id if attempt == 0 else f"{self.upstream_id}-{attempt}"
-            rid, rids = router_rid(self.endpoint, base, self.items, self.samples)
-            if rid is not None:
-                self.body["rid"] = rid
+            self.body["rid"], rids = router_rid(self.endpoint, base, self.items)
         return orjson.dumps(self.body), rids
 
     def cleanup(
@@ -500,14 +514,13 @@ async def first_piece(
 
 
 def sse_error(message: str, status: int = 502) -> bytes:
-    """The event that ends a stream broken after its first byte (SGLang's error shape; the
+    """The events that end a stream broken after its first byte (SGLang's error shape; the
     type says what a JSON answer's error would have said: upstream_error or upstream_timeout)."""
     error_type = UpstreamTimeout.error_type if status == 504 else UpstreamError.error_type
-    error = {"error": {"message": message, "type": error_type, "code": status}}
-    return b"data: " + orjson.dumps(error) + b"\n\ndata: [DONE]\n\n"
+    return sse_error_event(message, error_type, status) + END_EVENT
 
 
-async def failure_response(reply: Reply, failure: LegFailed) -> None:
+async def failure_response(reply: Answer, failure: LegFailed) -> None:
     """What the client gets when the last attempt failed: a worker's own 4xx answer as is,
     otherwise a router error naming the leg that failed (503 with Retry-After when the router
     itself ran out of file descriptors or connections, the worker being fine)."""

@@ -4,8 +4,9 @@ items of a batch, and injecting the bootstrap fields.
 The router only checks what it must understand to route (the inputs that decide the batch size,
 ``n``, ``stream``, ``return_logprob``, ``rid``); everything else is the worker's business and is
 passed through untouched. Counting follows SGLang's ``GenerateReqInput`` normalisation: a list of
-texts, a 2-D ``input_ids`` or a 3-D ``input_embeds`` is a batch, ``n > 1`` multiplies it, and a
-batch gets one bootstrap room per prompt.
+texts, a 2-D ``input_ids`` or a 3-D ``input_embeds`` is a batch, ``n > 1`` multiplies it (and
+sends the request through :mod:`pd_router.dataplane.fanout`), and a batch gets one bootstrap
+room per prompt.
 """
 
 from __future__ import annotations
@@ -270,14 +271,10 @@ COMPLETIONS = Endpoint("completions", "/v1/completions", completion_items, nativ
 CHAT = Endpoint("chat_completions", "/v1/chat/completions", chat_items, native=False)
 
 
-def inject_bootstrap(body: dict[str, Any], prefill: Target, items: int | None, n: int) -> None:
-    """Point the decode at ``prefill`` with fresh random 63-bit rooms.
-
-    One room per item of a batch without parallel sampling; with ``n > 1``, one room per prompt
-    (a list of ``items // n``): SGLang's ``GenerateReqInput`` repeats a room list ``n`` times and
-    its tokenizer manager reads only the first entry of each prompt, so per-sample rooms would
-    be read as the rooms of other prompts.
-    """
+def inject_bootstrap(body: dict[str, Any], prefill: Target, items: int | None) -> None:
+    """Point the decode at ``prefill`` with fresh random 63-bit rooms, one per item of a batch.
+    A request never carries ``n > 1`` here: :mod:`pd_router.dataplane.fanout` sends its samples
+    as requests of their own."""
     host = prefill.bootstrap_host
     port = prefill.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
     if items is None:
@@ -285,10 +282,9 @@ def inject_bootstrap(body: dict[str, Any], prefill: Target, items: int | None, n
         body["bootstrap_port"] = port
         body["bootstrap_room"] = random.getrandbits(63)
         return
-    count = items // n
-    body["bootstrap_host"] = [host] * count
-    body["bootstrap_port"] = [port] * count
-    body["bootstrap_room"] = [random.getrandbits(63) for _ in range(count)]
+    body["bootstrap_host"] = [host] * items
+    body["bootstrap_port"] = [port] * items
+    body["bootstrap_room"] = [random.getrandbits(63) for _ in range(items)]
 
 
 def item_rids(rid: str | list[str], items: int | None) -> list[str]:
@@ -302,14 +298,12 @@ def item_rids(rid: str | list[str], items: int | None) -> list[str]:
 
 
 def router_rid(
-    endpoint: Endpoint, base: str, items: int | None, n: int
-) -> tuple[str | list[str] | None, list[str]]:
-    """The rid the router gives a request that came without one (None: leave it unset) and the
-    rids to abort it by. A native batch gets one rid per prompt; with ``n > 1`` SGLang wants one
-    per prompt but expands them itself, so the router leaves the rid to the worker there."""
-    if items is None or not endpoint.native:
-        return base, item_rids(base, items)
-    if n > 1:
-        return None, []
+    endpoint: Endpoint, base: str, items: int | None
+) -> tuple[str | list[str], list[str]]:
+    """The rid the router gives a request that came without one and the rids to abort it by:
+    a native batch gets one rid per prompt, anything else ``base`` (which SGLang expands to
+    ``base_i`` for the items of an OpenAI batch)."""
     rids = item_rids(base, items)
+    if items is None or not endpoint.native:
+        return base, rids
     return rids, rids

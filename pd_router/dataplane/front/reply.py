@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from email.utils import formatdate
 from typing import Protocol
 
+import orjson
+
 from pd_router.dataplane.front.request import ClientRequest
 
 Headers = Iterable[tuple[str, str]]
@@ -50,6 +52,29 @@ class HttpDate:
 
 
 DATE = HttpDate()
+
+
+class Answer(Protocol):
+    """What the request path writes one answer on: a :class:`Reply` to the client, or one
+    sample's share of a fanned-out request (:mod:`pd_router.dataplane.fanout`)."""
+
+    status: int
+    delivered: int | None
+
+    async def send(
+        self, status: int, body: bytes, content_type: str | None, headers: Headers = ()
+    ) -> None: ...
+    async def start(
+        self, status: int, headers: Headers, length: int | None = None, *, own: bool = True
+    ) -> None: ...
+    async def write(self, data: bytes) -> None: ...
+    async def end(self) -> None: ...
+
+
+def sse_error_event(message: str, error_type: str, status: int) -> bytes:
+    """The event that ends a stream broken after its first byte, in SGLang's error shape."""
+    error = {"error": {"message": message, "type": error_type, "code": status}}
+    return b"data: " + orjson.dumps(error) + b"\n\n"
 
 
 def status_line(status: int) -> str:
