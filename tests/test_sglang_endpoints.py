@@ -160,3 +160,15 @@ def test_requests_go_through_both_pools(sglang_fleet: Fleet, router: Served) -> 
             worker.name,
             orjson.dumps(served).decode(),
         )
+
+
+def test_completions_n2_are_two_colocated_answers(sglang_fleet: Fleet, router: Served) -> None:
+    """``n > 1``, which SGLang's PD cannot serve, fanned out by the router: at temperature 0
+    each choice is the colocated server's ``n = 1`` answer, the prompt counted once."""
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0}
+    want = post(sglang_fleet.reference.url, "/v1/completions", body)
+    got = post(router.url, "/v1/completions", {**body, "n": 2})
+    assert [c["index"] for c in got["choices"]] == [0, 1]
+    assert [c["text"] for c in got["choices"]] == [want["choices"][0]["text"]] * 2
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    assert got["usage"]["completion_tokens"] == 2 * want["usage"]["completion_tokens"]
