@@ -98,11 +98,22 @@ def latency_summary(seconds: Sequence[float]) -> dict[str, float]:
     }
 
 
-def overhead_figures(direct: Sequence[float], routed: Sequence[float]) -> dict[str, Any]:
-    """Both paths' summaries and router/direct for each statistic."""
-    a, b = latency_summary(direct), latency_summary(routed)
+def overhead_figures(
+    direct: Sequence[Sequence[float]], routed: Sequence[Sequence[float]]
+) -> dict[str, Any]:
+    """Both paths' summaries and router/direct for each statistic, from batches of latencies
+    where the i-th batch of each path ran next to the other. ``paired`` is the median and the
+    quartiles of the per-batch ratios (router batch mean / direct batch mean): load that comes
+    and goes over seconds shifts both batches of a pair alike and cancels there, where it only
+    spreads the pooled figures."""
+    a = latency_summary([x for batch in direct for x in batch])
+    b = latency_summary([x for batch in routed for x in batch])
     ratios = {k[:-3]: b[k] / a[k] for k in ("mean_ms", "p50_ms", "p90_ms")}
-    return {"direct": a, "router": b, "ratio": ratios}
+    per_batch = [
+        statistics.fmean(r) / statistics.fmean(d) for d, r in zip(direct, routed, strict=True)
+    ]
+    q1, median, q3 = statistics.quantiles(per_batch, n=4, method="inclusive")
+    return {"direct": a, "router": b, "ratio": ratios | {"paired": [median, q1, q3]}}
 
 
 def conversion_rows(conversions: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -139,20 +150,22 @@ def markdown(report: dict[str, Any]) -> str:
         f"Router overhead per request (greedy /generate, {GREEDY['max_new_tokens']} new tokens, "
         "direct = both legs sent by the benchmark):",
         "",
-        "| concurrency | path | requests | mean ms | p50 ms | p90 ms |",
-        "|---|---|---|---|---|---|",
+        "| concurrency | path | requests | mean ms | p50 ms | p90 ms | paired batches "
+        "(median, quartiles) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for concurrency, figures in report["overhead"].items():
         for path in ("direct", "router"):
             s = figures[path]
             lines.append(
                 f"| {concurrency} | {path} | {s['n']} | {s['mean_ms']:.1f} | {s['p50_ms']:.1f} "
-                f"| {s['p90_ms']:.1f} |"
+                f"| {s['p90_ms']:.1f} | |"
             )
         r = figures["ratio"]
+        median, q1, q3 = r["paired"]
         lines.append(
             f"| {concurrency} | **router / direct** | | **{r['mean']:.2f}** | **{r['p50']:.2f}** "
-            f"| **{r['p90']:.2f}** |"
+            f"| **{r['p90']:.2f}** | **{median:.2f}** ({q1:.2f}-{q3:.2f}) |"
         )
     lines += [
         "",
@@ -242,19 +255,20 @@ async def measure_overhead(
         figures: dict[str, Any] = {}
         answers: dict[str, set[tuple[int, ...]]] = {p: set() for p in PROMPTS}
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
-            latencies: dict[str, list[float]] = {"direct": [], "router": []}
+            batches: dict[str, list[list[float]]] = {"direct": [], "router": []}
             for batch in range(args.requests // concurrency):
                 order = ("direct", "router") if batch % 2 == 0 else ("router", "direct")
                 prompts = [PROMPTS[(batch + i) % len(PROMPTS)] for i in range(concurrency)]
                 for name in order:
                     send = getattr(paths, name)
                     results = await asyncio.gather(*(timed(send, p) for p in prompts))
-                    for prompt, (took, ids) in zip(prompts, results, strict=True):
-                        latencies[name].append(took)
+                    batches[name].append([took for took, _ in results])
+                    for prompt, (_, ids) in zip(prompts, results, strict=True):
                         answers[prompt].add(tuple(ids))
-            figures[str(concurrency)] = overhead_figures(latencies["direct"], latencies["router"])
-            ratio = figures[str(concurrency)]["ratio"]["mean"]
-            print(f"   concurrency {concurrency}: router/direct mean {ratio:.2f}", flush=True)
+            figures[str(concurrency)] = overhead_figures(batches["direct"], batches["router"])
+            ratio = figures[str(concurrency)]["ratio"]
+            print(f"   concurrency {concurrency}: router/direct mean {ratio['mean']:.2f}, "
+                  f"paired median {ratio['paired'][0]:.2f}", flush=True)  # fmt: skip
     different = sum(len(ids) - 1 for ids in answers.values())
     return figures, different
 

@@ -36,10 +36,18 @@ def test_a_latency_summary_is_in_milliseconds_with_inclusive_p90(figs) -> None:
 
 
 def test_the_ratio_is_router_over_direct_for_each_statistic(figs) -> None:
-    figures = figs.overhead_figures([0.1, 0.1, 0.1], [0.12, 0.12, 0.15])
+    figures = figs.overhead_figures([[0.1], [0.1], [0.1]], [[0.12], [0.12], [0.15]])
     assert figures["ratio"]["mean"] == pytest.approx(0.13 / 0.1)
     assert figures["ratio"]["p50"] == pytest.approx(1.2)
     assert figures["ratio"]["p90"] == pytest.approx(figures["router"]["p90_ms"] / 100)
+
+
+def test_a_burst_on_one_batch_moves_the_pooled_mean_not_the_paired_median(figs) -> None:
+    direct = [[0.1], [0.1], [0.5], [0.1], [0.1]]
+    routed = [[0.11]] * 5
+    ratio = figs.overhead_figures(direct, routed)["ratio"]
+    assert ratio["mean"] == pytest.approx(0.11 / 0.18)
+    assert ratio["paired"] == pytest.approx([1.1, 1.1, 1.1])
 
 
 def test_conversions_are_grouped_per_worker_and_direction_in_order_of_appearance(figs) -> None:
@@ -76,12 +84,15 @@ def test_the_markdown_report_shows_ratios_phases_and_failed_requests(figs) -> No
     report = {
         "sglang": "0.5.23", "date": "2026-12-05 01:00 UTC", "commit": "abc1234",
         "loadavg_start": 3.0, "loadavg_end": 4.0, "clients": 3, "different_answers": 0,
-        "overhead": {"1": figs.overhead_figures([0.1, 0.1], [0.11, 0.11])},
+        "overhead": {"1": figs.overhead_figures([[0.1], [0.1]], [[0.11], [0.11]])},
         "conversion_rows": figs.conversion_rows(conversions),
         "traffic": {"sent": 40, "failed": 1, "failures": ["502: bad gateway"]},
     }  # fmt: skip
     text = figs.markdown(report)
-    assert "| 1 | **router / direct** | | **1.10** | **1.10** | **1.10** |" in text
+    assert (
+        "| 1 | **router / direct** | | **1.10** | **1.10** | **1.10** | **1.10** (1.10-1.10) |"
+        in text
+    )
     assert "| d1 | decode -> prefill | 1 (1) | 0.25 / 0.25 | - | - | - | 0.50 / 0.50 " in text
     assert "40 sent, 1 failed (first: 502: bad gateway)." in text
     assert "commit abc1234" in text and "load average 3.0 at start" in text
