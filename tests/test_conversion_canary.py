@@ -29,7 +29,7 @@ async def test_a_conversion_passes_its_canary_before_clients_get_the_worker(clus
         assert response.status_code == 200, response.text
         record = response.json()
         canary = [r for r in record["worker_replies"] if r["call"] == "canary"]
-        assert canary and canary[0]["body"] == {"peer": cluster.decode_urls[0], "failure": None}
+        assert canary and canary[0]["body"] == {"peer": cluster.decode_urls[0], "failures": {}}
         assert record["timings"]["canary_s"] < 2.0
         assert decode in (await pools(http))["prefill"]
 
@@ -62,4 +62,18 @@ async def test_a_conversion_without_a_peer_of_the_other_role_skips_the_canary(cl
         response = await convert(http, server_url=prefill, new_role="decode")
         assert response.status_code == 200, response.text
         canary = [r for r in response.json()["worker_replies"] if r["call"] == "canary"]
-        assert canary[0]["body"] == {"peer": None, "failure": None}
+        assert canary[0]["body"] == {"peer": None, "failures": {}}
+
+
+async def test_a_canary_that_meets_one_peer_passes_when_another_pair_is_stale(cluster_factory):
+    """A decode that kept a round-tripped prefill's endpoints (plain SGLang cannot be told to
+    forget) is that pair's fault, not the converted worker's: another decode meets it."""
+    cluster = cluster_factory(prefill=1, decode=3, speed=0.0)
+    converted, stale, good = cluster.decode_urls[2], cluster.decode_urls[0], cluster.decode_urls[1]
+    await fault(stale, stale_bootstrap=f"127.0.0.1:{cluster.bootstrap_port(converted)}")
+    async with running_router(cluster, **CANARY) as router, router.client() as http:
+        response = await convert(http, server_url=converted, new_role="prefill")
+        assert response.status_code == 200, response.text
+        canary = [r for r in response.json()["worker_replies"] if r["call"] == "canary"]
+        assert canary[0]["body"]["peer"] == good
+        assert converted in (await pools(http))["prefill"]

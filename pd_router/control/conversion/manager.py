@@ -598,15 +598,13 @@ class ConversionManager:
             self._control, self._registry, conv.worker, conv.to_role, port, self._canary_timeout
         )
         conv.timings["canary_s"] = result.duration_s
-        conv.reply(
-            "canary",
-            200 if result.failure is None else 502,
-            {"peer": result.peer, "failure": result.failure},
-        )
-        if result.failure is None:
+        conv.reply("canary", 502 if result.failed else 200, result.as_dict())
+        for peer, why in result.failures.items():
+            logger.warning("conversion %s: canary with %s failed: %s", conv.id, peer, why)
+        if not result.failed:
             return
-        logger.warning("conversion %s: canary failed: %s", conv.id, result.failure)
-        raise await self._switch_back(conv, protocol, f"canary failed ({result.failure})")
+        failures = "; ".join(result.failures.values())
+        raise await self._switch_back(conv, protocol, f"canary failed ({failures})")
 
     async def _switch_back(self, conv: Conversion, protocol: ControlProtocol, why: str) -> Stop:
         """The worker switched but cannot serve in its new role: back to the old one. Returns
@@ -614,7 +612,9 @@ class ConversionManager:
         when it does not."""
         old = conv.from_role
         forward = conv.timings.get("worker_switch_s")
-        deadline = time.monotonic() + self._canary_timeout
+        # The failed canary's requests may hold the worker busy a while (SGLang frees a failed
+        # transfer's KV late): as long as a drain may take.
+        deadline = time.monotonic() + self._drain_timeout
         try:
             reply, _ = await protocol.switch_until_idle(conv, {"new_role": old.value}, deadline)
             reading = await self._control.read_role(conv.worker)
