@@ -58,10 +58,10 @@ kube-apiserver: browser
 
 # Real SGLang 0.5.23 on the CPU for the real_sglang tests and make demo-sglang: its own venv
 # (SGLang pins a CUDA torch: about 11 GB and 3-5 minutes the first time, then cached in
-# ~/.cache/pd-router) and a stand-in libcuda; tests/sglang/build_venv.sh. Without it those tests
+# ~/.cache/pd-router) and a stand-in libcuda; tests/sglang_cpu/build_venv.sh. Without it those tests
 # skip, saying why.
 sglang-venv: browser
-	@tests/sglang/build_venv.sh >/dev/null || echo "no SGLang venv: the real-SGLang tests will be skipped"
+	@tests/sglang_cpu/build_venv.sh >/dev/null || echo "no SGLang venv: the real-SGLang tests will be skipped"
 
 test: $(TORCH_STAMP) browser kube-apiserver sglang-venv
 	$(VENV)/bin/python -m pytest -q

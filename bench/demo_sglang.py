@@ -7,7 +7,7 @@ answer token for token against the colocated server, then converts a decode to p
 through the router while clients keep sending, and prints what happened: requests, failures,
 token checks, each conversion's phases. Exits 1 on any failed request or different token.
 
-The CPU recipe and the shims it needs are test support (tests/sglang/, docs/real-sglang.md).
+The CPU recipe and the shims it needs are test support (tests/sglang_cpu/, docs/real-sglang.md).
 The first run builds SGLang's venv (make sglang-venv: about 11 GB, 3-5 minutes); starting the
 five servers takes 1.5-3 minutes on 2 cores.
 """

@@ -2,10 +2,11 @@
 thing (marker ``real_sglang``).
 
 What it takes (all built once and cached outside the clone by ``make sglang-venv``, see
-tests/sglang/build_venv.sh): SGLang's venv, with mooncake's non-CUDA transfer engine, and a
-stand-in ``libcuda.so.1``; the tiny Llama of tests/sglang/make_model.py (seeded real weights, a
-tokenizer trained here). The CPU shims (the stub library, tests/sglang/cpu_shim/sitecustomize.py)
-are test support, never part of what a GPU user runs. When the venv is missing or the machine has
+tests/sglang_cpu/build_venv.sh): SGLang's venv, with mooncake's non-CUDA transfer engine, and
+a stand-in ``libcuda.so.1``; the tiny Llama of tests/sglang_cpu/make_model.py (seeded real
+weights, a tokenizer trained here). The CPU shims (the stub library,
+tests/sglang_cpu/cpu_shim/sitecustomize.py) are test support, never part of what a GPU user
+runs. When the venv is missing or the machine has
 too little memory for the servers, the tests skip and say why.
 
 A server is one ``python -m sglang.launch_server`` (or ``server_patch.launch_server``) process
@@ -36,7 +37,7 @@ from pd_worker.cluster import free_port
 
 SGLANG_VERSION = "0.5.23"
 REPO = Path(__file__).resolve().parents[1]
-SUPPORT = REPO / "tests" / "sglang"
+SUPPORT = REPO / "tests" / "sglang_cpu"
 CACHE = Path(os.environ.get("PD_ROUTER_CACHE", Path.home() / ".cache" / "pd-router"))
 VENV = CACHE / f"sglang-{SGLANG_VERSION}"
 # Per server: about 1-1.6 GB resident once warm (its scheduler and launcher), more while it starts.

@@ -1,7 +1,7 @@
 """Every generation endpoint through pd-router in front of real SGLang 0.5.23 (2P2D on the CPU,
 KV over mooncake TCP) answers token for token what one colocated SGLang server with the same
 weights answers. Greedy sampling; the tiny model's weights are real enough that every token
-depends on the whole prompt, so a broken KV hand-off shows (tests/sglang/make_model.py)."""
+depends on the whole prompt, so a broken KV hand-off shows (tests/sglang_cpu/make_model.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Builds, once, what the real-SGLang tests run on (test support only; nothing here is what a GPU
 # user runs): a venv with SGLang 0.5.23 and mooncake's non-CUDA transfer engine, and the stand-in
-# libcuda.so.1 of tests/sglang/libcuda_stub.c that lets `import sgl_kernel` load without a GPU.
+# libcuda.so.1 of tests/sglang_cpu/libcuda_stub.c that lets `import sgl_kernel` load without a GPU.
 # SGLang pins a CUDA build of torch: about 11 GB and 3-5 minutes the first time. Kept in
 # $PD_ROUTER_CACHE/sglang-0.5.23 (default ~/.cache/pd-router), outside the clone; a later call
 # returns at once. Prints the venv's path; exits non-zero when it cannot be built.

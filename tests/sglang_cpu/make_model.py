@@ -8,7 +8,7 @@ does: large enough that every output token depends on the whole prompt (SGLang's
 broken KV hand-off would still produce the colocated server's tokens). The tokenizer is trained
 on pd_worker's corpus and padded to the model's vocabulary with unused tokens.
 
-    python tests/sglang/make_model.py DIR
+    python tests/sglang_cpu/make_model.py DIR
 """
 
 from __future__ import annotations
