@@ -142,6 +142,14 @@ async def test_a_batch_with_n2_answers_prompt_major(http):
         assert_paired(item, prompts[index // 2], TOKENS)
 
 
+async def test_every_sample_carries_the_prefills_input_logprobs(http):
+    response = await http.post("/generate", json=sampled("logprobs", 2, return_logprob=True))
+    assert response.status_code == 200
+    for item in response.json():
+        merged = [entry[1] for entry in item["meta_info"]["input_token_logprobs"]]
+        assert merged == tokenize("logprobs")
+
+
 async def test_streamed_generate_with_n3_numbers_the_samples_and_ends_once(http):
     response = await http.post("/generate", json=sampled("streamed", 3, stream=True))
     assert response.status_code == 200
@@ -253,6 +261,24 @@ async def test_a_sample_refused_fails_the_request_and_aborts_the_others(slow_clu
         await wait_until(
             lambda: all(w.inflight == 0 for w in router.state.registry), 5.0, "router in-flight 0"
         )
+
+
+async def test_a_sample_broken_mid_stream_ends_the_stream_with_one_error(slow_cluster):
+    decode = slow_cluster.decode_urls[0]
+    async with running_router(slow_cluster) as router, router.client() as http:
+        body = sampled("doomed samples", 2, SLOW_TOKENS, stream=True)
+        async with http.stream("POST", "/generate", json=body) as response:
+            lines = response.aiter_lines()
+            first = await anext(lines)
+            slow_cluster.kill(decode)
+            rest = [line async for line in lines]
+        events = sse_events("\n\n".join([first, *rest]))
+        assert events[-1] == "[DONE]"
+        assert events.count("[DONE]") == 1
+        errors = [e for e in events[:-1] if "error" in e]
+        assert len(errors) == 1
+        assert errors[0] == events[-2]
+        assert decode in errors[0]["error"]["message"]
 
 
 async def test_the_client_leaving_cancels_every_sample(slow_cluster):
