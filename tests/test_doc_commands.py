@@ -65,6 +65,7 @@ SKIPPED: list[tuple[str, str]] = [
     (r"prefill-\d|decode-\d|router-\d", "addresses a service of a docker compose file"),
     (r"server_patch\.launch_server|^(MODEL|COMMON)=", "needs SGLang on GPUs"),
     (r"localhost:30003", "talks to the SGLang servers of the block before (GPU)"),
+    (r"\$[AB]/", "talks to the real SGLang servers its text describes (tests/test_sglang_bugs.py)"),
     (r"^pip install|^python3\.11 -m venv|/pip install", "installs packages from the network"),
     (
         r"--etcd ",
