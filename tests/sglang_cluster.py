@@ -42,7 +42,8 @@ CACHE = Path(os.environ.get("PD_ROUTER_CACHE", Path.home() / ".cache" / "pd-rout
 VENV = CACHE / f"sglang-{SGLANG_VERSION}"
 # Per server: about 1-1.6 GB resident once warm (its scheduler and launcher), more while it starts.
 MEMORY_PER_SERVER_GB = 2.0
-READY_TIMEOUT_SECS = 240.0
+# Five servers start in 1.5-3 minutes on 2 cores; much longer only when the machine is shared.
+READY_TIMEOUT_SECS = 600.0
 READY_LINE = "The server is fired up and ready to roll!"
 CPU_FLAGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
