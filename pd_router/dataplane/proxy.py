@@ -9,7 +9,8 @@ draining prefill is free while the decodes still stream its answers. If a leg fa
 client got a byte, the other leg is cancelled (and told to abort) and, for transport errors and
 502/503/504, the request is retried on a new pair with new rooms. After the first byte a failure
 ends the stream with an SSE error event. A client that goes away cancels both legs and both
-workers get ``/abort_request``.
+workers get ``/abort_request``. A request with ``n > 1`` is served as ``n`` such requests, one
+per sample (:mod:`pd_router.dataplane.fanout`: SGLang's PD cannot serve ``n > 1``).
 
 A pair that does not meet within the rendezvous wait (the prefill's answer, and for a stream
 the decode's first event: :mod:`pd_router.dataplane.upstream`) has both legs ended and both
