@@ -201,6 +201,16 @@ async def test_only_one_replica_leads_and_another_takes_over_when_it_stops(worke
         await wait_until(took_over, LEASE_TTL_SECS + 3.0, "the other replica leads")
 
 
+async def _kill_once_switching(r1: RouterProcess, r2: RouterProcess, decode: str) -> None:
+    """Convert ``decode`` through r1 and SIGKILL r1 once r2 sees the worker SWITCHING."""
+    async with _client(r1) as via_r1:
+        started = await via_r1.post("/convert_pd_role", json={"server_url": decode, "wait": False})
+    assert started.status_code == 202, started.text
+    await wait_until(lambda: _state_on(r2.url, decode, "switching"), 2.0, "switching")
+    r1.process.send_signal(signal.SIGKILL)
+    await r1.process.wait()
+
+
 def _client(router: RouterProcess) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=router.url, timeout=60.0)
 
@@ -301,14 +311,7 @@ async def test_a_replica_killed_while_its_worker_switches_leaves_the_worker_in_i
     workers = cluster_factory(prefill=2, decode=2, speed=1.0, switch_secs=1.5)
     decode = workers.decode_urls[0]
     async with replicas(workers, etcd_server, 2) as (r1, r2):
-        async with _client(r1) as via_r1:
-            started = await via_r1.post(
-                "/convert_pd_role", json={"server_url": decode, "wait": False}
-            )
-        assert started.status_code == 202, started.text
-        await wait_until(lambda: _state_on(r2.url, decode, "switching"), 2.0, "switching")
-        r1.process.send_signal(signal.SIGKILL)
-        await r1.process.wait()
+        await _kill_once_switching(r1, r2, decode)
         await wait_until(
             lambda: roles_agree([r2], decode, "prefill"),
             LEASE_TTL_SECS + 8.0,
@@ -390,14 +393,7 @@ async def test_a_replica_killed_while_its_worker_drains_itself_is_settled_in_the
             pd_generate(direct, prefill, decode, workers.bootstrap_port(prefill), foreign)
         )
         await wait_for_busy([decode])
-        async with _client(r1) as via_r1:
-            started = await via_r1.post(
-                "/convert_pd_role", json={"server_url": decode, "wait": False}
-            )
-        assert started.status_code == 202, started.text
-        await wait_until(lambda: _state_on(r2.url, decode, "switching"), 2.0, "switching")
-        r1.process.send_signal(signal.SIGKILL)
-        await r1.process.wait()
+        await _kill_once_switching(r1, r2, decode)
         await other
         await wait_until(
             lambda: roles_agree([r2], decode, "prefill"), 10.0, "settled in its new role"
