@@ -379,7 +379,7 @@ class Engine:
             return reply(False, *rejection)
         if new_role == old_role:
             return reply(True, "already in target role")
-        if not self.is_fully_idle():
+        if not self.is_fully_idle() or self.faults.take_busy_switch():
             return reply(False, "instance is not idle; drain all requests before switching", True)
         graph_problem = self._graph_problem(new_role, request.get("decode_cuda_graph_memory_gb"))
         if graph_problem is not None:

@@ -20,6 +20,9 @@ Body fields, all optional and combinable:
   KV pulls never reach, as SGLang 0.5.23's decode keeps a round-tripped prefill's old endpoint:
   each pull hangs until the bootstrap timeout and the prefill waits for it as long; ``""`` ends
   it. Other prefills are served as usual (the timing engine; the torch engine ignores it).
+- ``busy_switch_next``: int -- the next N role switches are refused as "not idle" although the
+  load reads idle, as SGLang 0.5.23's decode refuses while the KV of an aborted transfer awaits
+  its deferred release (no load field counts it).
 - ``exit``: int -- the process exits with this code right after replying.
 - ``clear``: bool -- reset every fault first.
 """
@@ -42,6 +45,7 @@ _FIELDS = {
     "unhealthy": bool,
     "exit_after_kv_publish": bool,
     "stale_bootstrap": str,
+    "busy_switch_next": int,
     "exit": int,
     "clear": bool,
 }
@@ -61,6 +65,7 @@ class Faults:
     unhealthy: bool = False
     exit_after_kv_publish: bool = False
     stale_bootstrap: str = ""
+    busy_switch_next: int = 0
 
     def apply(self, body: dict[str, Any]) -> int | None:
         """Update from a ``POST /fault`` body; returns the requested exit code, if any.
@@ -88,6 +93,7 @@ class Faults:
             "unhealthy",
             "exit_after_kv_publish",
             "stale_bootstrap",
+            "busy_switch_next",
         ):
             if key in body:
                 setattr(self, key, body[key])
@@ -110,6 +116,13 @@ class Faults:
         failing = self.fail_next_switch
         self.fail_next_switch = False
         return failing
+
+    def take_busy_switch(self) -> bool:
+        """Whether this role switch must be refused as busy (consumes one)."""
+        if self.busy_switch_next <= 0:
+            return False
+        self.busy_switch_next -= 1
+        return True
 
     def take_switch_lie(self) -> bool:
         """Whether this role change must claim success without happening (consumes the fault)."""

@@ -24,6 +24,9 @@ IDLE_POLL_MAX_SECS = 0.05
 # How long a worker whose load reads idle may still refuse a switch as busy before the refusal
 # is taken for another reason.
 IDLE_AGREEMENT_SECS = 0.5
+# What SGLang's refusal of a switch on a busy server says ("instance is not idle; drain all
+# requests before switching").
+NOT_IDLE = "not idle"
 
 
 class Stop(Exception):
@@ -48,6 +51,14 @@ def lost(exc: ControlError) -> Stop:
         restore=True,
         healthy=False,
     )
+
+
+def refused_busy(reply: SwitchReply) -> bool:
+    """SGLang's own word that it still has work (``is_fully_idle`` is false). It can say so while
+    its load reading shows nothing running or waiting: a decode frees the KV of a transfer that
+    failed or was aborted only later (``has_pending_deferred_releases``, up to 30 s in 0.5.23), and
+    no load field counts that. So this refusal is retried until the deadline whatever the load."""
+    return NOT_IDLE in reply.message
 
 
 def refused_request(reply: SwitchReply) -> bool:
@@ -101,7 +112,7 @@ class ControlProtocol(ABC):
                 return reply, None
             load = await self.read_load(conv)
             now = time.monotonic()
-            if load.idle:
+            if load.idle and not refused_busy(reply):
                 # The load reading may turn idle a moment before the switch's own idleness
                 # check does (a request's last bookkeeping); past that, the refusal is another.
                 idle_since = now if idle_since is None else idle_since
