@@ -324,7 +324,7 @@ async def _admit(state: WorkerState, request: web.Request) -> None:
             raise Misdirected(misdirected)
     status = state.faults.take_failure()
     if status is not None:
-        raise InjectedFault(status)
+        raise InjectedFault(status, state.faults.fail_message)
     if state.faults.delay_secs > 0:
         await asyncio.sleep(state.faults.delay_secs)
 

@@ -117,8 +117,8 @@ class InjectedFault(WorkerError):
 
     openai_shape = True
 
-    def __init__(self, status: int) -> None:
-        super().__init__(f"injected fault: status {status}")
+    def __init__(self, status: int, message: str = "") -> None:
+        super().__init__(message or f"injected fault: status {status}")
         self.status = status
 
 

@@ -3,7 +3,8 @@
 Body fields, all optional and combinable:
 
 - ``fail_next``: int, ``fail_status``: int (default 500) -- the next N generation requests fail
-  with that status before doing anything.
+  with that status before doing anything; ``fail_message``: str -- their error message (e.g.
+  SGLang's decode's "Decode transfer failed for request ..." for a KV hand-off that failed).
 - ``delay_secs``: float -- every generation request waits this long (wall clock) before starting.
 - ``hang_bootstrap``: bool -- the bootstrap server accepts connections but never answers.
 - ``fail_next_switch``: bool -- the next role change fails during teardown, leaving the worker
@@ -37,6 +38,7 @@ from pd_worker.errors import BadRequest
 _FIELDS = {
     "fail_next": int,
     "fail_status": int,
+    "fail_message": str,
     "delay_secs": float,
     "hang_bootstrap": bool,
     "fail_next_switch": bool,
@@ -57,6 +59,7 @@ class Faults:
 
     fail_next: int = 0
     fail_status: int = 500
+    fail_message: str = ""
     delay_secs: float = 0.0
     hang_bootstrap: bool = False
     fail_next_switch: bool = False
@@ -85,6 +88,7 @@ class Faults:
         for key in (
             "fail_next",
             "fail_status",
+            "fail_message",
             "delay_secs",
             "hang_bootstrap",
             "fail_next_switch",

@@ -312,3 +312,21 @@ async def test_stream_whose_first_event_is_a_failed_kv_handoff_is_retried(cluste
     assert events[-2]["text"] == expected_text("handoff failed first", TOKENS)
     retries = router.state.metrics.registry.get_sample_value("pd_router_retries_total")
     assert retries == 1
+
+
+async def test_a_decode_500_for_a_failed_kv_transfer_is_retried(cluster):
+    """SGLang's decode answers 500 "Decode transfer failed ..." when its KV hand-off failed or was
+    aborted (a decode told to forget a prefill's stale endpoints fails the requests stuck on
+    them): nothing was generated, so the request is retried on another pair."""
+    decode = cluster.decode_urls[0]
+    message = (
+        "Decode transfer failed for request rank=0 decode_req.req.rid='r-0' with exception "
+        "KVTransferError(bootstrap_room=1): Aborted by AbortReq."
+    )
+    await fault(decode, fail_next=1, fail_status=500, fail_message=message)
+    async with running_router(cluster, decode_policy="round_robin") as router:
+        async with router.client() as http:
+            for _ in range(2):
+                response = await http.post("/generate", json=generate_body("retried", TOKENS))
+                assert response.status_code == 200, response.text
+        assert retries(router) == 1

@@ -40,6 +40,9 @@ from pd_router.dataplane.target import Target
 from pd_router.roles import Role
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
+# What SGLang's decode answers (HTTP 500) for a request whose KV hand-off failed or was aborted:
+# "Decode transfer failed for request ... KVTransferError(...)".
+KV_TRANSFER_FAILED = b"transfer failed"
 UPSTREAM_ERRORS = (
     UpstreamConnectError,
     UpstreamDisconnected,
@@ -221,9 +224,10 @@ def rendezvous_failure(role: Role, worker: Target, wait: float) -> LegFailed:
 def status_failure(role: Role, worker: Target, result: LegResult) -> LegFailed:
     """A non-2xx answer. 502/503/504 are retried on a new pair, and so is any 5xx of a prefill:
     it failed before a token was made (SGLang: a KV hand-off that failed), as a prefill
-    stream's abort event with a 5xx is. A 421 says the worker now serves the other role
-    (changed outside this router): retried on a new pair, no verdict on the worker (its role
-    is re-read and it is moved)."""
+    stream's abort event with a 5xx is; and a decode's 5xx that says its KV transfer failed
+    (nothing was generated; a decode stream's abort event with a 5xx is retried too). A 421
+    says the worker now serves the other role (changed outside this router): retried on a new
+    pair, no verdict on the worker (its role is re-read and it is moved)."""
     if result.status == MISDIRECTED_STATUS:
         return LegFailed(
             role, worker, WRONG_ROLE,
@@ -238,7 +242,7 @@ def status_failure(role: Role, worker: Target, result: LegResult) -> LegFailed:
         kind,
         f"{role.value} worker {worker.url} answered {result.status}: {excerpt}",
         retryable=result.status in RETRYABLE_STATUSES
-        or (role is Role.PREFILL and result.status >= 500),
+        or (result.status >= 500 and (role is Role.PREFILL or KV_TRANSFER_FAILED in result.body)),
         result=result,
         verdict=Verdict.SUCCESS if result.status < 500 else Verdict.FAILURE,
     )
