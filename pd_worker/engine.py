@@ -407,7 +407,7 @@ class Engine:
         return next(((msg, safe) for failed, safe, msg in checks if failed), None)
 
     def _graph_problem(self, new_role: str, required_gb: Any) -> str | None:
-        if new_role != "decode" or self.graphs is not None:
+        if new_role != "decode" or (self.graphs is not None and not self.faults.no_decode_graphs):
             return None
         if required_gb is None:
             return "decode_cuda_graph_memory_gb is required before capturing decode graphs"

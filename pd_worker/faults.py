@@ -24,6 +24,9 @@ Body fields, all optional and combinable:
 - ``busy_switch_next``: int -- the next N role switches are refused as "not idle" although the
   load reads idle, as SGLang 0.5.23's decode refuses while the KV of an aborted transfer awaits
   its deferred release (no load field counts it).
+- ``no_decode_graphs``: bool -- the worker keeps no decode graphs: every switch to decode needs
+  ``decode_cuda_graph_memory_gb``, as SGLang run with ``--disable-cuda-graph`` (on the CPU)
+  asks for it on each one.
 - ``exit``: int -- the process exits with this code right after replying.
 - ``clear``: bool -- reset every fault first.
 """
@@ -48,6 +51,7 @@ _FIELDS = {
     "exit_after_kv_publish": bool,
     "stale_bootstrap": str,
     "busy_switch_next": int,
+    "no_decode_graphs": bool,
     "exit": int,
     "clear": bool,
 }
@@ -69,6 +73,7 @@ class Faults:
     exit_after_kv_publish: bool = False
     stale_bootstrap: str = ""
     busy_switch_next: int = 0
+    no_decode_graphs: bool = False
 
     def apply(self, body: dict[str, Any]) -> int | None:
         """Update from a ``POST /fault`` body; returns the requested exit code, if any.
@@ -98,6 +103,7 @@ class Faults:
             "exit_after_kv_publish",
             "stale_bootstrap",
             "busy_switch_next",
+            "no_decode_graphs",
         ):
             if key in body:
                 setattr(self, key, body[key])

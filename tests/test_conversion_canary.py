@@ -35,8 +35,11 @@ async def test_a_conversion_passes_its_canary_before_clients_get_the_worker(clus
 
 
 async def test_a_failed_canary_switches_the_worker_back_to_its_old_pool(cluster):
+    """The switch back to decode carries a decode peer's graph parameters: SGLang run without
+    CUDA graphs asks for them on every switch to decode (the no_decode_graphs fault)."""
     decode, peer = cluster.decode_urls[1], cluster.decode_urls[0]
     await fault(peer, stale_bootstrap=f"127.0.0.1:{cluster.bootstrap_port(decode)}")
+    await fault(decode, no_decode_graphs=True)
     async with running_router(cluster, **CANARY) as router, router.client() as http:
         response = await convert(http, server_url=decode, new_role="prefill")
         assert response.status_code == 400, response.text
@@ -49,6 +52,7 @@ async def test_a_failed_canary_switches_the_worker_back_to_its_old_pool(cluster)
         assert (await worker_entry(http, decode))["state"] == "active"
         assert decode in (await live_roles(cluster))[1]
         await fault(peer, clear=True)
+        await fault(decode, clear=True)
         ok = await http.post("/generate", json=generate_body("after the canary", 4))
         assert ok.status_code == 200, ok.text
 

@@ -127,6 +127,19 @@ async def live_graph_batch_sizes(url: str) -> list[int] | None:
     return info["internal_states"][0]["decode_cuda_graph_bs"]
 
 
+async def test_a_busy_refusal_is_retried_while_the_load_reads_idle(http):
+    """SGLang's decode refuses a switch as "not idle" while the KV of an aborted transfer waits
+    for its deferred release, with nothing running or waiting in its load: the router keeps
+    calling until the worker agrees (well past the half second that ends other refusals)."""
+    decode = (await pools(http))["decode"][0]
+    await fault(decode, busy_switch_next=60)
+    response = await convert(http, server_url=decode, new_role="prefill")
+    assert response.status_code == 200, response.text
+    refusals = [r for r in response.json()["worker_replies"] if r["status"] == 400]
+    assert len(refusals) == 60
+    assert response.json()["timings"]["switch_s"] > 1.0
+
+
 async def test_graph_batch_sizes_come_from_the_peer_when_only_the_memory_is_given(cluster):
     """Two fresh prefills (no decode graphs captured yet): the first becomes a decode with the
     caller's batch sizes, the second is given only the memory and takes the sizes from it."""
@@ -152,16 +165,3 @@ async def test_graph_batch_sizes_come_from_the_peer_when_only_the_memory_is_give
     finally:
         for url in (first, second):
             await asyncio.to_thread(cluster.kill, url)
-
-
-async def test_a_busy_refusal_is_retried_while_the_load_reads_idle(http):
-    """SGLang's decode refuses a switch as "not idle" while the KV of an aborted transfer waits
-    for its deferred release, with nothing running or waiting in its load: the router keeps
-    calling until the worker agrees (well past the half second that ends other refusals)."""
-    decode = (await pools(http))["decode"][0]
-    await fault(decode, busy_switch_next=60)
-    response = await convert(http, server_url=decode, new_role="prefill")
-    assert response.status_code == 200, response.text
-    refusals = [r for r in response.json()["worker_replies"] if r["status"] == 400]
-    assert len(refusals) == 60
-    assert response.json()["timings"]["switch_s"] > 1.0

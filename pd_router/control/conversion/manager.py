@@ -518,14 +518,10 @@ class ConversionManager:
 
     def _switch_body(self, conv: Conversion, peer_params: dict[str, Any]) -> dict[str, Any]:
         """The role and the decode graph parameters: the caller's, else a decode peer's."""
-        request = conv.request
         body: dict[str, Any] = {"new_role": conv.to_role.value}
         if conv.to_role is Role.DECODE:
             body.update(peer_params)
-        if request.decode_cuda_graph_bs is not None:
-            body["decode_cuda_graph_bs"] = request.decode_cuda_graph_bs
-        if request.decode_cuda_graph_memory_gb is not None:
-            body["decode_cuda_graph_memory_gb"] = request.decode_cuda_graph_memory_gb
+        body.update(_given_graph_params(conv))
         return body
 
     async def _verify(
@@ -615,8 +611,13 @@ class ConversionManager:
         # The failed canary's requests may hold the worker busy a while (SGLang frees a failed
         # transfer's KV late): as long as a drain may take.
         deadline = time.monotonic() + self._drain_timeout
+        body: dict[str, Any] = {"new_role": old.value}
+        if old is Role.DECODE:
+            # SGLang wants the decode graph parameters on a switch to decode (as forward).
+            body.update(await self._decode_graph_params(conv))
+            body.update(_given_graph_params(conv))
         try:
-            reply, _ = await protocol.switch_until_idle(conv, {"new_role": old.value}, deadline)
+            reply, _ = await protocol.switch_until_idle(conv, body, deadline)
             reading = await self._control.read_role(conv.worker)
         except ControlError as exc:
             return Stop(Status.FAILED, f"{why}; switching back failed: {exc.reason}", restore=False)
@@ -723,12 +724,28 @@ class ConversionManager:
         given = (conv.request.decode_cuda_graph_bs, conv.request.decode_cuda_graph_memory_gb)
         if conv.to_role is not Role.DECODE or None not in given:
             return {}
+        return await self._decode_graph_params(conv)
+
+    async def _decode_graph_params(self, conv: Conversion) -> dict[str, Any]:
+        """The first selectable decode peer's graph parameters ({} when none answers)."""
         for peer in self._registry.selectable(Role.DECODE):
+            if peer is conv.worker:
+                continue
             try:
                 return await self._control.decode_graph_params(peer.url)
             except ControlError as exc:
                 logger.info("conversion %s: decode peer %s: %s", conv.id, peer.url, exc)
         return {}
+
+
+def _given_graph_params(conv: Conversion) -> dict[str, Any]:
+    """The decode graph parameters the caller gave (they win over a peer's)."""
+    request = conv.request
+    given = {
+        "decode_cuda_graph_bs": request.decode_cuda_graph_bs,
+        "decode_cuda_graph_memory_gb": request.decode_cuda_graph_memory_gb,
+    }
+    return {name: value for name, value in given.items() if value is not None}
 
 
 def _port(value: Any) -> int | None:
