@@ -7,6 +7,7 @@ them back when their record returns."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -116,13 +117,13 @@ async def test_a_peers_conversion_takes_the_worker_out_of_selection_and_it_is_re
 async def test_the_drain_report_waits_for_this_replicas_requests_on_the_worker(replica):
     await replica.put(record())
     worker = replica.worker()
-    replica.registry.acquire(worker)
+    replica.registry.set_inflight(worker, 1, time.monotonic())
     replica.revision += 1
     held = record(state="draining", conversion="r1-c1", owner="r1", to_role="decode")
     replica._apply(WatchEvent(EventType.PUT, KeyValue(KEYS.worker(URL), held.encode(), 1, 9, 2, 0)))
     await asyncio.sleep(0.05)
     assert replica.reported == []
-    replica.registry.release(worker)
+    replica.registry.set_inflight(worker, 0, time.monotonic())
     await replica.settle()
     assert replica.reported == ["r1-c1"]
 
@@ -207,13 +208,13 @@ async def test_a_record_put_again_takes_back_a_worker_leaving_with_requests_in_f
     await replica.put(record())
     await replica.put(record(url=OTHER))
     worker = replica.worker()
-    replica.registry.acquire(worker)
+    replica.registry.set_inflight(worker, 1, time.monotonic())
     await replica.delete(KEYS.worker(URL))
     await asyncio.sleep(GRACE_SECS * 1.5)
     assert worker.state is WorkerState.REMOVING
     await replica.put(record())
     assert worker.state is WorkerState.ACTIVE
-    replica.registry.release(worker)
+    replica.registry.set_inflight(worker, 0, time.monotonic())
     await replica.settle()
     assert replica.registry.selectable(Role.PREFILL) == [worker, replica.registry.get(OTHER)]
 

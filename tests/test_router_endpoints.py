@@ -10,7 +10,14 @@ import pytest
 from aiohttp import web
 
 from pd_worker.tokens import chat_prompt, expected_text, tokenize
-from tests.router_helpers import assert_paired, generate_body, running_router, serve_app, sse_events
+from tests.router_helpers import (
+    assert_paired,
+    generate_body,
+    running_router,
+    serve_app,
+    sse_events,
+    wait_until,
+)
 
 TOKENS = 4
 
@@ -339,7 +346,9 @@ async def test_metrics_expose_router_series(http):
 async def test_worker_inflight_returns_to_zero_after_requests(http, router):
     for i in range(5):
         await http.post("/generate", json=generate_body(f"count {i}", TOKENS))
-    assert all(w.inflight == 0 for w in router.state.registry)
+    await wait_until(
+        lambda: all(w.inflight == 0 for w in router.state.registry), 5.0, "in-flight reported 0"
+    )
 
 
 async def test_unknown_route_is_a_json_404(http):
