@@ -223,8 +223,10 @@ class Exchange:
                 if not failure.retryable or attempt >= attempts(retry):
                     await failure_response(self.reply, failure)
                     return
-                if not failure.stuck:
-                    avoid.append(failure.worker)
+                # After a missed rendezvous the retry prefers another prefill: the decodes that
+                # kept a round-tripped prefill's old endpoints are all of those that talked to it
+                # (SGLang 0.5.23), so its other pairs are likely stuck too.
+                avoid.append(prefill if failure.stuck else failure.worker)
                 last = failure
             finally:
                 if trial:
