@@ -3,14 +3,19 @@ for one (``pd-router convert``, ``POST /convert_pd_role``, mini_lb's ``POST /pd_
 no request fails, every answer is token for token the colocated server's, and each conversion's
 verify step read the new role from SGLang itself.
 
-The ten conversions walk every server through both roles and back to where it started; the last
-one takes a prefill around a second round trip (P -> D -> P) while decodes that talked to it
-never switched, which meets SGLang 0.5.23's stale-endpoint bug (docs/sglang-bugs.md).
+The twelve conversions walk every server through both roles and back to where it started; the
+tenth takes a prefill around a second round trip (P -> D -> P) while decodes that talked to it
+never switched, which meets SGLang 0.5.23's stale-endpoint bug (docs/sglang-bugs.md): the
+patched decode forgets the old endpoint when the router asks, the plain one cannot, and the
+canary and the rendezvous wait keep clients off that pair. The last two take that plain decode
+around a round trip of its own, the one thing that clears what it cached, so the fleet is clean
+for the tests after this one.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,12 +36,14 @@ PROMPTS = [
 ]
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
 CLIENTS = 3
+RENDEZVOUS_SECS = 10.0
 
 
 @pytest.fixture(scope="module")
 def router(sglang_fleet: Fleet) -> Iterator[Served]:
     args = [*sglang_fleet.router_args(), "--host", "127.0.0.1"]
-    args += ["--health-check-interval-secs", "1", "--rendezvous-timeout-secs", "15"]
+    args += ["--health-check-interval-secs", "1"]
+    args += ["--rendezvous-timeout-secs", str(RENDEZVOUS_SECS)]
     with serving(*args) as served:
         router_ready(served.url, prefill=2, decode=2)
         yield served
@@ -130,7 +137,7 @@ def convert(router: Served, how: str, server: SGLangServer, to: str) -> dict[str
     return next(r for r in records if r["worker_url"] == server.url)
 
 
-def test_ten_conversions_under_load_fail_no_request(sglang_fleet: Fleet, router: Served) -> None:
+def test_twelve_conversions_under_load_fail_no_request(sglang_fleet: Fleet, router: Served) -> None:
     fleet = sglang_fleet
     p0, p1 = fleet.prefill
     d0, d1 = fleet.decode
@@ -145,6 +152,7 @@ def test_ten_conversions_under_load_fail_no_request(sglang_fleet: Fleet, router:
     plan = [
         (p1, "decode"), (d0, "prefill"), (p0, "decode"), (d1, "prefill"), (p1, "prefill"),
         (d0, "decode"), (p0, "prefill"), (d1, "decode"), (p1, "decode"), (p1, "prefill"),
+        (d0, "prefill"), (d0, "decode"),
     ]  # fmt: skip
     ways = ["cli", "convert_pd_role", "pd_role_switch"]
     with Load(router.url, expected) as load:
@@ -163,3 +171,40 @@ def test_ten_conversions_under_load_fail_no_request(sglang_fleet: Fleet, router:
     assert load.failures == [], load.failures[:5]
     assert load.answered > 30
     assert [live_role(s) for s in fleet.pd] == ["prefill", "prefill", "decode", "decode"]
+
+
+def test_a_stale_pair_costs_a_request_at_most_the_rendezvous_wait(
+    sglang_fleet: Fleet, router: Served
+) -> None:
+    """SGLang 0.5.23's bug b through the router, where nothing can make the decode forget: p0
+    goes around a round trip by SGLang's own switch (no server_patch on p0 or d0), so d0 keeps
+    p0's old endpoint. Requests through that pair end at the rendezvous wait and are answered
+    by another pair, and the pair is rested. Converting d0 there and back clears it (a decode's
+    own switch drops what it cached), which also leaves the shared fleet clean."""
+    p0, d0 = sglang_fleet.prefill[0], sglang_fleet.decode[0]
+    for _ in range(4):  # d0 learns p0's endpoint
+        body = {"text": PROMPTS[0], "sampling_params": GREEDY}
+        assert httpx.post(router.url + "/generate", json=body, timeout=TIMEOUT).status_code == 200
+    for role in ("decode", "prefill"):
+        body = {"new_role": role, "decode_cuda_graph_memory_gb": 0}
+        assert httpx.post(p0.url + "/pd_role_switch", json=body, timeout=TIMEOUT).json()["success"]
+    router_ready(router.url, prefill=2, decode=2)
+    latencies = []
+    for i in range(8):
+        started = time.monotonic()
+        body = {"text": f"{i} {PROMPTS[1]}", "sampling_params": GREEDY}
+        reply = httpx.post(router.url + "/generate", json=body, timeout=TIMEOUT)
+        latencies.append(time.monotonic() - started)
+        assert reply.status_code == 200, reply.text
+    assert max(latencies) < RENDEZVOUS_SECS + 10, latencies
+    metrics = httpx.get(router.url + "/metrics", timeout=10).text
+    assert 'kind="rendezvous"' in metrics
+    for role in ("prefill", "decode"):
+        record = convert(router, "convert_pd_role", d0, role)
+        assert record["status"] == "succeeded", record
+        assert record["timings"]["drain_s"] < RENDEZVOUS_SECS + 5, record
+    started = time.monotonic()
+    for i in range(6):
+        body = {"text": f"after {i}", "sampling_params": GREEDY}
+        assert httpx.post(router.url + "/generate", json=body, timeout=TIMEOUT).status_code == 200
+    assert time.monotonic() - started < RENDEZVOUS_SECS
