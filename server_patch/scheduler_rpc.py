@@ -12,10 +12,11 @@ launch: the launcher records it (`record_port_args`) as SGLang creates the token
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import zmq
-import zmq.asyncio
+# pyzmq comes with SGLang; the router's own venv, which imports server_patch too, may lack it.
+if TYPE_CHECKING:
+    import zmq.asyncio
 
 DEFAULT_RPC_TIMEOUT_SECS = 30.0
 
@@ -63,6 +64,9 @@ class SchedulerRpc:
             raise SchedulerRpcError(f"{method} failed in the scheduler: {message}")
 
     def _connect(self) -> zmq.asyncio.Socket:
+        import zmq
+        import zmq.asyncio
+
         if self._endpoint is None:
             raise SchedulerRpcError("the scheduler's RPC socket is not known (server starting)")
         if self._socket is None:
