@@ -3,10 +3,6 @@ refuses, and how the selectors read pod labels."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from pd_router.cli.main import build_parser, config_from_argv, startup_warnings
@@ -87,16 +83,3 @@ def test_the_role_label_is_the_one_key_the_role_selectors_set_differently():
     explicit = role_label(Selector.parse(["app=sglang"]), Selector.parse(["app=sglang"]), "pd")
     assert explicit is not None
     assert dict(explicit.values) == {Role.PREFILL: "prefill", Role.DECODE: "decode"}
-
-
-def test_without_kubernetes_credentials_the_router_says_so_and_does_not_serve(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "HOME"))}
-    argv = [sys.executable, "-m", "pd_router.cli", "--host", "127.0.0.1", "--port", "0",
-            "--log-format", "text",
-            "--service-discovery", "--selector", "app=sglang"]  # fmt: skip
-    done = subprocess.run(
-        argv, env={**env, "HOME": str(tmp_path)}, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 1
-    assert "no Kubernetes credentials" in done.stderr
-    assert "Traceback" not in done.stderr

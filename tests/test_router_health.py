@@ -3,6 +3,7 @@ and request outcomes, against real reference workers."""
 
 from __future__ import annotations
 
+import logging
 import socket
 
 import httpx
@@ -103,6 +104,7 @@ async def test_prefill_bootstrap_port_comes_from_server_info_unless_given(cluste
 async def test_bootstrap_port_a_prefill_reports_wins_over_a_wrong_one_given_with_a_warning(
     cluster, caplog
 ):
+    caplog.set_level(logging.WARNING, logger="pd_router.control.health")
     prefill = cluster.prefill_urls[0]
     real = cluster.bootstrap_port(prefill)
     given = real + 1

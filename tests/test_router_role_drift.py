@@ -92,6 +92,8 @@ async def test_prefill_restarted_with_another_bootstrap_port_is_paired_through_i
         worker = router.state.registry.get(prefill)
         await asyncio.to_thread(cluster.restart, prefill, None, port)
         await wait_until(lambda: worker.bootstrap_port == port, 5.0, "new bootstrap port used")
+        # Out at once by the restart's refused connections, back with the probe that answered.
+        await wait_until(lambda: worker.selectable, 5.0, "selectable again")
         async with router.client() as http:
             assert await kv_sources(http, 2) == {prefill}
 

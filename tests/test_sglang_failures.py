@@ -93,6 +93,10 @@ def test_a_decode_killed_mid_stream_ends_the_stream_with_an_error_event(cluster:
     assert events[-1] == "[DONE]"
     assert "error" in events[-2], events[-3:]
     assert time.monotonic() - started < 60
+    # The next probe finds nothing listening (one-second probes here).
+    deadline = time.monotonic() + 10
+    while workers(cluster.router)[victim.url]["healthy"] and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert not workers(cluster.router)[victim.url]["healthy"]
     for i in range(4):
         assert generate(cluster.router.url, f"after the kill {i}").status_code == 200
