@@ -144,6 +144,16 @@ async def worker_idle(url: str) -> bool:
         return bool((await http.get(url + "/pd_role")).json()["idle"])
 
 
+async def settled(router: RouterUnderTest, *urls: str, within: float = 5.0) -> None:
+    """Until every reference worker in ``urls`` is idle and the router has nothing in flight
+    (a cancelled request's legs all ended and were counted)."""
+    for url in urls:
+        await wait_until(lambda url=url: worker_idle(url), within, f"{url} idle")
+    await wait_until(
+        lambda: all(w.inflight == 0 for w in router.state.registry), within, "router in-flight 0"
+    )
+
+
 async def fault(url: str, **body: Any) -> None:
     """Inject a fault into a reference worker (``POST /fault``)."""
     async with httpx.AsyncClient(timeout=5.0) as http:

@@ -17,6 +17,7 @@ from tests.router_helpers import (
     fault,
     generate_body,
     running_router,
+    settled,
     sse_events,
     wait_until,
     worker_idle,
@@ -241,11 +242,7 @@ async def test_client_leaving_a_stream_aborts_both_legs(slow_cluster):
             async with http.stream("POST", "/generate", json=body) as response:
                 await anext(response.aiter_lines())
         await wait_until(lambda: _aborted_more(decode, 0), 5.0, "decode got /abort_request")
-        await wait_until(lambda: worker_idle(decode), 5.0, "decode idle")
-        await wait_until(lambda: worker_idle(prefill), 5.0, "prefill idle")
-        await wait_until(
-            lambda: all(w.inflight == 0 for w in router.state.registry), 5.0, "router in-flight 0"
-        )
+        await settled(router, decode, prefill)
 
 
 async def test_client_leaving_a_unary_request_aborts_both_legs(slow_cluster):
@@ -260,10 +257,7 @@ async def test_client_leaving_a_unary_request_aborts_both_legs(slow_cluster):
             with pytest.raises(asyncio.CancelledError):
                 await request
         await wait_until(lambda: _aborted_more(decode, 0), 5.0, "decode got /abort_request")
-        await wait_until(lambda: worker_idle(decode), 5.0, "decode idle")
-        await wait_until(
-            lambda: all(w.inflight == 0 for w in router.state.registry), 5.0, "router in-flight 0"
-        )
+        await settled(router, decode)
         labels = {"endpoint": "/generate", "status": "499"}
         assert metric(router, "pd_router_requests_total", labels) == 1
 

@@ -16,6 +16,7 @@ from tests.router_helpers import (
     assert_paired,
     fault,
     running_router,
+    settled,
     sse_events,
     wait_until,
     worker_idle,
@@ -256,11 +257,7 @@ async def test_a_sample_refused_fails_the_request_and_aborts_the_others(slow_clu
         await wait_until(
             lambda: aborted_on_both_at_least(prefill, decode, 2), 5.0, "the others aborted"
         )
-        await wait_until(lambda: worker_idle(decode), 5.0, "decode idle")
-        await wait_until(lambda: worker_idle(prefill), 5.0, "prefill idle")
-        await wait_until(
-            lambda: all(w.inflight == 0 for w in router.state.registry), 5.0, "router in-flight 0"
-        )
+        await settled(router, decode, prefill)
 
 
 async def test_a_sample_broken_mid_stream_ends_the_stream_with_one_error(slow_cluster):
@@ -289,11 +286,7 @@ async def test_the_client_leaving_cancels_every_sample(slow_cluster):
             async with http.stream("POST", "/generate", json=body) as response:
                 await anext(response.aiter_lines())
         await wait_until(lambda: aborted_at_least(decode, 3), 5.0, "3 samples aborted")
-        await wait_until(lambda: worker_idle(decode), 5.0, "decode idle")
-        await wait_until(lambda: worker_idle(prefill), 5.0, "prefill idle")
-        await wait_until(
-            lambda: all(w.inflight == 0 for w in router.state.registry), 5.0, "router in-flight 0"
-        )
+        await settled(router, decode, prefill)
 
 
 async def test_the_client_leaving_a_unary_request_cancels_every_sample(slow_cluster):
@@ -308,10 +301,7 @@ async def test_the_client_leaving_a_unary_request_cancels_every_sample(slow_clus
             with pytest.raises(asyncio.CancelledError):
                 await request
         await wait_until(lambda: aborted_at_least(decode, 3), 5.0, "3 samples aborted")
-        await wait_until(lambda: worker_idle(decode), 5.0, "decode idle")
-        await wait_until(
-            lambda: all(w.inflight == 0 for w in router.state.registry), 5.0, "router in-flight 0"
-        )
+        await settled(router, decode)
 
 
 async def busy(url: str) -> bool:
