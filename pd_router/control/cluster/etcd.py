@@ -442,7 +442,11 @@ class EtcdCluster:
         if own is None:
             return False
         current = self.view.records.get(own[0])
-        return current is not None and current.record.conversion != conversion_id
+        if current is None or current.mod_revision <= own[1].mod_revision:
+            # The view has not applied this replica's own write yet (its watch lags, as right
+            # after etcd came back): what it holds is older than the claim and proves nothing.
+            return False
+        return current.record.conversion != conversion_id
 
     async def mark_switching(self, worker: Worker, conversion_id: str) -> bool:
         own = self._own.get(conversion_id)
