@@ -6,7 +6,7 @@ VENV := .venv
 STAMP := $(VENV)/.installed
 TORCH_STAMP := $(VENV)/.installed-torch
 
-.PHONY: install browser kube-apiserver sglang-venv demo demo-sglang demo-torch test lint bench bench-worker bench-overhead bench-convert bench-rebalance screenshot clean
+.PHONY: install browser kube-apiserver sglang-venv demo demo-sglang demo-torch test test-fast lint bench bench-worker bench-overhead bench-convert bench-rebalance screenshot clean
 
 $(STAMP): pyproject.toml
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -65,6 +65,11 @@ sglang-venv: browser
 
 test: $(TORCH_STAMP) browser kube-apiserver sglang-venv
 	$(VENV)/bin/python -m pytest -q
+
+# The unit lane (tests/unit/): decisions tested with no process and no socket, in seconds;
+# make test runs them too.
+test-fast: $(STAMP)
+	$(VENV)/bin/python -m pytest -q tests/unit
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -3,7 +3,7 @@ serve, through real replicas: the last healthy worker of its pool stays in every
 pool past the grace period, ``GET /cluster`` and the log say why, and a removal through the
 API still takes it out of every replica; when etcd lost its data, the workers given on the
 command line are put back. (The grace period itself, failed probes, records put back:
-tests/test_cluster_mirror.py.)"""
+tests/unit/test_cluster_mirror.py.)"""
 
 from __future__ import annotations
 

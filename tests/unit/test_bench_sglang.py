@@ -11,7 +11,7 @@ import pytest
 
 from tests.sglang_cluster import SGLangServer
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 ROUTER = REPO / "pd_router"
 SERVER_SIDE = frozenset({"pd_worker", "server_patch"})
 LIFECYCLE_FIELDS = frozenset(
