@@ -49,7 +49,7 @@ from pd_router.control.cluster.config import default_replica_id
 from pd_router.control.cluster.local import ConversionTaken
 from pd_router.control.cluster.mirror import Mirror
 from pd_router.control.cluster.view import ClusterView, StoredRecord
-from pd_router.control.conversion.manager import ConversionRefused
+from pd_router.control.errors import ConversionRefused
 from pd_router.control.workers import (
     DuplicateWorker,
     Role,

@@ -41,6 +41,7 @@ from pd_router.control.conversion.protocols import (
     protocol_for,
     refused_request,
 )
+from pd_router.control.errors import AlreadyInRole, ConversionRefused
 from pd_router.control.worker_control import (
     ControlError,
     RoleReading,
@@ -55,7 +56,7 @@ from pd_router.control.workers import (
     WorkerRegistry,
     WorkerState,
 )
-from pd_router.errors import BadRequest, Conflict, UpstreamError
+from pd_router.errors import BadRequest, UpstreamError
 from pd_router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -82,20 +83,6 @@ __all__ = [
     "Status",
     "WorkerUnreachable",
 ]
-
-
-class ConversionRefused(Conflict):
-    """Refused before anything changed; ``reason`` is a stable code for scripts."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message, details={"reason": reason})
-        self.reason = reason
-
-
-class AlreadyInRole(ConversionRefused):
-    def __init__(self, worker: Worker) -> None:
-        super().__init__("already_in_role", f"worker {worker.url} is already a {worker.role}")
-        self.worker = worker
 
 
 class KnobNotAccepted(BadRequest):
