@@ -28,8 +28,8 @@ from pd_protocol.cluster import DEFAULT_LEASE_TTL_SECS, DEFAULT_PREFIX
 from pd_protocol.listen import ListenError, check_can_listen
 from pd_protocol.registration import FlagNames, RegistrationSettings
 from pd_protocol.wire import ROLES
-from pd_worker.config import DEFAULT_BOOTSTRAP_PORT, DEFAULT_PORT, WorkerConfig
-from pd_worker.data_plane import ENGINES, PlaneUnavailable
+from pd_worker.config import DEFAULT_BOOTSTRAP_PORT, DEFAULT_PORT, ENGINES, WorkerConfig
+from pd_worker.data_plane import PlaneUnavailable
 from pd_worker.kv_transfer import TRANSPORTS
 from pd_worker.timing import PROFILES, TimingModel, profile
 

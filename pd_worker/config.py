@@ -7,7 +7,6 @@ import ssl
 from dataclasses import dataclass, field
 
 from pd_protocol.wire import ROLES
-from pd_worker.data_plane import ENGINES
 from pd_worker.timing import TimingModel
 
 # Not SGLang's 30000: that is pd-router's default port too, and the router goes in front.
@@ -15,6 +14,8 @@ DEFAULT_PORT = 30001
 # SGLang's default bootstrap port, taken by a prefill launched without one (when free).
 DEFAULT_BOOTSTRAP_PORT = 8998
 DEFAULT_DECODE_CUDA_GRAPH_BS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 256)
+# The data planes ``--engine`` chooses from (pd_worker.data_plane, pd_worker.torch_plane).
+ENGINES = ("timing", "torch")
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class WorkerConfig:
     ssl_keyfile: str | None = None
     ssl_ca_certs: str | None = None
     timing: TimingModel = field(default_factory=TimingModel)
-    # The data plane (pd_worker.data_plane.ENGINES); the torch engine's transport and model.
+    # The data plane (one of ENGINES); the torch engine's transport and model.
     engine: str = "timing"
     kv_transfer: str = "mooncake"
     model_config: str | None = None

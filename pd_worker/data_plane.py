@@ -10,16 +10,14 @@ plane (:mod:`pd_worker.torch_plane`) runs a real model over a real KV pool.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from pd_worker.requests import GenItem, Progress
+from pd_worker.bootstrap import Room
+from pd_worker.requests import GenItem, Progress, Req
+from pd_worker.role_host import RoleHost
+from pd_worker.roles import DecodeRole, PrefillRole
+from pd_worker.timing import TimingModel
 from pd_worker.tokens import tokenize
-
-if TYPE_CHECKING:
-    from pd_worker.bootstrap import Room
-    from pd_worker.engine import Engine, Req
-
-ENGINES = ("timing", "torch")
 
 
 class PlaneUnavailable(RuntimeError):
@@ -49,8 +47,9 @@ class DataPlane(Protocol):
 
     kind: str
 
-    def make_role(self, engine: Engine, role: str) -> Role:
-        """A fresh role object of ``role`` over this plane's long-lived resources."""
+    def make_role(self, host: RoleHost, role: str) -> Role:
+        """A fresh role object of ``role`` over this plane's and ``host``'s long-lived
+        resources."""
         ...
 
     async def before_send(self, room: Room) -> None:
@@ -78,13 +77,11 @@ class TimingPlane:
 
     kind = "timing"
 
-    def __init__(self, engine: Engine) -> None:
-        self._timing = engine.timing
+    def __init__(self, timing: TimingModel) -> None:
+        self._timing = timing
 
-    def make_role(self, engine: Engine, role: str) -> Role:
-        from pd_worker.roles import DecodeRole, PrefillRole
-
-        return PrefillRole(engine) if role == "prefill" else DecodeRole(engine)
+    def make_role(self, host: RoleHost, role: str) -> Role:
+        return PrefillRole(host) if role == "prefill" else DecodeRole(host)
 
     async def before_send(self, room: Room) -> None:
         """The modeled time the KV of the room's tokens takes over the wire."""

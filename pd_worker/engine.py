@@ -27,12 +27,11 @@ from pd_worker.errors import BadRequest, WorkerError
 from pd_worker.faults import Faults
 from pd_worker.kvpool import KVPool
 from pd_worker.prefix_cache import PrefixCache
-from pd_worker.requests import GenItem, Progress
+from pd_worker.requests import GenItem, Progress, Req
 from pd_worker.stats import EngineStats
 
 PREFILL_STAGES = ("waiting", "running", "inflight")
 DECODE_STAGES = ("prealloc", "transfer", "waiting", "running")
-ABORT_MESSAGE = "Abort request by AbortReq."
 KV_PUBLISH_EXIT_CODE = 3
 
 log = logging.getLogger("pd_worker")
@@ -43,16 +42,6 @@ SWITCH_REPLY_ROUTING: dict[str, None] = {"rid": None, "http_worker_ipc": None}
 
 class SwitchTeardownFailed(Exception):
     """The teardown/rebuild step of a role switch failed (the ``fail_next_switch`` fault)."""
-
-
-@dataclass
-class Req:
-    """Bookkeeping of one in-flight item: its stage (for loads and idleness) and producer task."""
-
-    rid: str
-    stage: str | None = None
-    task: asyncio.Task[None] | None = None
-    abort_message: str = ABORT_MESSAGE
 
 
 @dataclass(frozen=True)
@@ -457,5 +446,5 @@ def _make_plane(engine: Engine) -> DataPlane:
             raise PlaneUnavailable(
                 f"--engine torch needs the torch extra (pip install -e '.[torch]'): {exc}"
             ) from exc
-        return TorchPlane(engine)
-    return TimingPlane(engine)
+        return TorchPlane(engine.config, engine.kv_pool.capacity)
+    return TimingPlane(engine.timing)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
 FAKE_BOOTSTRAP_HOST = "2.2.2.2"
+ABORT_MESSAGE = "Abort request by AbortReq."
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,16 @@ class Progress:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class Req:
+    """Bookkeeping of one in-flight item: its stage (for loads and idleness) and producer task."""
+
+    rid: str
+    stage: str | None = None
+    task: asyncio.Task[None] | None = None
+    abort_message: str = ABORT_MESSAGE
 
 
 def token_logprob(token_id: int) -> float:

@@ -2,7 +2,8 @@
 
 A role object owns what SGLang's ``init_disaggregation`` builds for one mode (the prefill
 batcher and its rooms, or the decode's transfer path). The :class:`~pd_worker.engine.Engine`,
-its KV pool and its bootstrap listener outlive it.
+its KV pool and its bootstrap listener outlive it; a role sees it as a
+:class:`~pd_worker.role_host.RoleHost`.
 """
 
 from __future__ import annotations
@@ -12,22 +13,19 @@ import collections
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from pd_worker.errors import BadRequest, KVTransferError, RequestAborted
 from pd_worker.kv_pull import KVPuller, PulledKV, lost_pull
-from pd_worker.requests import GenItem, Progress, token_logprob
+from pd_worker.requests import GenItem, Progress, Req, token_logprob
+from pd_worker.role_host import RoleHost
 from pd_worker.tokens import WORDS, detokenize, output_ids_from_payload, pack_prompt
-
-if TYPE_CHECKING:
-    from pd_worker.engine import Engine, Req
 
 Emit = Callable[[Progress], None]
 # A prompt waiting for a prefill forward: its request, its token ids, and the future that gets
 # how many of its tokens the prefix cache served once the forward is done.
 # A request waiting for its forward: its prompt, the tokens of it the cache did not hold when
 # it was queued, and the future the forward resolves with the tokens the cache served.
-Pending = tuple["Req", list[int], int, asyncio.Future[int]]
+Pending = tuple[Req, list[int], int, asyncio.Future[int]]
 
 
 class PrefillRole:
@@ -39,7 +37,7 @@ class PrefillRole:
 
     name = "prefill"
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: RoleHost) -> None:
         self._engine = engine
         self._pending: collections.deque[Pending] = collections.deque()
         self._wakeup = asyncio.Event()
@@ -176,7 +174,7 @@ class DecodeRole:
     # A decode runs no prefill forwards, so no prompt tokens ever wait for one.
     queued_tokens = 0
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: RoleHost) -> None:
         self._engine = engine
         self._puller = KVPuller()
         self._context_tokens = 0

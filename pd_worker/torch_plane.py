@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from tokenizers import Tokenizer
 
-from pd_worker.data_plane import PlaneUnavailable
+from pd_worker.bootstrap import Room
+from pd_worker.config import WorkerConfig
+from pd_worker.data_plane import PlaneUnavailable, Role
 from pd_worker.errors import BadRequest
 from pd_worker.kv_transfer import KVTransport, TransportUnavailable, make_transport
+from pd_worker.role_host import RoleHost
 from pd_worker.torch_engine.config import DEFAULT_MODEL_CONFIG, ModelConfig
 from pd_worker.torch_engine.kv_pool import KVPool
 from pd_worker.torch_engine.model import DecodeSeq, ModelInputError, TorchModel
 from pd_worker.torch_engine.tokenizer import build_tokenizer, decode, encode
-
-if TYPE_CHECKING:
-    from pd_worker.bootstrap import Room
-    from pd_worker.data_plane import Role
-    from pd_worker.engine import Engine
+from pd_worker.torch_roles import TorchDecodeRole, TorchPrefillRole
 
 T = TypeVar("T")
 
@@ -36,23 +35,20 @@ class TorchPlane:
 
     kind = "torch"
 
-    def __init__(self, engine: Engine) -> None:
-        config = ModelConfig.load(engine.config.model_config or DEFAULT_MODEL_CONFIG)
+    def __init__(self, worker: WorkerConfig, capacity: int) -> None:
+        """``capacity``: the token slots of the pool (the engine's KV capacity)."""
+        config = ModelConfig.load(worker.model_config or DEFAULT_MODEL_CONFIG)
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.pool = KVPool(config, engine.kv_pool.capacity, device)
+        self.pool = KVPool(config, capacity, device)
         self.model = TorchModel(config, self.pool, device)
         self.tokenizer: Tokenizer = build_tokenizer(config)
-        self.transport_kind = engine.config.kv_transfer
-        self._host = engine.config.host
+        self.transport_kind = worker.kv_transfer
+        self._host = worker.host
         self._transport: KVTransport | None = None
         self._compute = asyncio.Lock()
 
-    def make_role(self, engine: Engine, role: str) -> Role:
-        from pd_worker.torch_roles import TorchDecodeRole, TorchPrefillRole
-
-        return (
-            TorchPrefillRole(engine, self) if role == "prefill" else TorchDecodeRole(engine, self)
-        )
+    def make_role(self, host: RoleHost, role: str) -> Role:
+        return TorchPrefillRole(host, self) if role == "prefill" else TorchDecodeRole(host, self)
 
     async def before_send(self, room: Room) -> None:
         """Nothing to model: the decode reads the bytes itself after the payload names them."""

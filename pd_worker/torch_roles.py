@@ -14,20 +14,20 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pd_worker.errors import BadRequest, KVTransferError, RequestAborted
 from pd_worker.kv_handoff import BadHandoff, KVHandoff, pair_runs
 from pd_worker.kv_pull import KVPuller
 from pd_worker.kv_transfer import KVTransferFailed, KVTransport
-from pd_worker.requests import GenItem, Progress
+from pd_worker.requests import GenItem, Progress, Req
+from pd_worker.role_host import RoleHost
 from pd_worker.roles import apply_stop
+from pd_worker.torch_engine.kv_pool import KVPool
 from pd_worker.torch_engine.model import DecodeSeq
 
 if TYPE_CHECKING:
     from pd_worker.bootstrap import Room
-    from pd_worker.engine import Engine, Req
-    from pd_worker.torch_plane import TorchPlane
 
 Emit = Callable[[Progress], None]
 RELEASE_TIMEOUT_SECS = 5.0
@@ -35,12 +35,47 @@ RELEASE_TIMEOUT_SECS = 5.0
 FAILED_RELEASE_TIMEOUT_SECS = 0.5
 
 
+class TorchCompute(Protocol):
+    """What the torch roles need from the plane that builds them
+    (:class:`~pd_worker.torch_plane.TorchPlane`): its pool, its transport and its forwards."""
+
+    pool: KVPool
+
+    def attach_transport(self) -> KVTransport:
+        """The process's transport with the pool registered on it."""
+        ...
+
+    def detach_transport(self) -> None:
+        """Unregister the pool: the role object is torn down."""
+        ...
+
+    def check_fits(self, ids: list[int], new_tokens: int) -> None:
+        """Raise BadRequest for a prompt the model cannot run."""
+        ...
+
+    def text(self, ids: list[int]) -> str:
+        """The text of generated token ids."""
+        ...
+
+    async def prefill(self, ids: list[int], slots: list[int]) -> int:
+        """Write the prompt's KV into ``slots``; the first token."""
+        ...
+
+    async def decode_step(self, batch: list[DecodeSeq]) -> list[int]:
+        """One decode step of every sequence; each one's next token."""
+        ...
+
+    async def settled(self) -> None:
+        """Wait until no forward is running."""
+        ...
+
+
 class TorchPrefillRole:
     """Prefill: compute the prompt's KV, publish where it lies, hold it until it is read."""
 
     name = "prefill"
 
-    def __init__(self, engine: Engine, plane: TorchPlane) -> None:
+    def __init__(self, engine: RoleHost, plane: TorchCompute) -> None:
         self._engine = engine
         self._plane = plane
         self._transport: KVTransport | None = None
@@ -149,7 +184,7 @@ class Running:
 class DecodeLoop:
     """One batched decode loop: every step advances every running sequence by one token."""
 
-    def __init__(self, plane: TorchPlane) -> None:
+    def __init__(self, plane: TorchCompute) -> None:
         self._plane = plane
         self._running: list[Running] = []
         self._wakeup = asyncio.Event()
@@ -209,7 +244,7 @@ class TorchDecodeRole:
     name = "decode"
     queued_tokens = 0
 
-    def __init__(self, engine: Engine, plane: TorchPlane) -> None:
+    def __init__(self, engine: RoleHost, plane: TorchCompute) -> None:
         self._engine = engine
         self._plane = plane
         self._puller = KVPuller()
