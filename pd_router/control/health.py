@@ -119,6 +119,22 @@ class ProbeRecord:
         return new_instance or epoch_back
 
 
+@dataclass(frozen=True)
+class ProbeResult:
+    """What one probe of a worker found: whether it passed and why not (``refused``: the
+    connection could not even be opened), and for an ACTIVE worker whose health endpoint
+    answered, its live-role ``reading`` (``detected``: that reading found out afresh which
+    protocol the worker speaks). ``epoch`` is the worker's epoch when the reading began: a
+    conversion that moved the worker meanwhile makes the reading stale."""
+
+    ok: bool
+    epoch: int
+    error: str | None = None
+    refused: bool = False
+    reading: RoleReading | None = None
+    detected: bool = False
+
+
 class HealthMonitor:
     """Probes every worker's health endpoint and live role, and feeds the registry."""
 
@@ -235,18 +251,25 @@ class HealthMonitor:
             except ControlError as exc:
                 ok, error = False, f"reading the live role failed: {exc}"
                 refused = not exc.delivered
+        return self.apply(worker, ProbeResult(ok, epoch, error, refused, reading, detected))
+
+    def apply(self, worker: Worker, result: ProbeResult) -> bool:
+        """What one probe's result does to ``worker``: count it against the thresholds, turn
+        the worker unhealthy or healthy again, and bring the registry in line with a current
+        reading (role drift, restart, bootstrap port, admission); returns the worker's health.
+        No I/O: :meth:`check` gathers the result."""
         record = self._records.setdefault(worker.id, ProbeRecord())
-        first = record.count(ok)
-        if not ok:
+        first = record.count(result.ok)
+        if not result.ok:
             due = record.failures >= self._config.failure_threshold
-            if first or (worker.healthy and (due or refused)):
-                self._log_unhealthy(worker, first, error)
-                self._registry.set_health(worker, False, error)
-            elif error is not None:
-                self._registry.note_error(worker, error)
+            if first or (worker.healthy and (due or result.refused)):
+                self._log_unhealthy(worker, first, result.error)
+                self._registry.set_health(worker, False, result.error)
+            elif result.error is not None:
+                self._registry.note_error(worker, result.error)
             return worker.healthy
-        if reading is not None and self._current(worker, epoch):
-            self._reconcile(worker, record, reading, detected)
+        if result.reading is not None and self._current(worker, result.epoch):
+            self._reconcile(worker, record, result.reading, result.detected)
         if not worker.healthy and (first or record.successes >= self._config.success_threshold):
             if first:
                 log.info("worker %s healthy", worker.url, extra=self._fields(worker))
