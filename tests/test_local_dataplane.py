@@ -23,6 +23,7 @@ from pd_router.dataplane.reports import Reports
 from pd_router.dataplane.snapshot import Member, SnapshotPools
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
+from pd_router.wire import PROTOCOL_VERSION, Hello, Snapshot, Suspect
 from tests.router_helpers import generate_body, running_router, wait_until
 
 DECODE = "http://127.0.0.1:9"
@@ -32,23 +33,23 @@ SLOW_REPORTS_SECS = 60.0
 
 async def test_a_local_channel_hands_each_message_over_in_order():
     one, other = LocalChannel.pair()
-    one.send({"t": "a"})
-    one.send({"t": "b"})
-    other.send({"t": "back"})
-    assert [await other.receive(), await other.receive()] == [{"t": "a"}, {"t": "b"}]
-    assert await one.receive() == {"t": "back"}
+    one.send(Suspect("a"))
+    one.send(Suspect("b"))
+    other.send(Suspect("back"))
+    assert [await other.receive(), await other.receive()] == [Suspect("a"), Suspect("b")]
+    assert await one.receive() == Suspect("back")
 
 
 async def test_a_closed_local_channel_delivers_what_was_sent_before_then_ends():
     one, other = LocalChannel.pair()
     waiting = asyncio.ensure_future(one.receive())
-    other.send({"t": "last"})
+    other.send(Suspect("last"))
     other.close()
-    assert await waiting == {"t": "last"}
+    assert await waiting == Suspect("last")
     assert one.closed
     with pytest.raises(ChannelClosed):
         await one.receive()
-    one.send({"t": "dropped"})
+    one.send(Suspect("dropped"))
     with pytest.raises(ChannelClosed):
         await other.receive()
 
@@ -74,10 +75,11 @@ class LinkedPlane:
         )
 
     async def follow(self) -> None:
+        self.plane_end.send(Hello(PROTOCOL_VERSION))
         while True:
             message = await self.plane_end.receive()
-            if message["t"] == "snapshot":
-                self.pools.apply(message["v"], message["workers"])
+            if isinstance(message, Snapshot):
+                self.pools.apply(message)
                 self.reports.send(self.pools, force=True)
 
 

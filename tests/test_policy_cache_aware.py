@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from pd_router.circuit_state import CircuitState
 from pd_router.config import ConfigError, load_config
 from pd_router.control.workers import Role, Worker, WorkerRegistry
 from pd_router.dataplane.policies import (
@@ -23,6 +24,7 @@ from pd_router.dataplane.policies import (
 from pd_router.dataplane.radix_tree import ApproxRadixTree
 from pd_router.dataplane.snapshot import SnapshotPools
 from pd_router.metrics import RouterMetrics
+from pd_router.wire import Snapshot, WorkerEntry
 from tests.router_helpers import assert_paired, generate_body, running_router
 
 A, B, C = "http://127.0.0.1:1001", "http://127.0.0.1:1002", "http://127.0.0.1:1003"
@@ -280,11 +282,9 @@ async def test_requests_sharing_a_prefix_hit_one_prefills_cache(cluster):
     assert min(cached) >= len(SYSTEM) - 16
 
 
-def snapshot_entry(url: str, role: Role) -> dict:
+def snapshot_entry(url: str, role: Role) -> WorkerEntry:
     """A pickable worker as a snapshot carries it."""
-    return {"url": url, "role": role.value, "epoch": 0, "bootstrap_port": None,
-            "pickable": True, "usable": True, "circuit": "closed", "half_open_at": None,
-            "trial": None}  # fmt: skip
+    return WorkerEntry(url, role, 0, None, True, True, CircuitState.CLOSED, None, None)
 
 
 def test_a_worker_that_leaves_a_pool_leaves_that_pools_cache_aware_tree():
@@ -293,11 +293,11 @@ def test_a_worker_that_leaves_a_pool_leaves_that_pools_cache_aware_tree():
         policies, index=0, wake=lambda: None, suspect=lambda url: None,
         on_unavailable=lambda url: None, count_refusal=lambda role: None,
     )  # fmt: skip
-    pools.apply(1, [snapshot_entry(url, Role.PREFILL) for url in (A, B, C)])
+    pools.apply(Snapshot(1, tuple(snapshot_entry(url, Role.PREFILL) for url in (A, B, C))))
     for url in (A, B, C):
         policies[Role.PREFILL].select([pools.member(url)], f"{url} prompt")
     # A moved to the decode pool, B was removed, C stayed.
-    pools.apply(2, [snapshot_entry(A, Role.DECODE), snapshot_entry(C, Role.PREFILL)])
+    pools.apply(Snapshot(2, (snapshot_entry(A, Role.DECODE), snapshot_entry(C, Role.PREFILL))))
     tree = policies[Role.PREFILL].tree
     assert [tree.tenant_size(url) for url in (A, B, C)] == [0, 0, len(f"{C} prompt")]
 

@@ -12,6 +12,7 @@ import orjson
 import pytest
 
 from pd_router.dataplane.channel import LocalChannel
+from pd_router.wire import PROTOCOL_VERSION, Hello, Report
 from tests.router_helpers import assert_paired, generate_body, running_router, wait_until
 
 GIVE_UP_SECS = 10.0
@@ -104,9 +105,8 @@ async def test_a_connection_moved_to_another_process_is_closed_after_its_pipelin
         # one over this data plane's share, and only the exchange's answers can shed one.
         control_end, quiet = LocalChannel.pair()
         router.state.dataplanes.attach(1, control_end)
-        quiet.send({"t": "report", "v": router.state.dataplanes.version, "inflight": {},
-                    "idle_at": {}, "outcomes": [], "ttft": [], "tpot": [], "refused": {},
-                    "connections": 0})  # fmt: skip
+        quiet.send(Hello(PROTOCOL_VERSION))
+        quiet.send(Report(router.state.dataplanes.version, {}, {}, (), (), (), {}, 0))
         idle = [await asyncio.open_connection("127.0.0.1", router.server.port) for _ in range(2)]
         try:
             await wait_until(lambda: router.dataplane.connections.share == 1, 5.0, "a share")

@@ -10,15 +10,17 @@ A data plane serves the generation endpoints from its pools (it takes the first 
 before it accepts a connection) and reports back (:mod:`pd_router.dataplane.reports`); every
 other path is relayed to the router's application (:mod:`pd_router.dataplane.front.relay`).
 
-A data-plane process stops on SIGTERM or SIGINT (exit status 0) and when the control process
-goes away (exit status 1): it stops accepting and lets the requests in flight finish, up to the
-shutdown deadline. Without the control process nothing probes the workers, decides their
-circuits or honours a conversion any more, so routing on from the last snapshot could send
-traffic to a worker another router is switching; the orchestrator restarts the whole router
-instead. A control process that hangs (stopped, or its event loop blocked) goes away too: one
-that sent nothing for :data:`CONTROL_SILENCE_SECS` (it sends every second) is killed, since it
-holds every listening socket and would keep taking connections that nobody answers once its
-data planes left.
+A data plane opens its channel with a hello naming its protocol version and reads the control
+side's (:mod:`pd_router.wire`); a data-plane process that finds another version exits with
+status 2 and one line saying both. It stops on SIGTERM or SIGINT (exit status 0) and when the
+control process goes away (exit status 1): it stops accepting and lets the requests in flight
+finish, up to the shutdown deadline. Without the control process nothing probes the workers,
+decides their circuits or honours a conversion any more, so routing on from the last snapshot
+could send traffic to a worker another router is switching; the orchestrator restarts the whole
+router instead. A control process that hangs (stopped, or its event loop blocked) goes away
+too: one that sent nothing for :data:`CONTROL_SILENCE_SECS` (it sends every second) is killed,
+since it holds every listening socket and would keep taking connections that nobody answers
+once its data planes left.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pd_router.api.app_socket import SHUTDOWN_GRACE_SECS
 from pd_router.api.signals import stop_signalled
 from pd_router.config import RouterConfig
 from pd_router.dataplane.admission import BodyAdmission
-from pd_router.dataplane.channel import Channel, ChannelClosed, ChannelEnd, Message
+from pd_router.dataplane.channel import Channel
 from pd_router.dataplane.concurrency import RequestAdmission
 from pd_router.dataplane.front.cors import CorsPolicy
 from pd_router.dataplane.front.dispatch import Dispatcher, FrontPolicy
@@ -62,6 +64,20 @@ from pd_router.dataplane.upstream import abort
 from pd_router.metrics import RouterMetrics, samples
 from pd_router.roles import Role
 from pd_router.tls import server_context
+from pd_router.wire import (
+    PROTOCOL_VERSION,
+    ChannelClosed,
+    ChannelEnd,
+    Hello,
+    InconsistentSnapshot,
+    InflightTotals,
+    Message,
+    MetricsAsk,
+    Snapshot,
+    VersionMismatch,
+    WireError,
+    check_hello,
+)
 
 log = logging.getLogger("pd_router.dataplane")
 
@@ -164,10 +180,17 @@ class DataPlane:
     async def start(
         self, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None
     ) -> tuple[str, int]:
-        """Take the control side's first snapshot, then listen on ``host``:``port`` (or
-        ``sock``) and follow the control side; returns the address bound. ChannelClosed or
-        TimeoutError without a snapshot, OSError when the address cannot be bound."""
-        first = await asyncio.wait_for(self.channel.receive(), FIRST_SNAPSHOT_TIMEOUT_SECS)
+        """Exchange hellos with the control side and take its first snapshot, then listen on
+        ``host``:``port`` (or ``sock``) and follow the control side; returns the address bound.
+        VersionMismatch when the control side speaks another protocol version; ChannelClosed,
+        WireError or TimeoutError without a snapshot; OSError when the address cannot be
+        bound."""
+        self.channel.send(Hello(PROTOCOL_VERSION))
+        async with asyncio.timeout(FIRST_SNAPSHOT_TIMEOUT_SECS):
+            check_hello(await self.channel.receive())
+            first = await self.channel.receive()
+        if not isinstance(first, Snapshot):
+            raise WireError(f"{type(first).__name__} before the first snapshot")
         self.take(first)
         address = await self.front.start(host, port, sock=sock)
         loop = asyncio.get_running_loop()
@@ -178,16 +201,33 @@ class DataPlane:
         return address
 
     def take(self, message: Message) -> None:
-        """Apply one message of the control side."""
-        kind = message.get("t")
-        if kind == "snapshot":
-            self.pools.apply(message["v"], message["workers"])
-            self.reports.send(self.pools, force=True)
-        elif kind == "inflight":
-            self.pools.apply_inflight(message["totals"])
-            self.connections.share = message["share"]
-        elif kind == "metrics?":
-            self.reports.send_metrics(message["n"])
+        """Apply one message of the control side; WireError for one that is not for a data
+        plane."""
+        match message:
+            case Snapshot():
+                self._take_snapshot(message)
+            case InflightTotals():
+                self.pools.apply_inflight(message.totals)
+                self.connections.share = message.share
+            case MetricsAsk():
+                self.reports.send_metrics(message.request)
+            case _:
+                raise WireError(f"{type(message).__name__} is not for a data plane")
+
+    def _take_snapshot(self, snapshot: Snapshot) -> None:
+        """Route from ``snapshot`` and ack it at once; an inconsistent one is not applied,
+        and the control side is told so."""
+        try:
+            self.pools.apply(snapshot)
+        except InconsistentSnapshot as exc:
+            routing = self.pools.version
+            log.error(
+                "data plane %d: snapshot %d not applied (%s); routing on from snapshot %d",
+                self.pools.index, snapshot.version, exc, routing,
+            )  # fmt: skip
+            self.reports.refused(snapshot.version, routing, str(exc))
+            return
+        self.reports.send(self.pools, force=True)
 
     async def _follow(self) -> None:
         """Apply what the control side sends until its channel closes, or until it has been
@@ -198,6 +238,8 @@ class DataPlane:
                 self.take(await asyncio.wait_for(self.channel.receive(), silence))
         except ChannelClosed:
             pass
+        except WireError as exc:
+            log.error("data plane %d: %s from the control side", self.pools.index, exc)
         except TimeoutError:
             if self._on_control_silent is not None:
                 self._on_control_silent()
@@ -269,13 +311,11 @@ async def serve_dataplane(
         samples=lambda: samples(metrics),
         on_control_silent=lambda: kill_hung_control(control),
     )
-    try:
-        await plane.start(sock=listen)
-    except (ChannelClosed, TimeoutError):
-        log.error("data plane %d: no snapshot from the control process; exiting", index)
+    unstarted = await start(plane, listen, index)
+    if unstarted is not None:
         await relay.stop()
         await session.close()
-        return 1
+        return unstarted
     loop = asyncio.get_running_loop()
     gone = loop.create_task(plane.control_gone.wait())
     stopped = loop.create_task(stop_signalled())
@@ -289,6 +329,23 @@ async def serve_dataplane(
     await relay.stop()
     await session.close()
     return 1 if control_gone else 0
+
+
+async def start(plane: DataPlane, listen: socket.socket, index: int) -> int | None:
+    """Start data plane ``index`` on ``listen``; when it cannot start, say why in one line and
+    give the exit status (2: the control process speaks another protocol version)."""
+    try:
+        await plane.start(sock=listen)
+    except VersionMismatch as exc:
+        log.error(
+            "data plane %d speaks protocol version %d, the control process %d; exiting",
+            index, PROTOCOL_VERSION, exc.theirs,
+        )  # fmt: skip
+        return 2
+    except (ChannelClosed, WireError, TimeoutError):
+        log.error("data plane %d: no snapshot from the control process; exiting", index)
+        return 1
+    return None
 
 
 def kill_hung_control(pid: int) -> None:

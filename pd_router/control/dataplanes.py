@@ -6,6 +6,10 @@ processes, linked over sockets. Both are read and fed alike.
 Every change to the registry that a data plane routes by (membership, role, state, health,
 admission, bootstrap port, circuit) makes a new snapshot version, pushed to every data plane at
 once; each data plane answers with a report naming the version it now routes from (its ack).
+The messages are :mod:`pd_router.wire`'s; a data plane speaking another protocol version is
+refused at its hello (logged, its channel closed). A data plane that finds a snapshot
+inconsistent keeps routing from the one before and says so; it is logged here, and its ack stays
+behind until a consistent snapshot comes.
 
 In-flight. The registry's in-flight count of a worker is the sum of the data planes' last
 reports, plus one for every data plane that has not yet acked the version in which the worker
@@ -34,14 +38,33 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping
 
 from pd_router.control.circuit import CircuitState
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
 from pd_router.control.trials import HalfOpenTrials
 from pd_router.control.workers import UnknownWorker, Worker, WorkerRegistry, WorkerState
-from pd_router.dataplane.channel import HEARTBEAT_SECS, ChannelClosed, ChannelEnd, Message
+from pd_router.wire import (
+    HEARTBEAT_SECS,
+    PROTOCOL_VERSION,
+    ChannelClosed,
+    ChannelEnd,
+    Hello,
+    InflightTotals,
+    Message,
+    MetricsAnswer,
+    MetricsAsk,
+    Report,
+    Sample,
+    Snapshot,
+    SnapshotRefused,
+    Suspect,
+    VersionMismatch,
+    WireError,
+    WorkerEntry,
+    check_hello,
+)
 
 log = logging.getLogger("pd_router.dataplanes")
 
@@ -72,12 +95,12 @@ class DataPlaneLink:
         # The snapshot version it routes from: the one it acked, or the first one it was sent
         # (it cannot pick before it has one).
         self.acked = version
-        self.inflight: dict[str, int] = {}
-        self.idle_at: dict[str, float] = {}
+        self.inflight: Mapping[str, int] = {}
+        self.idle_at: Mapping[str, float] = {}
         self.connections = 0
         # Its metric samples as last sent, asked or not (kept when it exits: counters never
         # go back).
-        self.samples: list[list] = []
+        self.samples: tuple[Sample, ...] = ()
         self.reader: asyncio.Task | None = None
         # When it counts as hung unless heard from before (time.monotonic).
         self.silent_by = time.monotonic() + START_SILENCE_SECS
@@ -94,14 +117,14 @@ class DataPlanes:
         self._latency = latency
         self._links: dict[int, DataPlaneLink] = {}
         self.version = 0
-        self._snapshot: Message = {"t": "snapshot", "v": 0, "workers": []}
+        self._snapshot = Snapshot(0, ())
         # The version in which each worker stopped being pickable (absent while it is).
         self._stopped_at: dict[str, int] = {}
         self._pickable: set[str] = set()
         self._totals: dict[str, int] = {}
-        self._pushed: Message = {}
+        self._pushed: InflightTotals | None = None
         # The counters and histograms of data planes that exited, as they last sent them.
-        self._retired: list[list] = []
+        self._retired: list[Sample] = []
         self._metrics_requests = 0
         self._metrics_waiters: dict[int, MetricsRequest] = {}
         self._pusher: asyncio.Task | None = None
@@ -113,11 +136,12 @@ class DataPlanes:
     # --- links ------------------------------------------------------------------------------
 
     def attach(self, index: int, channel: ChannelEnd) -> None:
-        """Start talking to data plane ``index``: send it the current snapshot, read its
-        reports until its channel closes."""
+        """Start talking to data plane ``index``: send it the hello and the current snapshot,
+        read its hello, then its reports until its channel closes."""
         self.detach(index)
         link = DataPlaneLink(index, channel, self.version)
         self._links[index] = link
+        channel.send(Hello(PROTOCOL_VERSION))
         channel.send(self._snapshot)
         link.reader = asyncio.get_running_loop().create_task(self._read(link))
         if self._pusher is None:
@@ -170,11 +194,12 @@ class DataPlanes:
         workers = []
         pickable = set()
         for worker in self._registry:
-            entry = entry_of(worker)
-            closed = entry["circuit"] == CircuitState.CLOSED
-            entry["trial"] = self._trials.holder(worker.url, closed, self._links, self.version)
+            state = worker.circuit.state
+            closed = state is CircuitState.CLOSED
+            trial = self._trials.holder(worker.url, closed, self._links, self.version)
+            entry = entry_of(worker, state, trial)
             workers.append(entry)
-            if entry["pickable"]:
+            if entry.pickable:
                 pickable.add(worker.url)
         for url in self._pickable - pickable:
             self._stopped_at.setdefault(url, self.version)
@@ -185,7 +210,7 @@ class DataPlanes:
             del self._stopped_at[url]
         self._trials.forget(known)
         self._pickable = pickable
-        self._snapshot = {"t": "snapshot", "v": self.version, "workers": workers}
+        self._snapshot = Snapshot(self.version, tuple(workers))
         for link in self._links.values():
             link.channel.send(self._snapshot)
         self._recount()
@@ -196,30 +221,50 @@ class DataPlanes:
     # --- reports ----------------------------------------------------------------------------
 
     async def _read(self, link: DataPlaneLink) -> None:
+        """Read the data plane's hello, then what it sends, until its channel closes; a data
+        plane of another protocol version, or one that sends what it should not, is refused."""
         try:
+            check_hello(await link.channel.receive())
             while True:
                 message = await link.channel.receive()
                 link.silent_by = time.monotonic() + SILENCE_SECS
-                kind = message.get("t")
-                if kind == "report":
-                    self._take_report(link, message)
-                elif kind == "suspect":
-                    self._suspect(message["url"])
-                elif kind == "metrics":
-                    self._take_metrics(link, message)
+                self._take(link, message)
         except ChannelClosed:
             pass
+        except VersionMismatch as exc:
+            log.error(
+                "data plane %d speaks protocol version %d, this control process %d: refused",
+                link.index, exc.theirs, PROTOCOL_VERSION,
+            )  # fmt: skip
+        except WireError as exc:
+            log.error("data plane %d refused: %s", link.index, exc)
         except Exception:
             log.exception("bad message from data plane %d", link.index)
         if self._links.get(link.index) is link:
             self.detach(link.index)
 
-    def _take_report(self, link: DataPlaneLink, report: Message) -> None:
-        link.acked = max(link.acked, report["v"])
-        link.inflight = report["inflight"]
-        link.idle_at = report["idle_at"]
-        link.connections = report["connections"]
-        for url, ok, count in report["outcomes"]:
+    def _take(self, link: DataPlaneLink, message: Message) -> None:
+        match message:
+            case Report():
+                self._take_report(link, message)
+            case Suspect():
+                self._suspect(message.url)
+            case MetricsAnswer():
+                self._take_metrics(link, message)
+            case SnapshotRefused():
+                log.error(
+                    "data plane %d refused snapshot %d (%s); it routes from snapshot %d",
+                    link.index, message.version, message.reason, message.routing,
+                )  # fmt: skip
+            case _:
+                raise WireError(f"{type(message).__name__} is not for the control side")
+
+    def _take_report(self, link: DataPlaneLink, report: Report) -> None:
+        link.acked = max(link.acked, report.version)
+        link.inflight = report.inflight
+        link.idle_at = report.idle_at
+        link.connections = report.connections
+        for url, ok, count in report.outcomes:
             worker = self._find(url)
             if worker is None:
                 continue
@@ -228,11 +273,11 @@ class DataPlanes:
             else:
                 for _ in range(count):
                     worker.circuit.record_failure()
-        for seconds, prefilled_after in report["ttft"]:
+        for seconds, prefilled_after in report.ttft:
             self._latency.observe_ttft(seconds, prefilled_after)
-        for seconds, events in report["tpot"]:
+        for seconds, events in report.tpot:
             self._latency.observe_stream(seconds, events)
-        for role, count in report["refused"].items():
+        for role, count in report.refused.items():
             for _ in range(count):
                 self._latency.count_refusal(role)
         self._recount()
@@ -276,7 +321,7 @@ class DataPlanes:
                 self.push()
             now = time.monotonic()
             share = connection_share([link.connections for link in self._links.values()])
-            message = {"t": "inflight", "totals": self._totals, "share": share}
+            message = InflightTotals(self._totals, share)
             if message != self._pushed or now - sent_at >= HEARTBEAT_SECS:
                 sent_at = now
                 self._pushed = message
@@ -285,14 +330,14 @@ class DataPlanes:
 
     # --- metrics ----------------------------------------------------------------------------
 
-    async def collect_metrics(self) -> list[list]:
+    async def collect_metrics(self) -> list[Sample]:
         """Every data plane's metric samples: the live ones' asked for now (a scrape), and the
         counters of those that exited as they were last collected."""
         self._metrics_requests += 1
         number = self._metrics_requests
         waiting = self._metrics_waiters[number] = MetricsRequest(set(self._links))
         for link in self._links.values():
-            link.channel.send({"t": "metrics?", "n": number})
+            link.channel.send(MetricsAsk(number))
         try:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(waiting.done.wait(), METRICS_TIMEOUT_SECS)
@@ -301,9 +346,9 @@ class DataPlanes:
         live = [sample for link in self._links.values() for sample in link.samples]
         return live + self._retired
 
-    def _take_metrics(self, link: DataPlaneLink, message: Message) -> None:
-        link.samples = message["samples"]
-        waiting = self._metrics_waiters.get(message["n"])
+    def _take_metrics(self, link: DataPlaneLink, message: MetricsAnswer) -> None:
+        link.samples = message.samples
+        waiting = self._metrics_waiters.get(message.request)
         if waiting is not None:
             waiting.answered(link.index)
 
@@ -323,16 +368,17 @@ class MetricsRequest:
             self.done.set()
 
 
-def entry_of(worker: Worker) -> dict[str, Any]:
-    """A worker as a snapshot carries it."""
-    circuit = worker.circuit
-    return {
-        "url": worker.url,
-        "role": worker.role.value,
-        "epoch": worker.epoch,
-        "bootstrap_port": worker.bootstrap_port,
-        "pickable": worker.state is WorkerState.ACTIVE and worker.healthy and worker.admitting,
-        "usable": worker.healthy and worker.state is not WorkerState.FAILED,
-        "circuit": circuit.state.value,
-        "half_open_at": circuit.half_open_at,
-    }
+def entry_of(worker: Worker, circuit: CircuitState, trial: int | None) -> WorkerEntry:
+    """A worker as a snapshot carries it, its circuit in state ``circuit`` (read once: reading
+    it may turn it half-open) and its trial held by data plane ``trial``."""
+    return WorkerEntry(
+        url=worker.url,
+        role=worker.role,
+        epoch=worker.epoch,
+        bootstrap_port=worker.bootstrap_port,
+        pickable=worker.state is WorkerState.ACTIVE and worker.healthy and worker.admitting,
+        usable=worker.healthy and worker.state is not WorkerState.FAILED,
+        circuit=circuit,
+        half_open_at=worker.circuit.half_open_at,
+        trial=trial,
+    )

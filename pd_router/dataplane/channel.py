@@ -1,17 +1,12 @@
 """The control side and a data plane talk over a channel. Between processes (``--workers N``)
 it is one stream socket (a socketpair made by the control process, inherited by the data
-plane): messages are JSON objects (orjson), each sent as a 4-byte big-endian length and the
-bytes. In one process (``--workers 1``, the data plane beside the control side) it is a
-:class:`LocalChannel`: the same messages handed over as they are, so neither side may change a
-message once sent. A message's ``t`` names its kind.
+plane): each message (:mod:`pd_router.wire`) is encoded, and sent as a 4-byte big-endian length
+and the bytes. In one process (``--workers 1``, the data plane beside the control side) it is a
+:class:`LocalChannel`: the same typed, immutable messages handed over as they are.
 
 Sending never waits: a message goes into the transport's buffer and the sender carries on, so a
 data plane never blocks on a slow control process (nor the control process on a slow data
 plane).
-
-Each end sends something at least every :data:`HEARTBEAT_SECS`, even with nothing to say (the
-data plane a report, the control process the in-flight totals), so that either can take a long
-silence of the other for a hang.
 """
 
 from __future__ import annotations
@@ -20,30 +15,11 @@ import asyncio
 import collections
 import socket
 import struct
-from typing import Any, Protocol
 
-import orjson
+from pd_router.wire import ChannelClosed, Message, WireError, decode, encode
 
 HEADER = struct.Struct("!I")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-HEARTBEAT_SECS = 1.0
-
-Message = dict[str, Any]
-
-
-class ChannelEnd(Protocol):
-    """One end of a channel, over a socket (:class:`Channel`) or in one process
-    (:class:`LocalChannel`)."""
-
-    @property
-    def closed(self) -> bool: ...
-    def send(self, message: Message) -> None: ...
-    async def receive(self) -> Message: ...
-    def close(self) -> None: ...
-
-
-class ChannelClosed(Exception):
-    """The other side closed the channel (or sent something that is not a message)."""
 
 
 class Channel:
@@ -66,22 +42,20 @@ class Channel:
         """Queue ``message`` (dropped when the channel is already closed)."""
         if self._writer.is_closing():
             return
-        data = orjson.dumps(message)
+        data = encode(message)
         self._writer.write(HEADER.pack(len(data)) + data)
 
     async def receive(self) -> Message:
-        """The next message; ChannelClosed at the end of the stream."""
+        """The next message; ChannelClosed at the end of the stream, and for bytes that are not
+        a message of this protocol version."""
         try:
             head = await self._reader.readexactly(HEADER.size)
             (size,) = HEADER.unpack(head)
             if size > MAX_MESSAGE_BYTES:
                 raise ChannelClosed(f"message of {size} bytes")
-            message = orjson.loads(await self._reader.readexactly(size))
-        except (asyncio.IncompleteReadError, ConnectionError, orjson.JSONDecodeError) as exc:
+            return decode(await self._reader.readexactly(size))
+        except (asyncio.IncompleteReadError, ConnectionError, WireError) as exc:
             raise ChannelClosed(str(exc)) from None
-        if not isinstance(message, dict):
-            raise ChannelClosed("not a message")
-        return message
 
     def close(self) -> None:
         self._writer.close()

@@ -1,18 +1,19 @@
 """What a data plane tells the control process, in batches over its channel.
 
-A report (``{"t": "report"}``) carries the snapshot version this process routes from (its
-ack), its in-flight count per worker and when each idle one became idle, the leg outcomes for
-the circuits, the TTFT and TPOT samples and the refusals for lack of a worker that the
-autopilot reads, and its open client connections (the control process balances them). One
+A report (:class:`~pd_router.wire.Report`) carries the snapshot version this process routes
+from (its ack), its in-flight count per worker and when each idle one became idle, the leg
+outcomes for the circuits, the TTFT and TPOT samples and the refusals for lack of a worker that
+the autopilot reads, and its open client connections (the control process balances them). One
 goes out every ``interval`` when something changed, at once after a snapshot was taken (the ack
 a conversion's drain waits for) and when a worker out of selection became idle here, and at
-least every ``HEARTBEAT_SECS`` (of the channel) even if nothing did:
-the control process takes a data plane that fell silent for hung, and replaces it. A leg
-answered for the other role is told at once (``{"t": "suspect"}``), and the metrics go out when
-the control process asks for them (a scrape) and every :data:`METRICS_PUSH_SECS` unasked, so a
-data plane that dies between scrapes takes at most that much of its counts with it. The data
-plane of a one-process router counts into the process's own metrics, which the control side
-shows as they are: it sends no samples.
+least every ``HEARTBEAT_SECS`` (of the wire) even if nothing did: the control process takes a
+data plane that fell silent for hung, and replaces it. A leg answered for the other role is
+told at once (:class:`~pd_router.wire.Suspect`), a snapshot that was not applied as well
+(:class:`~pd_router.wire.SnapshotRefused`), and the metrics go out when the control process
+asks for them (a scrape) and every :data:`METRICS_PUSH_SECS` unasked, so a data plane that dies
+between scrapes takes at most that much of its counts with it. The data plane of a one-process
+router counts into the process's own metrics, which the control side shows as they are: it
+sends no samples.
 """
 
 from __future__ import annotations
@@ -21,10 +22,16 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sized
-from typing import Any
 
-from pd_router.dataplane.channel import HEARTBEAT_SECS, ChannelEnd
 from pd_router.dataplane.snapshot import SnapshotPools
+from pd_router.wire import (
+    HEARTBEAT_SECS,
+    ChannelEnd,
+    MetricsAnswer,
+    Report,
+    SnapshotRefused,
+    Suspect,
+)
 
 REPORT_INTERVAL_SECS = 0.025
 METRICS_PUSH_SECS = 1.0
@@ -48,8 +55,8 @@ class Reports:
         self._last_connections = 0
         self._interval = interval
         self._urgent = asyncio.Event()
-        self._ttft: list[list[Any]] = []
-        self._tpot: list[list[float]] = []
+        self._ttft: list[tuple[float, float | None]] = []
+        self._tpot: list[tuple[float, int]] = []
         self._refused: dict[str, int] = {}
         self._last_counts: dict[str, int] = {}
         self._sent_at = self._metrics_sent_at = time.monotonic()
@@ -57,10 +64,10 @@ class Reports:
     # --- the latency sink (LatencyRecorder's methods the request path calls) ----------------
 
     def observe_ttft(self, seconds: float, prefilled_after: float | None) -> None:
-        self._ttft.append([seconds, prefilled_after])
+        self._ttft.append((seconds, prefilled_after))
 
     def observe_stream(self, seconds_after_first: float, events: int) -> None:
-        self._tpot.append([seconds_after_first, events])
+        self._tpot.append((seconds_after_first, events))
 
     def count_refusal(self, role: str) -> None:
         self._refused[role] = self._refused.get(role, 0) + 1
@@ -72,10 +79,14 @@ class Reports:
         self._urgent.set()
 
     def suspect(self, url: str) -> None:
-        self._channel.send({"t": "suspect", "url": url})
+        self._channel.send(Suspect(url))
+
+    def refused(self, version: int, routing: int, reason: str) -> None:
+        """Tell the control side snapshot ``version`` was not applied (``reason``)."""
+        self._channel.send(SnapshotRefused(version, routing, reason))
 
     def send_metrics(self, request: int) -> None:
-        self._channel.send({"t": "metrics", "n": request, "samples": self._samples()})
+        self._channel.send(MetricsAnswer(request, tuple(map(tuple, self._samples()))))
 
     def send(self, pools: SnapshotPools, *, force: bool = False) -> None:
         """Report what changed since the last report (``force``: report even if nothing did)."""
@@ -90,17 +101,16 @@ class Reports:
         self._last_connections = connections
         self._sent_at = time.monotonic()
         self._channel.send(
-            {
-                "t": "report",
-                "v": pools.version,
-                "inflight": counts,
-                "idle_at": idle,
-                "outcomes": outcomes,
-                "ttft": self._ttft,
-                "tpot": self._tpot,
-                "refused": self._refused,
-                "connections": connections,
-            }
+            Report(
+                version=pools.version,
+                inflight=counts,
+                idle_at=idle,
+                outcomes=outcomes,
+                ttft=tuple(self._ttft),
+                tpot=tuple(self._tpot),
+                refused=self._refused,
+                connections=connections,
+            )
         )
         self._ttft, self._tpot, self._refused = [], [], {}
 

@@ -8,6 +8,10 @@ and its circuit's verdict. Every data plane routes so, the one beside the contro
 one-process router too: the request path picks from :meth:`SnapshotPools.pick`, and a
 :class:`Member` has the attributes of a worker that the legs and the policies read.
 
+A snapshot is applied only when consistent (:func:`pd_router.wire.check_consistent`: a higher
+version, each worker once, well-typed and coherent entries); an inconsistent one changes
+nothing, and the pools route on from the last one.
+
 Router-wide in-flight: :attr:`Member.inflight` is this process's own count plus what the other
 data planes had in flight when the control process last summed their reports (pushed every
 report interval), so ``least_inflight`` and ``power_of_two`` balance the whole router's load.
@@ -22,13 +26,14 @@ the next report.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pd_router.circuit_state import CircuitState
 from pd_router.dataplane.path import choose
 from pd_router.dataplane.policies import Policy
 from pd_router.roles import Role, bootstrap_host
+from pd_router.wire import NO_SNAPSHOT, Snapshot, check_consistent
 
 # The members, bound once: looking one up through its class costs about 70 ns on Python 3.11,
 # and a pick asks every member's circuit.
@@ -171,7 +176,8 @@ class SnapshotPools:
     ) -> None:
         self.policies = policies
         self.index = index
-        self.version = 0
+        # The version of the snapshot routed from.
+        self.version = NO_SNAPSHOT
         self._recorded: set[SharedCircuit] = set()
         self._wake = wake
         self._suspect = suspect
@@ -184,13 +190,15 @@ class SnapshotPools:
 
     # --- what the control process pushes ---------------------------------------------------
 
-    def apply(self, version: int, workers: Iterable[dict[str, Any]]) -> None:
-        """Take snapshot ``version`` (its worker entries) as the pools."""
+    def apply(self, snapshot: Snapshot) -> None:
+        """Take ``snapshot`` as the pools; InconsistentSnapshot (nothing changed) when it breaks
+        an invariant (:func:`pd_router.wire.check_consistent`)."""
+        check_consistent(snapshot, self.version)
         seen = set()
-        for entry in workers:
-            url = entry["url"]
+        for entry in snapshot.workers:
+            url = entry.url
             seen.add(url)
-            role = Role(entry["role"])
+            role = entry.role
             member = self._members.get(url)
             self._gone.discard(url)
             if member is None:
@@ -199,13 +207,11 @@ class SnapshotPools:
             elif member.role is not role:
                 self.policies[member.role].forget(url)
                 member.role = role
-            member.epoch = entry["epoch"]
-            member.bootstrap_port = entry["bootstrap_port"]
-            member.pickable = entry["pickable"]
-            member.circuit.update(
-                CircuitState(entry["circuit"]), entry["half_open_at"], entry["trial"] == self.index
-            )
-            self._set_usable(member, entry["usable"])
+            member.epoch = entry.epoch
+            member.bootstrap_port = entry.bootstrap_port
+            member.pickable = entry.pickable
+            member.circuit.update(entry.circuit, entry.half_open_at, entry.trial == self.index)
+            self._set_usable(member, entry.usable)
         for url in [url for url in self._members if url not in seen]:
             member = self._members[url]
             self._set_usable(member, False)
@@ -219,9 +225,9 @@ class SnapshotPools:
             role: [m for m in self._members.values() if m.pickable and m.role is role]
             for role in Role
         }
-        self.version = version
+        self.version = snapshot.version
 
-    def apply_inflight(self, totals: dict[str, int]) -> None:
+    def apply_inflight(self, totals: Mapping[str, int]) -> None:
         """The router-wide in-flight counts the control process summed from every report."""
         for url, total in totals.items():
             member = self._members.get(url)
@@ -291,14 +297,14 @@ class SnapshotPools:
                     del self._members[url]
         return counts, idle
 
-    def take_outcomes(self) -> list[list[Any]]:
-        """The leg outcomes since the last call: ``[url, succeeded, how many in a row]``, in
+    def take_outcomes(self) -> tuple[tuple[str, bool, int], ...]:
+        """The leg outcomes since the last call: ``(url, succeeded, how many in a row)``, in
         order per worker."""
-        outcomes = [
-            [circuit.url, ok, count]
+        outcomes = tuple(
+            (circuit.url, ok, count)
             for circuit in self._recorded
             for ok, count in circuit.take_runs()
-        ]
+        )
         self._recorded.clear()
         return outcomes
 

@@ -1,0 +1,388 @@
+"""The messages between the control side and its data planes: typed, immutable records, one
+class per kind, and how they travel over a socket.
+
+Over a socket (:class:`pd_router.dataplane.channel.Channel`) a message is the JSON array
+``[tag, fields]`` (orjson writes the dataclass as the object of its fields); :func:`decode`
+reads it back through the tag's class and refuses anything else with :class:`WireError`. In one
+process the records are handed over as they are, so neither side changes one once sent (the
+mappings in them included).
+
+Both ends open with a :class:`Hello` naming :data:`PROTOCOL_VERSION`; an end that reads another
+version closes the channel. The hello is ``["hello", {"version": N}]`` in every version, so two
+versions can always tell each other apart. Bump the version with any change to a message.
+
+A data plane applies a snapshot only once :func:`check_consistent` found nothing wrong with it:
+a snapshot the data plane could misroute by is refused (:class:`SnapshotRefused`) and the data
+plane routes on from the last one it applied.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+import orjson
+
+from pd_router.circuit_state import CircuitState
+from pd_router.roles import Role
+
+PROTOCOL_VERSION = 1
+# Each end sends something at least this often, even with nothing to say (the data plane a
+# report, the control side the in-flight totals), so that either can take a long silence of the
+# other for a hang.
+HEARTBEAT_SECS = 1.0
+# The version a data plane routes from before its first snapshot.
+NO_SNAPSHOT = -1
+# A metric sample as a data plane sends it: family, type, sample name, labels, value
+# (:func:`pd_router.metrics.samples`).
+Sample = tuple[str, str, str, Mapping[str, str], float]
+
+
+class WireError(Exception):
+    """Bytes or a record that is not a message of this protocol version."""
+
+
+class ChannelClosed(Exception):
+    """The other end closed the channel (or sent something that is not a message)."""
+
+
+class InconsistentSnapshot(Exception):
+    """A snapshot that breaks an invariant the data plane routes by."""
+
+
+# --- control side -> data plane ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerEntry:
+    """One worker as a snapshot carries it: what a data plane routes by. ``pickable``: ACTIVE,
+    healthy and admitting; ``usable``: requests may still go to it (else its legs are ended);
+    ``half_open_at``: when an open circuit turns half-open (monotonic); ``trial``: the data
+    plane that may send a half-open circuit's trial (None: none)."""
+
+    url: str
+    role: Role
+    epoch: int
+    bootstrap_port: int | None
+    pickable: bool
+    usable: bool
+    circuit: CircuitState
+    half_open_at: float | None
+    trial: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Every worker of the registry at ``version`` (versions only go up)."""
+
+    TAG: ClassVar[str] = "snapshot"
+    version: int
+    workers: tuple[WorkerEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class InflightTotals:
+    """The router-wide in-flight count per worker, summed from every report, and the most
+    client connections each data plane should keep (None: no limit)."""
+
+    TAG: ClassVar[str] = "inflight"
+    totals: Mapping[str, int]
+    share: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsAsk:
+    """A scrape: send your metric samples, answering with ``request``."""
+
+    TAG: ClassVar[str] = "metrics?"
+    request: int
+
+
+# --- data plane -> control side ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """A data plane's batch: ``version`` is the snapshot it routes from (its ack); its in-flight
+    count per worker and when each idle one became idle; leg outcomes as runs ``(url,
+    succeeded, how many in a row)``; TTFT samples ``(seconds, prefilled after)``, TPOT samples
+    ``(seconds after the first, events)``, refusals per role; its open client connections."""
+
+    TAG: ClassVar[str] = "report"
+    version: int
+    inflight: Mapping[str, int]
+    idle_at: Mapping[str, float]
+    outcomes: tuple[tuple[str, bool, int], ...]
+    ttft: tuple[tuple[float, float | None], ...]
+    tpot: tuple[tuple[float, int], ...]
+    refused: Mapping[str, int]
+    connections: int
+
+
+@dataclass(frozen=True, slots=True)
+class Suspect:
+    """A leg to ``url`` was answered for the other role (421): read its role now."""
+
+    TAG: ClassVar[str] = "suspect"
+    url: str
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRefused:
+    """Snapshot ``version`` was inconsistent (``reason``) and not applied; the data plane
+    routes on from ``routing``."""
+
+    TAG: ClassVar[str] = "refused"
+    version: int
+    routing: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsAnswer:
+    """A data plane's metric samples, for scrape ``request`` (0: sent unasked)."""
+
+    TAG: ClassVar[str] = "metrics"
+    request: int
+    samples: tuple[Sample, ...]
+
+
+# --- both ways -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """The first message of each end: the protocol version it speaks."""
+
+    TAG: ClassVar[str] = "hello"
+    version: int
+
+
+ToDataPlane = Hello | Snapshot | InflightTotals | MetricsAsk
+ToControl = Hello | Report | Suspect | SnapshotRefused | MetricsAnswer
+Message = ToDataPlane | ToControl
+
+
+class ChannelEnd(Protocol):
+    """One end of a channel, over a socket or in one process
+    (:mod:`pd_router.dataplane.channel`). Sending never waits; receiving raises ChannelClosed
+    once the other end is gone."""
+
+    @property
+    def closed(self) -> bool: ...
+    def send(self, message: Message) -> None: ...
+    async def receive(self) -> Message: ...
+    def close(self) -> None: ...
+
+
+class VersionMismatch(Exception):
+    """The other end speaks another protocol version."""
+
+    def __init__(self, theirs: int) -> None:
+        super().__init__(f"protocol version {theirs} on the other end, {PROTOCOL_VERSION} here")
+        self.theirs = theirs
+
+
+def check_hello(message: Message) -> None:
+    """The other end's first message: a hello of this version, else VersionMismatch (another
+    version) or WireError (no hello)."""
+    if not isinstance(message, Hello):
+        raise WireError(f"{type(message).__name__} before the hello")
+    if message.version != PROTOCOL_VERSION:
+        raise VersionMismatch(message.version)
+
+
+# --- encoding ------------------------------------------------------------------------------
+
+
+def encode(message: Message) -> bytes:
+    return orjson.dumps((message.TAG, message))
+
+
+def decode(data: bytes) -> Message:
+    """The message in ``data``; WireError unless it is one of this protocol version."""
+    try:
+        raw = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"not JSON: {exc}") from None
+    if not (isinstance(raw, list) and len(raw) == 2 and isinstance(raw[0], str)):
+        raise WireError("not a [tag, fields] pair")
+    decoder = DECODERS.get(raw[0])
+    if decoder is None:
+        raise WireError(f"unknown message {raw[0]!r}")
+    return decoder(raw[1])
+
+
+Decoder = Callable[[Any], Any]
+
+
+def integer(value: Any) -> int:
+    if type(value) is not int:
+        raise WireError(f"{value!r} is not an integer")
+    return value
+
+
+def number(value: Any) -> float:
+    if type(value) not in (int, float):
+        raise WireError(f"{value!r} is not a number")
+    return float(value)
+
+
+def boolean(value: Any) -> bool:
+    if type(value) is not bool:
+        raise WireError(f"{value!r} is not a boolean")
+    return value
+
+
+def text(value: Any) -> str:
+    if type(value) is not str:
+        raise WireError(f"{value!r} is not a string")
+    return value
+
+
+def optional(field: Decoder) -> Decoder:
+    return lambda value: None if value is None else field(value)
+
+
+def choice(enum: type[Role] | type[CircuitState]) -> Decoder:
+    def decode_choice(value: Any) -> Any:
+        try:
+            return enum(text(value))
+        except ValueError:
+            raise WireError(f"{value!r} is not a {enum.__name__}") from None
+
+    return decode_choice
+
+
+def mapping(key: Decoder, item: Decoder) -> Decoder:
+    def decode_mapping(value: Any) -> dict:
+        if type(value) is not dict:
+            raise WireError("not an object")
+        return {key(k): item(v) for k, v in value.items()}
+
+    return decode_mapping
+
+
+def sequence(item: Decoder) -> Decoder:
+    def decode_sequence(value: Any) -> tuple:
+        if type(value) is not list:
+            raise WireError("not an array")
+        return tuple(item(v) for v in value)
+
+    return decode_sequence
+
+
+def row(*items: Decoder) -> Decoder:
+    """A fixed-length array whose members are decoded by ``items`` in order."""
+
+    def decode_row(value: Any) -> tuple:
+        if type(value) is not list or len(value) != len(items):
+            raise WireError(f"not an array of {len(items)}")
+        return tuple(item(v) for item, v in zip(items, value, strict=True))
+
+    return decode_row
+
+
+def record(cls: type, **fields: Decoder) -> Decoder:
+    """An object with exactly ``fields``, each decoded by its decoder, made into ``cls``."""
+
+    def decode_record(value: Any) -> Any:
+        if type(value) is not dict or value.keys() != fields.keys():
+            raise WireError(f"{cls.__name__} wants the fields {', '.join(fields)}")
+        decoded = {}
+        for name, field in fields.items():
+            try:
+                decoded[name] = field(value[name])
+            except WireError as exc:
+                raise WireError(f"{cls.__name__}.{name}: {exc}") from None
+        return cls(**decoded)
+
+    return decode_record
+
+
+COUNTS = mapping(text, integer)
+WORKER_ENTRY = record(
+    WorkerEntry,
+    url=text,
+    role=choice(Role),
+    epoch=integer,
+    bootstrap_port=optional(integer),
+    pickable=boolean,
+    usable=boolean,
+    circuit=choice(CircuitState),
+    half_open_at=optional(number),
+    trial=optional(integer),
+)
+DECODERS: dict[str, Decoder] = {
+    Hello.TAG: record(Hello, version=integer),
+    Snapshot.TAG: record(Snapshot, version=integer, workers=sequence(WORKER_ENTRY)),
+    InflightTotals.TAG: record(InflightTotals, totals=COUNTS, share=optional(integer)),
+    MetricsAsk.TAG: record(MetricsAsk, request=integer),
+    Report.TAG: record(
+        Report,
+        version=integer,
+        inflight=COUNTS,
+        idle_at=mapping(text, number),
+        outcomes=sequence(row(text, boolean, integer)),
+        ttft=sequence(row(number, optional(number))),
+        tpot=sequence(row(number, integer)),
+        refused=COUNTS,
+        connections=integer,
+    ),
+    Suspect.TAG: record(Suspect, url=text),
+    SnapshotRefused.TAG: record(SnapshotRefused, version=integer, routing=integer, reason=text),
+    MetricsAnswer.TAG: record(
+        MetricsAnswer,
+        request=integer,
+        samples=sequence(row(text, text, text, mapping(text, text), number)),
+    ),
+}
+
+
+# --- consistency ---------------------------------------------------------------------------
+
+
+def check_consistent(snapshot: Snapshot, routing: int) -> None:
+    """InconsistentSnapshot unless ``snapshot`` may replace the one of version ``routing``: its
+    version is higher, each worker appears once, and every entry is well-typed and coherent."""
+    if type(snapshot.version) is not int or snapshot.version <= routing:
+        raise InconsistentSnapshot(
+            f"version {snapshot.version!r} does not follow version {routing}"
+        )
+    urls = set()
+    for entry in snapshot.workers:
+        if type(entry) is not WorkerEntry or type(entry.url) is not str:
+            raise InconsistentSnapshot(f"{entry!r} is not a worker entry")
+        if entry.url in urls:
+            raise InconsistentSnapshot(f"worker {entry.url} appears twice")
+        urls.add(entry.url)
+        problem = entry_problem(entry)
+        if problem is not None:
+            raise InconsistentSnapshot(f"worker {entry.url}: {problem}")
+
+
+def entry_problem(entry: WorkerEntry) -> str | None:
+    """What is wrong with ``entry``, or None."""
+    port = entry.bootstrap_port
+    if not isinstance(entry.role, Role):
+        return f"role {entry.role!r} is not a role"
+    if not isinstance(entry.circuit, CircuitState):
+        return f"circuit {entry.circuit!r} is not a circuit state"
+    if type(entry.epoch) is not int:
+        return f"epoch {entry.epoch!r} is not an integer"
+    if port is not None and (type(port) is not int or not 0 <= port <= 65535):
+        return f"bootstrap port {port!r} is not a port"
+    if type(entry.pickable) is not bool or type(entry.usable) is not bool:
+        return "pickable and usable are not booleans"
+    if entry.pickable and not entry.usable:
+        return "pickable but not usable"
+    if entry.half_open_at is not None and type(entry.half_open_at) not in (int, float):
+        return f"half-open time {entry.half_open_at!r} is not a number"
+    if entry.half_open_at is not None and entry.circuit is not CircuitState.OPEN:
+        return f"a {entry.circuit} circuit with a half-open time"
+    if entry.trial is not None and (type(entry.trial) is not int or entry.trial < 0):
+        return f"trial holder {entry.trial!r} is not a data plane"
+    if entry.trial is not None and entry.circuit is CircuitState.CLOSED:
+        return "a closed circuit with a trial holder"
+    return None
