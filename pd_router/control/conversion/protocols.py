@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from pd_protocol.wire import CONVERT_PATH, SWITCH_PATH
@@ -75,8 +76,10 @@ class ControlProtocol(ABC):
 
     name: str
 
-    def __init__(self, control: WorkerControl) -> None:
+    def __init__(self, control: WorkerControl, clock: Callable[[], float] = time.monotonic) -> None:
         self.control = control
+        # What the deadlines and the idle agreement are read against (a test steps it).
+        self._clock = clock
 
     @abstractmethod
     async def close_admission(self, conv: Conversion) -> None:
@@ -111,7 +114,7 @@ class ControlProtocol(ABC):
             if not conv.request.drain:
                 return reply, None
             load = await self.read_load(conv)
-            now = time.monotonic()
+            now = self._clock()
             if load.idle and not refused_busy(reply):
                 # The load reading may turn idle a moment before the switch's own idleness
                 # check does (a request's last bookkeeping); past that, the refusal is another.
@@ -212,7 +215,7 @@ class ExtensionProtocol(ControlProtocol):
             return {}
         return {
             **conv.request.extra,
-            "drain_timeout_secs": max(0.0, round(deadline - time.monotonic(), 3)),
+            "drain_timeout_secs": max(0.0, round(deadline - self._clock(), 3)),
         }
 
     async def call(self, conv: Conversion, body: dict[str, Any]) -> tuple[str, SwitchReply]:
@@ -225,5 +228,7 @@ class ExtensionProtocol(ControlProtocol):
         return CONVERT_PATH, reply
 
 
-def protocol_for(control: WorkerControl, extensions: bool) -> ControlProtocol:
-    return ExtensionProtocol(control) if extensions else NativeProtocol(control)
+def protocol_for(
+    control: WorkerControl, extensions: bool, clock: Callable[[], float] = time.monotonic
+) -> ControlProtocol:
+    return ExtensionProtocol(control, clock) if extensions else NativeProtocol(control, clock)
