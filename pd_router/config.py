@@ -8,6 +8,7 @@ offending key and what is allowed, and start-up stops there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import ssl
 import tomllib
@@ -451,7 +452,7 @@ def validate_tls(tls: TLSConfig) -> None:
     if tls.serves_https:
         check_loads("tls.cert_path", lambda: server_context(tls))
     for ca in tls.ca_files:
-        check_loads("tls.ca_cert_path", lambda ca=ca: ssl.create_default_context(cafile=ca))
+        check_loads("tls.ca_cert_path", functools.partial(ssl.create_default_context, cafile=ca))
     if tls.client_cert_path is not None:
         check_loads("tls.client_cert_path", lambda: worker_context(tls))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, fields, replace
 from types import MappingProxyType
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ PROFILES: MappingProxyType[str, TimingModel] = MappingProxyType({"h100-8b": _H10
 """Named timing models (``pd-worker serve --profile NAME``); explicit knobs override them."""
 
 
-def profile(name: str | None, **knobs: float) -> TimingModel:
+def profile(name: str | None, **knobs: Any) -> TimingModel:
     """The timing model of profile ``name`` (the defaults when None) with ``knobs`` applied.
 
     Raises ValueError for an unknown profile name, listing the known ones."""

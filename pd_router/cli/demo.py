@@ -24,10 +24,11 @@ import httpx
 import orjson
 
 from pd_protocol.listen import ListenError, check_can_listen
-from pd_router.api.server import RunningServer, build_app, start_server
 from pd_router.cli.logs import configure_logging
 from pd_router.cli.usage import USAGE_ERROR, Parser
 from pd_router.config import load_config
+from pd_router.runtime.router import build_app
+from pd_router.runtime.serve import RunningServer, start_server
 from pd_worker.cluster import WorkerCluster
 from pd_worker.tokens import chat_prompt, expected_text
 
@@ -60,7 +61,7 @@ def request_for(i: int) -> tuple[str, dict[str, Any], Callable[[httpx.Response],
     prompt = f"demo request {i}: route me through prefill and decode"
     kind = i % 5
     if kind == 0:
-        body = {"text": prompt, "sampling_params": {"max_new_tokens": TOKENS}}
+        body: dict[str, Any] = {"text": prompt, "sampling_params": {"max_new_tokens": TOKENS}}
         return "/generate", body, lambda r: r.json()["text"] == expected_text(prompt, TOKENS)
     if kind == 1:
         body = {"text": prompt, "sampling_params": {"max_new_tokens": TOKENS}, "stream": True}
@@ -80,7 +81,7 @@ def request_for(i: int) -> tuple[str, dict[str, Any], Callable[[httpx.Response],
             body,
             lambda r: r.json()["choices"][0]["text"] == expected_text(prompt, TOKENS),
         )
-    messages = [{"role": "user", "content": prompt}]
+    messages: list[dict[str, object]] = [{"role": "user", "content": prompt}]
     body = {"messages": messages, "max_tokens": TOKENS, "stream": True}
     return (
         "/v1/chat/completions",

@@ -68,7 +68,8 @@ def parse_entry(where: str, entry: Any) -> Target:
     if unknown:
         raise ManifestError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}")
     try:
-        url = normalize_url(entry.get("url") if isinstance(entry.get("url"), str) else "")
+        raw = entry.get("url")
+        url = normalize_url(raw if isinstance(raw, str) else "")
     except ValueError as exc:
         raise ManifestError(f"{where}.url: {exc}") from None
     kind = entry.get("worker_type", "regular")

@@ -309,7 +309,9 @@ def worker_ports(pod: Mapping[str, Any], default: int) -> list[tuple[int, int | 
         log.warning("pod %s: %s lists %d ports for %d workers; reading them from the workers",
                     name, BOOTSTRAP_ANNOTATION, len(bootstraps), len(ports))  # fmt: skip
         bootstraps = []
-    return list(zip(ports, bootstraps or [None] * len(ports), strict=True))
+    if not bootstraps:
+        return [(port, None) for port in ports]
+    return list(zip(ports, bootstraps, strict=True))
 
 
 def port_list(value: str | None, annotation: str, pod: str) -> list[int]:
