@@ -25,7 +25,7 @@ SSE error event once the stream began.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +40,9 @@ END_EVENT = b"data: [DONE]\n\n"
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 ERROR_EXCERPT_CHARS = 500
 
-RunSample = Callable[[Answer, tuple[str, str], dict[str, Any], int | None], Awaitable[None]]
+RunSample = Callable[
+    [Answer, tuple[str, str], dict[str, Any], int | None], Coroutine[Any, Any, None]
+]
 """Serves one sample's body on an answer: (answer, (request id, upstream id), body, items)."""
 
 
@@ -379,18 +381,18 @@ async def serve_samples(
         for s, body in enumerate(bodies)
     ]
     ended = asyncio.create_task(merge.ended.wait())
-    pending = set(tasks)
+    pending: set[asyncio.Task[Any]] = set(tasks)
     try:
         while pending and not merge.over:
             done, pending = await asyncio.wait(
                 {*pending, ended}, return_when=asyncio.FIRST_COMPLETED
             )
             pending.discard(ended)
-            failed = next((t for t in done if t is not ended and failure(t)), None)
-            if failed is not None:
+            error = next((e for t in done if t is not ended and (e := failure(t))), None)
+            if error is not None:
                 await stop(pending)
                 pending = set()
-                await merge.fail(failure(failed))
+                await merge.fail(error)
                 return
     finally:
         ended.cancel()

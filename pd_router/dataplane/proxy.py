@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
 
@@ -32,7 +32,7 @@ import orjson
 
 from pd_router.dataplane.aborts import find_abort
 from pd_router.dataplane.fanout import Sampling, serve_samples
-from pd_router.dataplane.front.reply import Answer, sse_error_event
+from pd_router.dataplane.front.reply import Answer, Reply, sse_error_event
 from pd_router.dataplane.http1 import Response
 from pd_router.dataplane.logprobs import merge_body, merged_events, prefill_logprobs
 from pd_router.dataplane.path import RequestPath
@@ -86,7 +86,7 @@ async def serve(
     path: RequestPath,
     endpoint: Endpoint,
     raw: bytes,
-    reply: Answer,
+    reply: Reply,
     request_id: str,
     upstream_id: str,
 ) -> None:
@@ -306,7 +306,7 @@ class Exchange:
         prefill: Target,
         decode: Target,
         payload: bytes,
-        decode_leg: Callable[..., Awaitable[T]],
+        decode_leg: Callable[..., Coroutine[Any, Any, T]],
     ) -> tuple[asyncio.Task[LegResult], asyncio.Task[T]]:
         """Count the request in flight on both workers and send ``payload`` to both at once;
         the prefill's answer is always read whole, the decode's by ``decode_leg``. The prefill
