@@ -1,15 +1,17 @@
-"""The router's error classes and the one place that turns an error into an HTTP response.
+"""The router's HTTP errors: each class carries its status code, error type and message for the
+client, and :func:`error_body` writes them in the one shape every error body has,
+``{"error": {"message", "type", "code"}}`` (the OpenAI shape, which SGLang clients already
+parse).
 
-Handlers raise; the error middleware in ``server.py`` calls :func:`error_response`. Every error
-body has the same shape, ``{"error": {"message", "type", "code"}}`` (the OpenAI shape, which
-SGLang clients already parse), so a client never sees a stack trace or an HTML page.
+The request path raises them and the data plane's front answers them; handlers raise them and
+the application's error middleware answers them through :mod:`pd_router.api.errors`, which
+maps the control plane's plain refusals as well.
 """
 
 from __future__ import annotations
 
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
 
 
 class RouterError(Exception):
@@ -124,24 +126,9 @@ class RouterOverloaded(RouterError):
         super().__init__(message, headers={"Retry-After": str(retry_after_secs)})
 
 
-class ClusterUnavailable(RouterError):
-    """A step that needs the other router replicas' agreement (a conversion, adding or removing
-    a worker) while etcd cannot be reached; routing goes on meanwhile."""
-
-    status = 503
-    error_type = "cluster_unavailable"
-
-    def __init__(self, message: str, retry_after_secs: int = 5) -> None:
-        super().__init__(message, headers={"Retry-After": str(retry_after_secs)})
-
-
 class UpstreamTimeout(RouterError):
     status = 504
     error_type = "upstream_timeout"
-
-
-# Errors the middleware turns into responses with error_response(); anything else is a 500.
-MAPPED_ERRORS = (RouterError, web.HTTPException, web.RequestPayloadError)
 
 
 def error_body(
@@ -166,32 +153,3 @@ def json_error(
         content_type="application/json",
         headers=headers,
     )
-
-
-def error_response(exc: Exception) -> web.Response:
-    """The HTTP response for any error a handler may raise (the one mapping)."""
-    if isinstance(exc, RouterError):
-        return json_error(exc.status, exc.error_type, exc.message, exc.headers, exc.details)
-    if isinstance(exc, web.HTTPException):
-        return json_error(exc.status, http_error_type(exc.status), exc.reason or exc.text or "")
-    if isinstance(exc, web.RequestPayloadError):
-        return json_error(400, "invalid_request_error", payload_error_message(exc))
-    return json_error(500, "internal_error", "internal router error")
-
-
-def payload_error_message(exc: web.RequestPayloadError) -> str:
-    """Why aiohttp could not read a request body (bad chunking, a Content-Encoding the body
-    does not have): the parser's own message, which the wrapping error only holds as text."""
-    cause = exc.__cause__
-    detail = cause.message if isinstance(cause, HttpProcessingError) else str(exc)
-    return f"request body could not be read: {' '.join(str(detail).split())}"
-
-
-def http_error_type(status: int) -> str:
-    return {
-        404: "not_found",
-        405: "method_not_allowed",
-        408: "request_timeout",
-        413: "payload_too_large",
-        503: "service_unavailable",
-    }.get(status, "invalid_request_error" if status < 500 else "internal_error")

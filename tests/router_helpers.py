@@ -19,8 +19,9 @@ import httpx
 import orjson
 from aiohttp import web
 
-from pd_router.api.server import RunningServer, build_app, start_server
 from pd_router.config import load_config, merge
+from pd_router.runtime.router import build_app
+from pd_router.runtime.serve import RunningServer, start_server
 from pd_worker.cluster import WorkerCluster
 from pd_worker.tokens import expected_text
 

@@ -30,7 +30,7 @@ ENTRY = (
     "import sys, orjson\n"
     "from pd_router.config import load_config\n"
     "from pd_router.cli.logs import configure_logging\n"
-    "from pd_router.api.server import run_server\n"
+    "from pd_router.runtime.serve import run_server\n"
     "config = load_config(None, orjson.loads(sys.argv[1]))\n"
     "configure_logging(config.log_level, config.log_format)\n"
     "run_server(config)\n"

@@ -14,10 +14,11 @@ import time
 import httpx
 import pytest
 
-from pd_router.api.server import build_app, start_server
 from pd_router.cli import admin_client
 from pd_router.cli.progress import describe
 from pd_router.config import load_config
+from pd_router.runtime.router import build_app
+from pd_router.runtime.serve import start_server
 from pd_worker.testing import pd_generate
 from tests.conversion_helpers import LONG, wait_for_busy, worker_role
 from tests.replica_helpers import (

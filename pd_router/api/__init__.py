@@ -1,5 +1,7 @@
 """The HTTP application: routes, middleware, and the admin and info handlers.
 
-``server`` builds the aiohttp application around one ``state.Router``; the other modules are the
-handlers of one area each (workers, conversions, autopilot, dashboard, loads, metrics, info).
+``server`` builds the aiohttp application (routes and middleware), ``errors`` turns what a handler
+raised into its response, ``keys`` names the collaborators handlers read from the application;
+the other modules are the handlers of one area each (workers, conversions, autopilot, dashboard,
+loads, metrics, info). ``dataplane_process`` is the data-plane process's main, still here.
 """

@@ -12,7 +12,7 @@ import hmac
 
 from aiohttp import web
 
-from pd_router.api.state import router_of
+from pd_router.api.keys import CONFIG
 from pd_router.errors import Unauthorized
 
 ADMIN_PREFIXES = (
@@ -40,7 +40,7 @@ def supplied_key(request: web.Request) -> str:
 
 def has_admin_key(request: web.Request) -> bool:
     """Whether the request may use the admin API (always, when no key is configured)."""
-    key = router_of(request).config.admin_api_key
+    key = request.app[CONFIG].admin_api_key
     return key is None or hmac.compare_digest(supplied_key(request).encode(), key.encode())
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from pd_router.api.info import json_response
-from pd_router.api.state import router_of
+from pd_router.api.keys import AUTOPILOT
 from pd_router.config import ConfigError
 from pd_router.dataplane.requests import parse_admin_body
 from pd_router.errors import BadRequest
@@ -25,13 +25,13 @@ def add_autopilot_routes(app: web.Application) -> None:
 
 
 async def get_autopilot(request: web.Request) -> web.Response:
-    return json_response(router_of(request).autopilot.to_json())
+    return json_response(request.app[AUTOPILOT].to_json())
 
 
 async def put_autopilot(request: web.Request) -> web.Response:
     """Apply the keys of the body's JSON object (those of ``[autopilot]``) and answer with
     the new state."""
-    autopilot = router_of(request).autopilot
+    autopilot = request.app[AUTOPILOT]
     try:
         autopilot.configure(parse_admin_body(await request.read()))
     except ConfigError as exc:

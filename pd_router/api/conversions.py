@@ -4,23 +4,22 @@
 ``POST /pd_role_switch`` takes exactly SGLang mini_lb's body and answers with its status codes
 (200 and the worker's reply, 400 and the worker's reply on failure), so scripts written for
 mini_lb keep working. Both run the same :class:`ConversionManager`. Errors are raised as the
-classes of ``errors.py`` and turned into responses by the server's error middleware.
+router's HTTP errors or the control plane's refusals, and turned into responses by the error
+middleware (:mod:`pd_router.api.errors`).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
 
 from pd_protocol.wire import UNSUPPORTED_KNOBS
 from pd_router.api.info import json_response
-from pd_router.api.state import ROUTER, router_of
+from pd_router.api.keys import CONVERSIONS
 from pd_router.control.conversion.history import Conversion, ConversionRequest, Status
-from pd_router.control.conversion.manager import AlreadyInRole, ConversionManager
-from pd_router.control.worker_control import WorkerControl, open_control_session
+from pd_router.control.errors import AlreadyInRole
 from pd_router.control.workers import Role
 from pd_router.dataplane.requests import parse_admin_body
 from pd_router.errors import BadRequest
@@ -61,42 +60,12 @@ MINI_LB_FIELDS = frozenset(
 
 
 def add_conversion_routes(app: web.Application) -> None:
-    """Register the conversion routes and the ConversionManager's lifetime (created before the
-    router starts, closed with its control session before the router stops)."""
+    """Register the conversion routes (the manager is the application's ``CONVERSIONS``)."""
     app.router.add_post("/convert_pd_role", convert_pd_role)
     app.router.add_post("/pd_role_switch", pd_role_switch)
     app.router.add_get("/conversions", list_conversions)
     app.router.add_get("/conversions/{id}", get_conversion)
     app.router.add_delete("/conversions/{id}", abort_conversion)
-    app.cleanup_ctx.append(_conversions)
-
-
-async def _conversions(app: web.Application) -> AsyncIterator[None]:
-    router = app[ROUTER]
-    settings = router.config.conversion
-    async with open_control_session(router.worker_ssl) as session:
-        manager = ConversionManager(
-            router.registry,
-            router.metrics,
-            WorkerControl(session, router.registry, headers=router.worker_headers),
-            router.health.report_down,
-            min_prefill=settings.min_prefill,
-            min_decode=settings.min_decode,
-            max_concurrent=settings.max_concurrent,
-            drain_timeout_secs=settings.drain_timeout_secs,
-            canary_timeout_secs=settings.canary_timeout_secs,
-            cluster=router.cluster,
-        )
-        router.conversions = manager
-        yield
-        await manager.close(router.config.server.shutdown_grace_secs)
-
-
-def _manager(request: web.Request) -> ConversionManager:
-    manager = router_of(request).conversions
-    if manager is None:
-        raise RuntimeError("the conversion manager starts with the application")
-    return manager
 
 
 class InvalidField(BadRequest):
@@ -116,7 +85,7 @@ async def convert_pd_role(request: web.Request) -> web.Response:
     _check_known(body, CONVERT_FIELDS | PASS_THROUGH_FIELDS)
     wait = _bool(body, "wait", True)
     conversion_request = parse_convert_body(body)
-    conversion = await _manager(request).start(conversion_request)
+    conversion = await request.app[CONVERSIONS].start(conversion_request)
     location = f"/conversions/{conversion.id}"
     if not wait:
         return json_response(
@@ -148,7 +117,7 @@ async def pd_role_switch(request: web.Request) -> web.Response:
         bootstrap_port=_port(body, "bootstrap_port"),
     )
     try:
-        conversion = await _manager(request).start(conversion_request)
+        conversion = await request.app[CONVERSIONS].start(conversion_request)
     except AlreadyInRole as exc:
         return json_response(
             {
@@ -166,18 +135,18 @@ async def pd_role_switch(request: web.Request) -> web.Response:
 
 async def list_conversions(request: web.Request) -> web.Response:
     limit = _query_int(request, "limit", DEFAULT_LIST_LIMIT)
-    manager = _manager(request)
+    manager = request.app[CONVERSIONS]
     records = [c.as_dict() for _, c in zip(range(limit), manager.history(), strict=False)]
     return json_response({"active": [c.id for c in manager.active()], "conversions": records})
 
 
 async def get_conversion(request: web.Request) -> web.Response:
-    return json_response(_manager(request).get(request.match_info["id"]).as_dict())
+    return json_response(request.app[CONVERSIONS].get(request.match_info["id"]).as_dict())
 
 
 async def abort_conversion(request: web.Request) -> web.Response:
     """Abort a draining conversion; answers once the worker is back in its old pool."""
-    conversion = _manager(request).abort(request.match_info["id"])
+    conversion = request.app[CONVERSIONS].abort(request.match_info["id"])
     try:
         await asyncio.wait_for(asyncio.shield(conversion.wait()), ABORT_REPLY_WAIT_SECS)
     except TimeoutError:

@@ -24,7 +24,8 @@ import orjson
 from aiohttp import web
 
 from pd_router.api.auth import has_admin_key
-from pd_router.api.state import ROUTER, Router
+from pd_router.api.keys import AUTOPILOT, CONFIG, CONVERSIONS, REGISTRY
+from pd_router.control.autopilot.controller import Autopilot
 from pd_router.control.conversion.manager import Conversion, ConversionManager
 from pd_router.control.workers import Role, Worker, WorkerRegistry, WorkerState
 
@@ -59,8 +60,10 @@ def add_dashboard_routes(app: web.Application) -> None:
         )
 
     async def status(request: web.Request) -> web.Response:
-        router = request.app[ROUTER]
-        snapshot = status_snapshot(router)
+        app = request.app
+        snapshot = status_snapshot(
+            app[REGISTRY], app[CONVERSIONS], app[AUTOPILOT], app[CONFIG].admin_api_key
+        )
         if not has_admin_key(request):
             snapshot = public_snapshot(snapshot)
         body = orjson.dumps(snapshot)
@@ -72,28 +75,29 @@ def add_dashboard_routes(app: web.Application) -> None:
     app.router.add_get("/status", status)
 
 
-def status_snapshot(router: Router) -> dict[str, Any]:
+def status_snapshot(
+    registry: WorkerRegistry,
+    conversions: ConversionManager,
+    autopilot: Autopilot,
+    admin_api_key: str | None,
+) -> dict[str, Any]:
     """Pools, workers and recent conversions as the router sees them right now."""
-    registry = router.registry
-    conversions = recent_conversions(router.conversions)
     return {
         "pools": {role.value: pool_summary(registry, role) for role in Role},
-        "workers": unhealthy_first([worker_summary(router, worker) for worker in registry]),
-        "conversions": conversions if conversions is not None else [],
-        "conversions_available": conversions is not None,
-        "autopilot": autopilot_summary(router),
-        "admin_key_required": router.config.admin_api_key is not None,
+        "workers": unhealthy_first([worker_summary(conversions, worker) for worker in registry]),
+        "conversions": recent_conversions(conversions),
+        "conversions_available": True,
+        "autopilot": autopilot_summary(autopilot),
+        "admin_key_required": admin_api_key is not None,
         "redacted": False,
         "time": time.time(),
     }
 
 
-def worker_summary(router: Router, worker: Worker) -> dict[str, Any]:
+def worker_summary(conversions: ConversionManager, worker: Worker) -> dict[str, Any]:
     """A worker's record and, as ``convert_refused``, why converting it now would be refused
     (None: it would not be; the page shows no Convert button otherwise)."""
-    manager = router.conversions
-    refused = manager.refusal(worker) if manager is not None else "no conversion manager"
-    return {**worker.as_dict(), "convert_refused": refused}
+    return {**worker.as_dict(), "convert_refused": conversions.refusal(worker)}
 
 
 def unhealthy_first(workers: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -116,9 +120,9 @@ def public_snapshot(snapshot: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def autopilot_summary(router: Router) -> dict[str, Any]:
+def autopilot_summary(autopilot: Autopilot) -> dict[str, Any]:
     """The autopilot's mode, latest decision and recent conversion decisions (newest first)."""
-    state = router.autopilot.to_json()
+    state = autopilot.to_json()
     return {
         "mode": state["mode"],
         "last_decision": state["last_decision"],
@@ -136,10 +140,8 @@ def pool_summary(registry: WorkerRegistry, role: Role) -> dict[str, Any]:
     }
 
 
-def recent_conversions(manager: ConversionManager | None) -> list[dict[str, Any]] | None:
-    """The newest conversions first, or None when no conversion manager is installed."""
-    if manager is None:
-        return None
+def recent_conversions(manager: ConversionManager) -> list[dict[str, Any]]:
+    """The newest conversions first."""
     now = time.time()
     return [
         conversion_summary(conversion, now)

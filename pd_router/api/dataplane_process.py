@@ -36,8 +36,6 @@ from typing import Any
 
 import aiohttp
 
-from pd_router.api.app_socket import SHUTDOWN_GRACE_SECS
-from pd_router.api.signals import stop_signalled
 from pd_router.config import RouterConfig
 from pd_router.dataplane.admission import BodyAdmission
 from pd_router.dataplane.channel import Channel
@@ -63,6 +61,7 @@ from pd_router.dataplane.target import Target
 from pd_router.dataplane.upstream import abort
 from pd_router.metrics import RouterMetrics, samples
 from pd_router.roles import Role
+from pd_router.shutdown import SHUTDOWN_GRACE_SECS, stop_signalled
 from pd_router.tls import server_context
 from pd_router.wire import (
     PROTOCOL_VERSION,

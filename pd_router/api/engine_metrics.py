@@ -17,7 +17,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from pd_router.api.state import router_of
+from pd_router.api.keys import REGISTRY, SESSION
 from pd_router.control.worker_calls import Reply, fan_out
 from pd_router.errors import NoWorkers, UpstreamError
 
@@ -37,11 +37,10 @@ class Families:
 
 async def handle_engine_metrics(request: web.Request) -> web.Response:
     """The workers' /metrics merged; 503 with no worker, 502 when none answered."""
-    router = router_of(request)
-    workers = list(router.registry)
+    workers = list(request.app[REGISTRY])
     if not workers:
         raise NoWorkers("no worker to read metrics from")
-    replies = await fan_out(router.session, workers, "GET", "/metrics", limit=SCRAPE_TIMEOUT)
+    replies = await fan_out(request.app[SESSION], workers, "GET", "/metrics", limit=SCRAPE_TIMEOUT)
     answered = [r for r in replies if r.ok]
     if not answered:
         raise UpstreamError("no worker answered GET /metrics")

@@ -20,9 +20,9 @@ import orjson
 from aiohttp import web
 
 from pd_router.api.auth import has_admin_key, require_admin
-from pd_router.api.state import Router, router_of
+from pd_router.api.keys import CLUSTER, DATAPLANES, METRICS, REGISTRY, SESSION
 from pd_router.control.worker_calls import Reply, call, fan_out
-from pd_router.control.workers import Role, Worker, WorkerState
+from pd_router.control.workers import Role, Worker, WorkerRegistry, WorkerState
 from pd_router.dataplane.requests import parse_body
 from pd_router.errors import BadRequest, ModelNotFound, NoWorkers, UpstreamError
 
@@ -49,8 +49,8 @@ def json_response(
     )
 
 
-def active_workers(router: Router) -> list[Worker]:
-    return [w for w in router.registry if w.state is WorkerState.ACTIVE]
+def active_workers(registry: WorkerRegistry) -> list[Worker]:
+    return [w for w in registry if w.state is WorkerState.ACTIVE]
 
 
 async def handle_health(request: web.Request) -> web.Response:
@@ -61,7 +61,7 @@ async def handle_readiness(request: web.Request) -> web.Response:
     """200 when the router can route a request (an ACTIVE, healthy, admitting worker in each
     pool), 503 otherwise. Either way the body names the ACTIVE workers that fail their
     probes, so a worker that never answered is visible while its pool still has others."""
-    registry = router_of(request).registry
+    registry = request.app[REGISTRY]
     counts = {role.value: registry.active_healthy_count(role) for role in Role}
     unhealthy = [
         {"url": w.url, "role": w.role.value, "error": w.last_error}
@@ -80,14 +80,14 @@ async def handle_readiness(request: web.Request) -> web.Response:
 
 async def handle_cluster(request: web.Request) -> web.Response:
     """The router replicas this one agrees with (``{"enabled": false}`` for a router alone)."""
-    return json_response(router_of(request).cluster.as_dict())
+    return json_response(request.app[CLUSTER].as_dict())
 
 
 async def handle_metrics(request: web.Request) -> web.Response:
     """The router's metrics, each data-plane process's counters and histograms added to the
     control process's own (one scrape shows the whole router)."""
-    router = router_of(request)
-    body, content_type = router.metrics.exposition(await router.dataplanes.collect_metrics())
+    collected = await request.app[DATAPLANES].collect_metrics()
+    body, content_type = request.app[METRICS].exposition(collected)
     response = web.Response(body=body)
     response.headers["Content-Type"] = content_type
     return response
@@ -95,11 +95,10 @@ async def handle_metrics(request: web.Request) -> web.Response:
 
 async def handle_health_generate(request: web.Request) -> web.Response:
     """200 when every active worker passes its own /health_generate."""
-    router = router_of(request)
-    workers = active_workers(router)
+    workers = active_workers(request.app[REGISTRY])
     if not workers:
         raise NoWorkers("no active workers")
-    replies = await fan_out(router.session, workers, "GET", "/health_generate")
+    replies = await fan_out(request.app[SESSION], workers, "GET", "/health_generate")
     healthy = all(r.ok for r in replies)
     return json_response(
         {"healthy": healthy, "workers": [r.summary() for r in replies]}, 200 if healthy else 503
@@ -108,13 +107,13 @@ async def handle_health_generate(request: web.Request) -> web.Response:
 
 async def first_answer(request: web.Request, path: str) -> web.Response:
     """A selectable worker's answer to ``GET path`` (prefill first: both serve the same model)."""
-    router = router_of(request)
-    candidates = router.registry.selectable(Role.PREFILL) + router.registry.selectable(Role.DECODE)
+    registry = request.app[REGISTRY]
+    candidates = registry.selectable(Role.PREFILL) + registry.selectable(Role.DECODE)
     if not candidates:
         raise NoWorkers("no available worker to ask")
     errors = []
     for worker in candidates[:3]:
-        reply = await call(router.session, worker, "GET", path, limit=INFO_TIMEOUT)
+        reply = await call(request.app[SESSION], worker, "GET", path, limit=INFO_TIMEOUT)
         if reply.ok:
             return web.Response(body=reply.body, status=200, content_type="application/json")
         errors.append(reply.error or f"{worker.url} answered {reply.status}")
@@ -148,9 +147,10 @@ async def handle_model_info(request: web.Request) -> web.Response:
 async def handle_server_info(request: web.Request) -> web.Response:
     """Every worker's /server_info grouped by pool; the decodes' ``internal_states`` at the top
     (where SGLang's benchmark scripts look for them), as mini_lb does."""
-    router = router_of(request)
-    workers = list(router.registry)
-    replies = await fan_out(router.session, workers, "GET", "/server_info", limit=INFO_TIMEOUT)
+    workers = list(request.app[REGISTRY])
+    replies = await fan_out(
+        request.app[SESSION], workers, "GET", "/server_info", limit=INFO_TIMEOUT
+    )
     pools: dict[str, list] = {role.value: [] for role in Role}
     internal_states: list = []
     for reply in replies:
@@ -195,21 +195,27 @@ def is_secret_arg(name: str) -> bool:
 
 async def handle_flush_cache(request: web.Request) -> web.Response:
     """Fan out /flush_cache (with its ``timeout``) to every active worker."""
-    router = router_of(request)
     params = {"timeout": request.query["timeout"]} if "timeout" in request.query else None
     replies = await fan_out(
-        router.session, active_workers(router), "POST", "/flush_cache", params=params
+        request.app[SESSION],
+        active_workers(request.app[REGISTRY]),
+        "POST",
+        "/flush_cache",
+        params=params,
     )
     return summarize(replies)
 
 
 async def handle_abort_request(request: web.Request) -> web.Response:
     """Fan out /abort_request to every active worker (the rid lives on one P and one D)."""
-    router = router_of(request)
     body = parse_body(await request.read())
     check_abort(request, body)
     replies = await fan_out(
-        router.session, active_workers(router), "POST", "/abort_request", data=orjson.dumps(body)
+        request.app[SESSION],
+        active_workers(request.app[REGISTRY]),
+        "POST",
+        "/abort_request",
+        data=orjson.dumps(body),
     )
     return summarize(replies)
 

@@ -15,7 +15,7 @@ import orjson
 from aiohttp import web
 
 from pd_router.api.info import json_response
-from pd_router.api.state import Router, router_of
+from pd_router.api.keys import REGISTRY, SESSION
 from pd_router.control.worker_calls import call
 from pd_router.control.workers import Worker
 
@@ -24,17 +24,17 @@ NO_LOAD = -1
 
 
 async def handle_get_loads(request: web.Request) -> web.Response:
-    router = router_of(request)
-    loads = await asyncio.gather(*(worker_load(router, w) for w in router.registry))
+    session = request.app[SESSION]
+    loads = await asyncio.gather(*(worker_load(session, w) for w in request.app[REGISTRY]))
     return json_response({"workers": list(loads)})
 
 
-async def worker_load(router: Router, worker: Worker) -> dict:
+async def worker_load(session: aiohttp.ClientSession, worker: Worker) -> dict:
     """One worker's entry: its url, role and load in tokens (-1 when it could not be read)."""
-    reply = await call(router.session, worker, "GET", "/get_load", limit=LOAD_TIMEOUT)
+    reply = await call(session, worker, "GET", "/get_load", limit=LOAD_TIMEOUT)
     load = get_load_tokens(reply.body) if reply.ok else NO_LOAD
     if reply.status == 404:
-        reply = await call(router.session, worker, "GET", "/v1/loads", limit=LOAD_TIMEOUT)
+        reply = await call(session, worker, "GET", "/v1/loads", limit=LOAD_TIMEOUT)
         load = v1_loads_tokens(reply.body) if reply.ok else NO_LOAD
     return {"worker": worker.url, "worker_type": worker.role.value, "load": load}
 

@@ -12,16 +12,16 @@ worker is never left half-removed.
 
 from __future__ import annotations
 
-import asyncio
-
 from aiohttp import web
 
 from pd_router.api.info import json_response
-from pd_router.api.state import Router, router_of
+from pd_router.api.keys import CLUSTER, CONFIG, HEALTH, REGISTRY, REMOVE_WORKER
+from pd_router.config import ConversionConfig
 from pd_router.control.workers import (
     Role,
     Worker,
     WorkerConverting,
+    WorkerRegistry,
     WorkerRemoving,
     WorkerState,
     normalize_url,
@@ -31,11 +31,11 @@ from pd_router.errors import BadRequest, Conflict
 
 
 async def handle_list_workers(request: web.Request) -> web.Response:
-    router = router_of(request)
+    registry = request.app[REGISTRY]
     return json_response(
         {
-            "workers": [w.as_dict() for w in router.registry],
-            "selectable": {role.value: len(router.registry.selectable(role)) for role in Role},
+            "workers": [w.as_dict() for w in registry],
+            "selectable": {role.value: len(registry.selectable(role)) for role in Role},
         }
     )
 
@@ -43,7 +43,7 @@ async def handle_list_workers(request: web.Request) -> web.Response:
 async def handle_get_worker(request: web.Request) -> web.Response:
     """One worker's record by id or url (sglang-router's and smg's ``GET /workers/{id}``);
     404 for an unknown worker."""
-    worker = router_of(request).registry.get(request.match_info["key"])
+    worker = request.app[REGISTRY].get(request.match_info["key"])
     return json_response(worker.as_dict())
 
 
@@ -68,39 +68,39 @@ def parse_new_worker(body: dict) -> tuple[str, Role, int | None]:
 
 async def handle_add_worker(request: web.Request) -> web.Response:
     """Register a worker, probe it once, answer with its record (409 if already known)."""
-    router = router_of(request)
     url, role, port = parse_new_worker(parse_body(await request.read()))
-    worker = await router.cluster.add_worker(url, role, port)
-    await router.health.check(worker)
+    worker = await request.app[CLUSTER].add_worker(url, role, port)
+    await request.app[HEALTH].check(worker)
     return json_response(worker.as_dict(), 201)
 
 
 async def handle_remove_worker(request: web.Request) -> web.Response:
-    router = router_of(request)
+    registry = request.app[REGISTRY]
     key = request.match_info.get("key") or request.query.get("url")
     if not key:
         raise BadRequest("name the worker: DELETE /workers/{id-or-url} or ?url=")
-    worker = router.registry.get(key)
+    worker = registry.get(key)
     if request.query.get("force") not in ("1", "true"):
-        refuse_below_minimum(router, worker)
+        refuse_below_minimum(request.app[CONFIG].conversion, registry, worker)
     try:
-        await router.cluster.begin_removal(worker)
+        await request.app[CLUSTER].begin_removal(worker)
     except (WorkerConverting, WorkerRemoving) as exc:
         raise Conflict(str(exc), details={"reason": exc.reason}) from exc
-    forced = await asyncio.shield(router.spawn(router.remove_worker(worker)))
+    forced = await request.app[REMOVE_WORKER](worker)
     return json_response({"removed": worker.as_dict(), "forced": forced})
 
 
-def refuse_below_minimum(router: Router, worker: Worker) -> None:
+def refuse_below_minimum(
+    settings: ConversionConfig, registry: WorkerRegistry, worker: Worker
+) -> None:
     """409 when removing ``worker`` would leave its pool fewer active healthy workers than its
     minimum (``conversion.min_prefill`` / ``min_decode``, which guard conversions too); a worker
     that is not one of them (unhealthy, failed) can always go. Checked right before the removal
     begins, with no await between the two."""
     if not (worker.state is WorkerState.ACTIVE and worker.healthy and worker.admitting):
         return
-    settings = router.config.conversion
     minimum = settings.min_prefill if worker.role is Role.PREFILL else settings.min_decode
-    remaining = router.registry.remaining_below(worker, minimum)
+    remaining = registry.remaining_below(worker, minimum)
     if remaining is not None:
         raise Conflict(
             f"removing {worker.url} would leave {remaining} active healthy {worker.role} "

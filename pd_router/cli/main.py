@@ -203,8 +203,8 @@ def config_from_argv(argv: Sequence[str]) -> RouterConfig:
 
 
 def serve(argv: Sequence[str]) -> int:
-    from pd_router.api.server import run_server
     from pd_router.cli.logs import configure_logging
+    from pd_router.runtime.serve import run_server
 
     args = build_parser().parse_args(list(argv))
     try:

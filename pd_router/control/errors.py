@@ -1,22 +1,52 @@
-"""The control plane's refusals, in a module of their own: the conversion runner raises them,
-and so does the cluster (a claim another replica holds), which the runner itself calls, so
-neither package imports the other for them."""
+"""The control plane's refusals: plain exceptions that say what was refused and why.
+
+They live in a module of their own because the conversion runner raises them and so does the
+cluster (a claim another replica holds), which the runner itself calls. Neither knows of HTTP:
+``pd_router.api.errors`` maps each class to its status code and error type.
+"""
 
 from __future__ import annotations
 
+from pd_router.control.worker_control import ControlError
 from pd_router.control.workers import Worker
-from pd_router.errors import Conflict
 
 
-class ConversionRefused(Conflict):
+class ConversionRefused(Exception):
     """Refused before anything changed; ``reason`` is a stable code for scripts."""
 
     def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message, details={"reason": reason})
+        super().__init__(message)
         self.reason = reason
+        self.message = message
 
 
 class AlreadyInRole(ConversionRefused):
     def __init__(self, worker: Worker) -> None:
         super().__init__("already_in_role", f"worker {worker.url} is already a {worker.role}")
         self.worker = worker
+
+
+class KnobNotAccepted(Exception):
+    """A PR #9325 knob sent for a worker whose control API (native SGLang) takes none; ``field``
+    names it."""
+
+    def __init__(self, name: str, worker: Worker) -> None:
+        super().__init__(
+            f"{name} is not accepted by the control API of {worker.url} (native /pd_role_switch)"
+        )
+        self.field = name
+
+
+class WorkerUnreachable(Exception):
+    """The worker to convert did not answer its first control call: nothing changed."""
+
+    def __init__(self, error: ControlError) -> None:
+        super().__init__(f"worker not reachable, nothing changed: {error}")
+
+
+class ClusterUnavailable(Exception):
+    """A step that needs the other router replicas' agreement (a conversion, adding or removing
+    a worker) while etcd cannot be reached; routing goes on meanwhile, and the caller may try
+    again after ``retry_after_secs``."""
+
+    retry_after_secs = 5

@@ -25,7 +25,6 @@ from pd_router.control.circuit import (
     CircuitConfig,
     CircuitState,
 )
-from pd_router.errors import Conflict
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role, bootstrap_host
 
@@ -68,17 +67,14 @@ class Unavailability(StrEnum):
     REMOVED = "removed"
 
 
-class RegistryError(Conflict):
-    """Base of the registry's refusals (409 unless a subclass says otherwise); ``reason`` is a
-    stable code for scripts."""
+class RegistryError(Exception):
+    """Base of the registry's refusals; ``reason`` is a stable code for scripts."""
 
     reason = "conflict"
 
 
 class UnknownWorker(RegistryError):
     reason = "unknown_worker"
-    status = 404
-    error_type = "not_found"
 
     def __init__(self, key: str) -> None:
         super().__init__(f"no worker with url or id {key!r}")

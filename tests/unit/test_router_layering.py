@@ -2,10 +2,10 @@
 
 ``pd_router`` imports neither the reference worker nor server_patch (the demo command aside; what
 they share is ``pd_protocol``); the reference worker does not import server_patch. Inside
-``pd_router`` dependencies point one way: ``cli`` -> ``api`` -> ``control``/``dataplane`` -> the
-shared modules at the top (config, errors, metrics, tls), and no module imports itself back
-through another. No module but the registry (``control/workers.py``) writes a worker's lifecycle
-fields (every change goes through the registry's transition table)."""
+``pd_router`` dependencies point one way: ``cli`` -> ``runtime`` -> ``api`` ->
+``control``/``dataplane`` -> the shared modules at the top (config, errors, metrics, tls), and no
+module imports itself back through another. No module but the registry (``control/workers.py``)
+writes a worker's lifecycle fields (every change goes through the registry's transition table)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ LAYERS = {
     "control": {"control", "dataplane"},
     "config": {"control", "dataplane"},
     "api": {"api", "control", "dataplane"},
-    "cli": {"cli", "api", "control", "dataplane"},
+    "runtime": {"runtime", "api", "control", "dataplane"},
+    "cli": {"cli", "runtime", "api", "control", "dataplane"},
 }
 
 

@@ -31,10 +31,10 @@ from pd_router.control.autopilot.policy import (
 )
 from pd_router.control.autopilot.signals import ROLES, Sample, WorkerSignals, worker_from_loads
 from pd_router.control.conversion.history import ConversionRequest
+from pd_router.control.errors import ClusterUnavailable, ConversionRefused, WorkerUnreachable
 from pd_router.control.latency import percentile_ms
 from pd_router.control.worker_calls import call
-from pd_router.control.workers import Role, Worker, WorkerState
-from pd_router.errors import RouterError
+from pd_router.control.workers import RegistryError, Role, Worker, WorkerState
 
 if TYPE_CHECKING:
     from pd_router.config import RouterConfig
@@ -68,12 +68,12 @@ class Autopilot:
         latency: LatencyRecorder,
         metrics: RouterMetrics,
         *,
-        session: Callable[[], aiohttp.ClientSession],
-        conversions: Callable[[], ConversionManager | None],
+        session: aiohttp.ClientSession,
+        conversions: ConversionManager,
         is_leader: Callable[[], bool],
     ) -> None:
-        """``session`` and ``conversions`` give the router's shared session and conversion
-        manager, which exist only while the router runs; ``is_leader`` says whether this
+        """``session`` is the router's shared client session (the workers' loads are read on
+        it), ``conversions`` runs what the autopilot decides, ``is_leader`` says whether this
         replica runs the autopilot of its cluster."""
         self._registry = registry
         self._latency = latency
@@ -156,7 +156,6 @@ class Autopilot:
         workers = await asyncio.gather(*(self._worker_signals(w) for w in pools))
         since = time.monotonic() - self.config.window_secs
         latency = self._latency
-        manager = self._conversions()
         return Sample(
             at=time.monotonic(),
             workers=tuple(workers),
@@ -164,12 +163,12 @@ class Autopilot:
             decode_wait_p90_ms=percentile_ms(latency.decode_wait, since),
             tpot_p90_ms=percentile_ms(latency.tpot, since),
             no_worker_503s=self._new_refusals(),
-            converting=bool(self._registry.converting()) or bool(manager and manager.active()),
+            converting=bool(self._registry.converting()) or bool(self._conversions.active()),
         )
 
     async def _worker_signals(self, worker: Worker) -> WorkerSignals:
         role, inflight = worker.role.value, worker.inflight
-        reply = await call(self._session(), worker, "GET", LOADS_PATH, limit=self._probe_timeout)
+        reply = await call(self._session, worker, "GET", LOADS_PATH, limit=self._probe_timeout)
         try:
             body = orjson.loads(reply.body) if reply.status == 200 else None
         except orjson.JSONDecodeError:
@@ -204,13 +203,9 @@ class Autopilot:
             )
 
     async def _start(self, request: ConversionRequest) -> None:
-        manager = self._conversions()
-        if manager is None:
-            self.last_error = "no conversion manager (the application is not running)"
-            return
         try:
-            conversion = await manager.start(request)
-        except RouterError as exc:
+            conversion = await self._conversions.start(request)
+        except (ConversionRefused, WorkerUnreachable, ClusterUnavailable, RegistryError) as exc:
             self.last_error = f"conversion of {request.worker} refused: {exc}"
             log.warning("autopilot conversion refused", extra={"error": self.last_error})
             return

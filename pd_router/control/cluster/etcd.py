@@ -49,7 +49,7 @@ from pd_router.control.cluster.config import default_replica_id
 from pd_router.control.cluster.local import ConversionTaken
 from pd_router.control.cluster.mirror import Mirror
 from pd_router.control.cluster.view import ClusterView, StoredRecord
-from pd_router.control.errors import ConversionRefused
+from pd_router.control.errors import ClusterUnavailable, ConversionRefused
 from pd_router.control.workers import (
     DuplicateWorker,
     Role,
@@ -59,18 +59,18 @@ from pd_router.control.workers import (
     WorkerState,
     normalize_url,
 )
-from pd_router.errors import ClusterUnavailable
 
 if TYPE_CHECKING:
     import aiohttp
 
     from pd_router.config import RouterConfig
-    from pd_router.control.conversion.manager import ConversionManager
     from pd_router.metrics import RouterMetrics
 
 log = logging.getLogger("pd_router.cluster")
 
 T = TypeVar("T")
+# How an orphaned conversion is settled: the worker's role now, and its bootstrap port.
+SettleOrphan = Callable[[Worker, Role], Awaitable[tuple[Role, int | None]]]
 
 RETRY_INITIAL_SECS = 0.1
 RETRY_MAX_SECS = 2.0
@@ -95,11 +95,11 @@ class EtcdCluster:
         *,
         probe: Callable[[Worker], Awaitable[Any]],
         spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task],
-        session: Callable[[], aiohttp.ClientSession],
-        conversions: Callable[[], ConversionManager | None],
+        session: aiohttp.ClientSession,
     ) -> None:
-        """``session`` and ``conversions`` give the router's shared session and conversion
-        manager, which exist only while the router runs."""
+        """``session`` is the router's shared client session, which etcd is called on; the
+        conversion runner that settles orphaned conversions is given by
+        :meth:`settle_orphans_with` (it is built after this cluster, which it claims through)."""
         cluster = config.cluster
         self.replica_id = cluster.replica_id or default_replica_id()
         self.name = cluster.name
@@ -107,7 +107,7 @@ class EtcdCluster:
         self._registry = registry
         self._spawn = spawn
         self._session = session
-        self._conversions = conversions
+        self._settle: SettleOrphan | None = None
         self._keys = ClusterKeys(cluster.name, cluster.prefix)
         self._endpoints = cluster.etcd
         self._ttl = cluster.lease_ttl_secs
@@ -146,7 +146,7 @@ class EtcdCluster:
         """Join in the background; wait up to one lease TTL for the first full read, so a
         replica usually starts with the cluster's workers, but starts without etcd too."""
         timeout = min(2.0, self._ttl / 2)
-        self._clients = [EtcdClient(self._session(), e, timeout=timeout) for e in self._endpoints]
+        self._clients = [EtcdClient(self._session, e, timeout=timeout) for e in self._endpoints]
         self._metrics.cluster_etcd_up.set(0)
         self._task = asyncio.get_running_loop().create_task(self._run())
         try:
@@ -172,6 +172,11 @@ class EtcdCluster:
             except EtcdError as exc:
                 log.info("could not revoke the lease on leaving: %s", exc)
         self._set_up(False)
+
+    def settle_orphans_with(self, settle: SettleOrphan) -> None:
+        """Settle the conversions whose replica went with ``settle`` (the conversion runner's
+        ``settle_orphan``, which reads the worker's live role)."""
+        self._settle = settle
 
     def is_leader(self) -> bool:
         return self._up and self.view.leader == self.replica_id
@@ -618,10 +623,9 @@ class EtcdCluster:
             if not locked.succeeded:
                 return
             worker = self._registry.get(url)
-            manager = self._conversions()
-            if manager is None:
+            if self._settle is None:
                 return
-            role, port = await manager.settle_orphan(worker, Role(record.role))
+            role, port = await self._settle(worker, Role(record.role))
             port = port if role is Role.PREFILL else None
             settled = record.released(WorkerState.ACTIVE.value, role.value, port)
             ops = self._ending(url, stored, settled, record.conversion or "")

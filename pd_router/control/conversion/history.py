@@ -18,14 +18,13 @@ from enum import StrEnum
 from typing import Any
 
 from pd_router.control.workers import Role, Worker
-from pd_router.errors import NotFound
 from pd_router.metrics import RouterMetrics
 
 HISTORY_SIZE = 200
 PHASES = ("drain", "switch", "verify", "total")
 
 
-class ConversionNotFound(NotFound):
+class ConversionNotFound(LookupError):
     def __init__(self, conversion_id: str) -> None:
         super().__init__(f"no conversion with id {conversion_id!r}")
 

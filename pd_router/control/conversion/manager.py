@@ -41,7 +41,12 @@ from pd_router.control.conversion.protocols import (
     protocol_for,
     refused_request,
 )
-from pd_router.control.errors import AlreadyInRole, ConversionRefused
+from pd_router.control.errors import (
+    AlreadyInRole,
+    ConversionRefused,
+    KnobNotAccepted,
+    WorkerUnreachable,
+)
 from pd_router.control.worker_control import (
     ControlError,
     RoleReading,
@@ -56,7 +61,6 @@ from pd_router.control.workers import (
     WorkerRegistry,
     WorkerState,
 )
-from pd_router.errors import BadRequest, UpstreamError
 from pd_router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
@@ -83,22 +87,6 @@ __all__ = [
     "Status",
     "WorkerUnreachable",
 ]
-
-
-class KnobNotAccepted(BadRequest):
-    """A PR #9325 knob sent for a worker whose control API (native SGLang) takes none."""
-
-    def __init__(self, name: str, worker: Worker) -> None:
-        super().__init__(
-            f"{name} is not accepted by the control API of {worker.url} (native /pd_role_switch)",
-            details={"field": name},
-        )
-        self.field = name
-
-
-class WorkerUnreachable(UpstreamError):
-    def __init__(self, error: ControlError) -> None:
-        super().__init__(f"worker not reachable, nothing changed: {error}")
 
 
 class ConversionManager:

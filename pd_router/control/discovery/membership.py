@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pd_router.control.cluster.local import Cluster
+from pd_router.control.errors import ClusterUnavailable
 from pd_router.control.workers import (
     DuplicateWorker,
     Origin,
@@ -34,7 +35,6 @@ from pd_router.control.workers import (
     WorkerRemoving,
     WorkerState,
 )
-from pd_router.errors import ClusterUnavailable
 from pd_router.metrics import RouterMetrics
 
 log = logging.getLogger("pd_router.discovery")

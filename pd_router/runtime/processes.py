@@ -18,13 +18,14 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from pd_router.api.app_socket import AppSocket
-from pd_router.api.signals import begin_stop, stop_signalled
-from pd_router.api.state import ROUTER
 from pd_router.config import RouterConfig
 from pd_router.control.supervisor import Supervisor, reuseport_sockets
 from pd_router.dataplane.channel import Channel
 from pd_router.dataplane.listener import backlog_for
+from pd_router.runtime.app_socket import AppSocket
+from pd_router.runtime.router import ROUTER
+from pd_router.runtime.signals import begin_stop
+from pd_router.shutdown import stop_signalled
 
 log = logging.getLogger("pd_router.processes")
 

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-# The grace a stopping server gives requests in flight (aiohttp's own default).
-SHUTDOWN_GRACE_SECS = 60.0
+from pd_router.shutdown import SHUTDOWN_GRACE_SECS
 
 
 @dataclass
