@@ -121,8 +121,9 @@ async def test_the_drain_report_waits_for_this_replicas_requests_on_the_worker(r
     replica.revision += 1
     held = record(state="draining", conversion="r1-c1", owner="r1", to_role="decode")
     replica._apply(WatchEvent(EventType.PUT, KeyValue(KEYS.worker(URL), held.encode(), 1, 9, 2, 0)))
-    await asyncio.sleep(0.05)
+    await asyncio.sleep(0)  # one step: the report's task runs to its wait for the request
     assert replica.reported == []
+    assert not all(task.done() for task in replica.tasks)
     replica.registry.set_inflight(worker, 0, time.monotonic())
     await replica.settle()
     assert replica.reported == ["r1-c1"]
