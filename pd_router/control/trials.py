@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Literal, Protocol
 
 
 class PlaneView(Protocol):
@@ -44,9 +44,9 @@ class Take:
 
 
 # The next snapshot still names nobody: the old holder of a move may still be sending its trial.
-WAIT = "wait"
+WAIT: Final = "wait"
 
-Step = int | None | Take | str
+Step = int | None | Take | Literal["wait"]
 
 
 class HalfOpenTrials:

@@ -318,7 +318,8 @@ class WorkerControl:
 
     async def _native_load(self, url: str) -> tuple[int, int]:
         body = await self._get_ok(url, "/v1/loads")
-        ranks = body.get("loads") if isinstance(body.get("loads"), list) else [body]
+        loads = body.get("loads")
+        ranks = loads if isinstance(loads, list) else [body]
         running = sum(_int(r.get("num_running_reqs")) for r in ranks if isinstance(r, dict))
         waiting = sum(_int(r.get("num_waiting_reqs")) for r in ranks if isinstance(r, dict))
         return running, waiting
