@@ -57,7 +57,7 @@ async def cors_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return web.Response(status=204, headers=headers)
 
 
-async def add_cors_headers(request: web.BaseRequest, response: web.StreamResponse) -> None:
+async def add_cors_headers(request: web.Request, response: web.StreamResponse) -> None:
     """``Access-Control-Allow-Origin`` on an answer to an allowed origin (preflights have
     theirs already)."""
     if is_preflight(request):
