@@ -105,7 +105,7 @@ class ClientLimits:
 
 
 class Connection(Protocol):
-    """What the cap needs of a client connection."""
+    """What the cap, and the server's timeout sweep and stop, need of a client connection."""
 
     @property
     def between_requests(self) -> bool:
@@ -113,6 +113,16 @@ class Connection(Protocol):
         ...
 
     def force_close(self) -> None: ...
+
+    def check(self, now: float) -> None:
+        """Apply the timeouts."""
+        ...
+
+    def close_when_idle(self) -> None: ...
+
+    def abort(self) -> asyncio.Task[None] | None:
+        """Drop the connection now; the task of the request it cancels, if any."""
+        ...
 
 
 class ClientConnections:
