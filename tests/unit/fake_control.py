@@ -38,6 +38,8 @@ class FakeWorker:
     # Set: the worker reports this role after a switch, whatever it was asked for.
     role_after_switch: Role | None = None
     canary: tuple[int, Any] = CANARY_OK
+    # False: a reopened admission stays closed (the worker runs a conversion of its own).
+    reopens: bool = True
     # Every call fails to connect: no process listens any more.
     gone: bool = False
 
@@ -91,7 +93,8 @@ class FakeWorkerControl:
         return {"decode_cuda_graph_bs": [1, 2], "decode_cuda_graph_memory_gb": 1.5}
 
     async def set_admission(self, worker: Worker, *, open_: bool) -> None:
-        self._reach(worker.url, DRAIN_PATH).admitting = open_
+        model = self._reach(worker.url, DRAIN_PATH)
+        model.admitting = open_ and model.reopens
 
     async def switch(self, worker: Worker, body: dict[str, Any]) -> SwitchReply:
         return await self._switch(worker, SWITCH_PATH, body)

@@ -22,6 +22,7 @@ from pd_router.control.worker_control import ControlError, SwitchReply
 from pd_router.control.workers import Worker, WorkerRegistry, WorkerState
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
+from tests.unit.clock import FakeClock
 from tests.unit.fake_control import OK_SWITCH, FakeWorker, FakeWorkerControl
 
 WAIT = 5.0
@@ -30,6 +31,8 @@ REFUSED_SAFE = SwitchReply(
     400, {"success": False, "safe_to_restore": True, "message": "no", "field": "new_role"}
 )
 REFUSED_UNSAFE = SwitchReply(400, {"success": False, "safe_to_restore": False, "message": "bad"})
+# Refused with the worker's load reading idle: called again until they disagree long enough.
+REFUSED_IDLE = SwitchReply(400, {"success": False, "safe_to_restore": True, "message": "no"})
 NOT_IDLE = SwitchReply(
     400, {"success": False, "safe_to_restore": True, "message": "instance is not idle"}
 )
@@ -38,7 +41,7 @@ NOT_IDLE = SwitchReply(
 class Fleet:
     """Two prefills and a decode in a registry, a fake control for each, and the manager."""
 
-    def __init__(self, *, extensions: bool = False, **manager: float) -> None:
+    def __init__(self, *, extensions: bool = False, **manager: object) -> None:
         self.metrics = RouterMetrics()
         self.registry = WorkerRegistry(self.metrics)
         self.control = FakeWorkerControl(self.registry)
@@ -483,3 +486,54 @@ async def test_success_listeners_hear_of_a_succeeded_conversion_only(fleet):
     await fleet.run(fleet.p1)
     await fleet.run(fleet.p0)
     assert heard == [(fleet.p0, Role.DECODE)]
+
+
+# --- on a stepped clock -----------------------------------------------------------------------
+
+
+async def test_a_safe_refusal_while_the_worker_reads_idle_ends_restored_once_they_disagree():
+    fleet = Fleet(clock=FakeClock(step=0.3))
+    fleet.model(fleet.p0).switch_replies.extend([REFUSED_IDLE] * 10)
+    conversion = await fleet.run(fleet.p0)
+    assert conversion.status is Status.RESTORED
+    assert "worker unchanged" in conversion.message
+    assert back_in_old_pool(fleet.p0)
+
+
+async def test_a_busy_worker_ends_the_conversion_at_the_drain_timeout_of_the_clock():
+    fleet = Fleet(clock=FakeClock(step=1.0))
+    model = fleet.model(fleet.p0)
+    model.running = 1
+    model.switch_replies.extend([NOT_IDLE] * 20)
+    conversion = await fleet.run(fleet.p0, drain_timeout_secs=5.0)
+    assert conversion.status is Status.DRAIN_TIMEOUT
+    assert fleet.control.called(fleet.p0.url, SWITCH_PATH) < 20
+
+
+# --- a conversion whose replica went --------------------------------------------------------
+
+
+async def test_an_orphaned_worker_is_settled_in_the_role_it_reports(fleet):
+    fleet.model(fleet.p0).role = Role.DECODE
+    assert await fleet.manager.settle_orphan(fleet.p0, Role.PREFILL) == (Role.DECODE, 8998)
+
+
+async def test_an_orphaned_worker_left_draining_gets_its_admission_back(ext_fleet):
+    model = ext_fleet.model(ext_fleet.p0)
+    model.admitting = False
+    await ext_fleet.manager.settle_orphan(ext_fleet.p0, Role.PREFILL)
+    assert model.admitting
+
+
+async def test_an_orphaned_worker_still_draining_is_read_until_the_drain_timeout():
+    fleet = Fleet(clock=FakeClock(step=1.0), drain_timeout_secs=3.0)
+    model = fleet.model(fleet.p0)
+    model.admitting, model.reopens = False, False
+    role, _ = await asyncio.wait_for(fleet.manager.settle_orphan(fleet.p0, Role.PREFILL), WAIT)
+    assert role is Role.PREFILL
+    assert 2 <= fleet.control.called(fleet.p0.url, "/pd_role") <= 5
+
+
+async def test_an_orphaned_worker_that_cannot_be_read_keeps_the_role_it_had(fleet):
+    fleet.model(fleet.p0).gone = True
+    assert await fleet.manager.settle_orphan(fleet.p0, Role.PREFILL) == (Role.PREFILL, None)

@@ -106,6 +106,7 @@ class ConversionManager:
         canary_timeout_secs: float = DEFAULT_CANARY_TIMEOUT_SECS,
         history_size: int = HISTORY_SIZE,
         cluster: Cluster | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._registry = registry
         self._cluster = cluster or LocalCluster(registry)
@@ -116,6 +117,9 @@ class ConversionManager:
         self._max_concurrent = max_concurrent
         self._drain_timeout = drain_timeout_secs
         self._canary_timeout = canary_timeout_secs
+        # What the drain deadlines are read against: a test with a LocalCluster steps it (an
+        # etcd cluster reads the deadlines it is given against time.monotonic).
+        self._clock = clock
         self._history = ConversionHistory(metrics, history_size)
         self._started = 0
         self._tasks: set[asyncio.Task[None]] = set()
@@ -182,7 +186,7 @@ class ConversionManager:
         except BaseException:
             self._registry.end_conversion(worker, conversion_id, WorkerState.ACTIVE)
             raise
-        protocol = protocol_for(self._control, extensions)
+        protocol = protocol_for(self._control, extensions, self._clock)
         conversion = Conversion(
             id=conversion_id,
             worker=worker,
@@ -322,7 +326,7 @@ class ConversionManager:
     # --- the conversion ---------------------------------------------------------------------
 
     async def _run(self, conv: Conversion, protocol: ControlProtocol) -> None:
-        deadline = time.monotonic() + (
+        deadline = self._clock() + (
             conv.request.drain_timeout_secs
             if conv.request.drain_timeout_secs is not None
             else self._drain_timeout
@@ -374,7 +378,7 @@ class ConversionManager:
             # admission would answer 503 to their picks meanwhile (each retried elsewhere).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
-                    conv.worker.wait_until_unpicked(), max(0.0, deadline - time.monotonic())
+                    conv.worker.wait_until_unpicked(), max(0.0, deadline - self._clock())
                 )
         await protocol.close_admission(conv)
         admission_closed = time.monotonic()
@@ -397,7 +401,7 @@ class ConversionManager:
         try:
             await asyncio.wait(
                 {idle, abort},
-                timeout=max(0.0, deadline - time.monotonic()),
+                timeout=max(0.0, deadline - self._clock()),
                 return_when=asyncio.FIRST_COMPLETED,
             )
         finally:
@@ -585,7 +589,7 @@ class ConversionManager:
         forward = conv.timings.get("worker_switch_s")
         # The failed canary's requests may hold the worker busy a while (SGLang frees a failed
         # transfer's KV late): as long as a drain may take.
-        deadline = time.monotonic() + self._drain_timeout
+        deadline = self._clock() + self._drain_timeout
         body: dict[str, Any] = {"new_role": old.value}
         if old is Role.DECODE:
             # SGLang wants the decode graph parameters on a switch to decode (as forward).
@@ -684,11 +688,11 @@ class ConversionManager:
         switches whoever waits for it: read too early, the role is the old one that the worker
         is about to leave. Waits up to the drain timeout (a worker whose switch failed unsafely
         drains for good; its role is then what it reports)."""
-        deadline = time.monotonic() + self._drain_timeout
+        deadline = self._clock() + self._drain_timeout
         delay = SETTLE_POLL_FIRST_SECS
         while True:
             reading = await self._control.read_role(worker)
-            if not reading.draining or time.monotonic() + delay > deadline:
+            if not reading.draining or self._clock() + delay > deadline:
                 return reading
             await asyncio.sleep(delay)
             delay = min(delay * 2, SETTLE_POLL_MAX_SECS)
