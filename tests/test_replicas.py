@@ -372,7 +372,9 @@ async def test_the_replica_that_converts_a_worker_never_puts_it_back_in_its_old_
                 "/convert_pd_role", json={"server_url": prefill, "new_role": "decode"}
             )
         assert reply.status_code == 200, reply.text
-        await asyncio.sleep(0.5)
+        # Once this replica's view has applied every record up to etcd's current revision, the
+        # echoes of the conversion's own records have been through its mirror.
+        await server.router.cluster.catch_up()
         assert left == ["prefill"]
     finally:
         await server.stop()
