@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from tests.conversion_helpers import wait_for_busy
 from tests.router_process import router_process
 
 # More than a minute of decoding at the cluster's speed: it outlasts the default grace (60 s).
@@ -38,7 +39,7 @@ async def test_a_stop_signal_is_logged_and_the_grace_bounds_the_wait_for_request
         router.client() as http,
     ):
         long = asyncio.create_task(http.post("/generate", json=ENDLESS))
-        await asyncio.sleep(0.5)
+        await wait_for_busy(cluster.decode_urls)
         assert not long.done()
         started = time.monotonic()
         router.process.send_signal(signum)
