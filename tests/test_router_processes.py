@@ -22,6 +22,7 @@ import httpx
 import orjson
 import pytest
 
+from pd_router.circuit_state import CircuitState
 from pd_router.cli.main import config_from_argv
 from pd_router.config import ConfigError, load_config
 from pd_router.dataplane.listener import MAX_BACKLOG
@@ -29,6 +30,7 @@ from pd_router.dataplane.policies import make_policy
 from pd_router.dataplane.reports import METRICS_PUSH_SECS
 from pd_router.dataplane.snapshot import SnapshotPools
 from pd_router.roles import Role
+from pd_router.wire import Snapshot, WorkerEntry
 from pd_worker.cluster import WorkerCluster
 from tests.conversion_helpers import (
     LONG,
@@ -421,11 +423,10 @@ async def test_every_data_plane_listens_with_the_whole_backlog(pd_cluster):
 
 def decode_entry(
     url: str, circuit: str = "closed", trial: int | None = None, half_open_at: float | None = None
-) -> dict[str, Any]:
+) -> WorkerEntry:
     """A decode as a snapshot carries it."""
-    return {"url": url, "role": "decode", "epoch": 0, "bootstrap_port": None, "pickable": True,
-            "usable": True, "circuit": circuit, "half_open_at": half_open_at,
-            "trial": trial}  # fmt: skip
+    state = CircuitState(circuit)
+    return WorkerEntry(url, Role.DECODE, 0, None, True, True, state, half_open_at, trial)
 
 
 def decode_pools(
@@ -442,10 +443,10 @@ def decode_pools(
         count_refusal=lambda role: None,
     )
     half_open = half_open or {}
-    pools.apply(1, [
+    pools.apply(Snapshot(1, tuple(
         decode_entry(url, "half_open", half_open[url]) if url in half_open else decode_entry(url)
         for url in urls
-    ])  # fmt: skip
+    )))  # fmt: skip
     return pools
 
 
@@ -474,7 +475,7 @@ def test_a_snapshot_made_before_the_cool_down_ended_lets_no_second_trial_through
     pools = decode_pools("round_robin", ok, recovering, half_open={recovering: 0})
     assert picked(pools, 4).count(recovering) == 1
     cooled_down = time.monotonic() - 1.0
-    pools.apply(2, [decode_entry(ok), decode_entry(recovering, "open", 0, cooled_down)])
+    pools.apply(Snapshot(2, (decode_entry(ok), decode_entry(recovering, "open", 0, cooled_down))))
     assert recovering not in picked(pools, 4)
 
 
@@ -492,7 +493,7 @@ def test_a_data_plane_reports_each_workers_leg_outcomes_as_runs_in_order():
         (member.circuit.record_success if ok else member.circuit.record_failure)()
     outcomes = pools.take_outcomes()
     assert [run for run in outcomes if run[0] == a.url] == [
-        [a.url, True, 2], [a.url, False, 1], [a.url, True, 1]
+        (a.url, True, 2), (a.url, False, 1), (a.url, True, 1)
     ]  # fmt: skip
-    assert [run for run in outcomes if run[0] == b.url] == [[b.url, True, 2]]
-    assert pools.take_outcomes() == []
+    assert [run for run in outcomes if run[0] == b.url] == [(b.url, True, 2)]
+    assert pools.take_outcomes() == ()

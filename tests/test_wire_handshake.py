@@ -44,22 +44,22 @@ def read_exactly(sock: socket.socket, size: int) -> bytes:
 
 
 def test_a_data_plane_process_meeting_another_protocol_version_exits_with_one_line(tmp_path):
+    config = tmp_path / "config.pickle"
+    config.write_bytes(pickle.dumps(load_config(None, {})))
     listen = socket.create_server(("127.0.0.1", 0))
     control, plane = socket.socketpair()
-    with listen, control, plane:
+    with listen, control, plane, config.open("rb") as stdin:
         proc = subprocess.Popen(
             [
                 sys.executable, "-m", "pd_router.cli.dataplane", "--index", "0",
                 "--listen-fd", str(listen.fileno()), "--channel-fd", str(plane.fileno()),
                 "--control-socket", str(tmp_path / "control.sock"),
             ],
-            stdin=subprocess.PIPE,
+            stdin=stdin,
             stderr=subprocess.PIPE,
             pass_fds=(listen.fileno(), plane.fileno()),
         )  # fmt: skip
         try:
-            proc.stdin.write(pickle.dumps(load_config(None, {})))
-            proc.stdin.close()
             control.settimeout(20.0)
             assert read_message(control) == Hello(PROTOCOL_VERSION)
             data = encode(Hello(OTHER_VERSION))
