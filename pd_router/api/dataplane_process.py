@@ -2,9 +2,9 @@
 the client side, and the reports back (:class:`DataPlane`). Every router serves its clients
 through data planes: a one-process router (``--workers 1``) runs one beside its control side,
 fed over a :class:`~pd_router.dataplane.channel.LocalChannel`
-(:func:`pd_router.api.server.start_server`); a router of ``--workers N`` runs one in each
+(:func:`pd_router.runtime.serve.start_server`); a router of ``--workers N`` runs one in each
 data-plane process (:func:`serve_dataplane`), started by the control process
-(:mod:`pd_router.api.processes`) with its listening socket and its channel.
+(:mod:`pd_router.runtime.processes`) with its listening socket and its channel.
 
 A data plane serves the generation endpoints from its pools (it takes the first snapshot
 before it accepts a connection) and reports back (:mod:`pd_router.dataplane.reports`); every
