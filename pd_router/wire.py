@@ -214,78 +214,86 @@ def decode(data: bytes) -> Message:
     return decoder(raw[1])
 
 
-Decoder = Callable[[Any], Any]
+# How a field is read: the types its value may have (taken as it is), or a function making the
+# value from what was read (WireError when it cannot).
+Field = frozenset[type] | Callable[[Any], Any]
+INT = frozenset({int})
+NUMBER = frozenset({int, float})
+TEXT = frozenset({str})
+BOOL = frozenset({bool})
+OBJECT = frozenset({dict})
+LIST = frozenset({list})
 
 
-def integer(value: Any) -> int:
-    if type(value) is not int:
-        raise WireError(f"{value!r} is not an integer")
-    return value
+def maybe(types: frozenset[type]) -> frozenset[type]:
+    """``types`` or null."""
+    return types | {type(None)}
 
 
-def number(value: Any) -> float:
-    if type(value) not in (int, float):
-        raise WireError(f"{value!r} is not a number")
-    return float(value)
+def read(field: Field, value: Any) -> Any:
+    if isinstance(field, frozenset):
+        if type(value) not in field:
+            raise WireError(f"{value!r} is not {kinds(field)}")
+        return value
+    return field(value)
 
 
-def boolean(value: Any) -> bool:
-    if type(value) is not bool:
-        raise WireError(f"{value!r} is not a boolean")
-    return value
+def kinds(types: frozenset[type]) -> str:
+    return " or ".join(sorted(t.__name__ for t in types))
 
 
-def text(value: Any) -> str:
-    if type(value) is not str:
-        raise WireError(f"{value!r} is not a string")
-    return value
+def choice(enum: type[Role] | type[CircuitState]) -> Field:
+    names = {member.value: member for member in enum}
 
-
-def optional(field: Decoder) -> Decoder:
-    return lambda value: None if value is None else field(value)
-
-
-def choice(enum: type[Role] | type[CircuitState]) -> Decoder:
     def decode_choice(value: Any) -> Any:
-        try:
-            return enum(text(value))
-        except ValueError:
-            raise WireError(f"{value!r} is not a {enum.__name__}") from None
+        if type(value) is not str or value not in names:
+            raise WireError(f"{value!r} is not a {enum.__name__}")
+        return names[value]
 
     return decode_choice
 
 
-def mapping(key: Decoder, item: Decoder) -> Decoder:
+def mapping(values: frozenset[type]) -> Field:
+    """An object whose values are of ``values`` (JSON keys are strings)."""
+
     def decode_mapping(value: Any) -> dict:
-        if type(value) is not dict:
-            raise WireError("not an object")
-        return {key(k): item(v) for k, v in value.items()}
+        if type(value) is not dict or not values.issuperset(map(type, value.values())):
+            raise WireError(f"not an object of {kinds(values)}")
+        return value
 
     return decode_mapping
 
 
-def sequence(item: Decoder) -> Decoder:
+def rows(*columns: frozenset[type]) -> Field:
+    """An array of arrays of ``len(columns)``, column i of the types ``columns[i]`` (checked a
+    column at a time: a report carries thousands of samples)."""
+    width = frozenset({len(columns)})
+
+    def decode_rows(value: Any) -> tuple:
+        if type(value) is not list or not LIST.issuperset(map(type, value)):
+            raise WireError("not an array of arrays")
+        if not width.issuperset(map(len, value)):
+            raise WireError(f"not an array of arrays of {len(columns)}")
+        read_columns = zip(*value, strict=True)
+        for number, (column, types) in enumerate(zip(read_columns, columns, strict=False)):
+            if not types.issuperset(map(type, column)):
+                raise WireError(f"column {number} is not {kinds(types)}")
+        return tuple(map(tuple, value))
+
+    return decode_rows
+
+
+def sequence(item: Callable[[Any], Any]) -> Field:
     def decode_sequence(value: Any) -> tuple:
         if type(value) is not list:
             raise WireError("not an array")
-        return tuple(item(v) for v in value)
+        return tuple(map(item, value))
 
     return decode_sequence
 
 
-def row(*items: Decoder) -> Decoder:
-    """A fixed-length array whose members are decoded by ``items`` in order."""
-
-    def decode_row(value: Any) -> tuple:
-        if type(value) is not list or len(value) != len(items):
-            raise WireError(f"not an array of {len(items)}")
-        return tuple(item(v) for item, v in zip(items, value, strict=True))
-
-    return decode_row
-
-
-def record(cls: type, **fields: Decoder) -> Decoder:
-    """An object with exactly ``fields``, each decoded by its decoder, made into ``cls``."""
+def record(cls: type, **fields: Field) -> Callable[[Any], Any]:
+    """An object with exactly ``fields``, each read by its field, made into ``cls``."""
 
     def decode_record(value: Any) -> Any:
         if type(value) is not dict or value.keys() != fields.keys():
@@ -293,7 +301,7 @@ def record(cls: type, **fields: Decoder) -> Decoder:
         decoded = {}
         for name, field in fields.items():
             try:
-                decoded[name] = field(value[name])
+                decoded[name] = read(field, value[name])
             except WireError as exc:
                 raise WireError(f"{cls.__name__}.{name}: {exc}") from None
         return cls(**decoded)
@@ -301,41 +309,38 @@ def record(cls: type, **fields: Decoder) -> Decoder:
     return decode_record
 
 
-COUNTS = mapping(text, integer)
 WORKER_ENTRY = record(
     WorkerEntry,
-    url=text,
+    url=TEXT,
     role=choice(Role),
-    epoch=integer,
-    bootstrap_port=optional(integer),
-    pickable=boolean,
-    usable=boolean,
+    epoch=INT,
+    bootstrap_port=maybe(INT),
+    pickable=BOOL,
+    usable=BOOL,
     circuit=choice(CircuitState),
-    half_open_at=optional(number),
-    trial=optional(integer),
+    half_open_at=maybe(NUMBER),
+    trial=maybe(INT),
 )
-DECODERS: dict[str, Decoder] = {
-    Hello.TAG: record(Hello, version=integer),
-    Snapshot.TAG: record(Snapshot, version=integer, workers=sequence(WORKER_ENTRY)),
-    InflightTotals.TAG: record(InflightTotals, totals=COUNTS, share=optional(integer)),
-    MetricsAsk.TAG: record(MetricsAsk, request=integer),
+DECODERS: dict[str, Callable[[Any], Any]] = {
+    Hello.TAG: record(Hello, version=INT),
+    Snapshot.TAG: record(Snapshot, version=INT, workers=sequence(WORKER_ENTRY)),
+    InflightTotals.TAG: record(InflightTotals, totals=mapping(INT), share=maybe(INT)),
+    MetricsAsk.TAG: record(MetricsAsk, request=INT),
     Report.TAG: record(
         Report,
-        version=integer,
-        inflight=COUNTS,
-        idle_at=mapping(text, number),
-        outcomes=sequence(row(text, boolean, integer)),
-        ttft=sequence(row(number, optional(number))),
-        tpot=sequence(row(number, integer)),
-        refused=COUNTS,
-        connections=integer,
+        version=INT,
+        inflight=mapping(INT),
+        idle_at=mapping(NUMBER),
+        outcomes=rows(TEXT, BOOL, INT),
+        ttft=rows(NUMBER, maybe(NUMBER)),
+        tpot=rows(NUMBER, INT),
+        refused=mapping(INT),
+        connections=INT,
     ),
-    Suspect.TAG: record(Suspect, url=text),
-    SnapshotRefused.TAG: record(SnapshotRefused, version=integer, routing=integer, reason=text),
+    Suspect.TAG: record(Suspect, url=TEXT),
+    SnapshotRefused.TAG: record(SnapshotRefused, version=INT, routing=INT, reason=TEXT),
     MetricsAnswer.TAG: record(
-        MetricsAnswer,
-        request=integer,
-        samples=sequence(row(text, text, text, mapping(text, text), number)),
+        MetricsAnswer, request=INT, samples=rows(TEXT, TEXT, TEXT, OBJECT, NUMBER)
     ),
 }
 

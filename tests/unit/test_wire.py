@@ -139,10 +139,22 @@ def test_a_worker_entry_of_the_wrong_type_is_refused_naming_the_field(field: str
         decode(orjson.dumps(["snapshot", {"version": 1, "workers": [fields]}]))
 
 
-def test_a_report_row_of_the_wrong_length_is_refused():
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("outcomes", [[PREFILL, True]]),
+        ("outcomes", [[PREFILL, 1, 2]]),
+        ("ttft", [[0.1, "soon"]]),
+        ("ttft", [0.1]),
+        ("tpot", [[1.0, 2.5]]),
+        ("inflight", {PREFILL: 1.5}),
+        ("idle_at", {PREFILL: None}),
+    ],
+)
+def test_a_report_of_the_wrong_shape_is_refused_naming_the_field(field: str, value: object):
     fields = orjson.loads(encode(MESSAGES[6]))[1]
-    fields["outcomes"] = [[PREFILL, True]]
-    with pytest.raises(WireError, match=r"Report\.outcomes"):
+    fields[field] = value
+    with pytest.raises(WireError, match=f"Report\\.{field}"):
         decode(orjson.dumps(["report", fields]))
 
 
