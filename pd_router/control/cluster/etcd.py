@@ -25,7 +25,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import orjson
 
@@ -71,6 +71,7 @@ log = logging.getLogger("pd_router.cluster")
 T = TypeVar("T")
 # How an orphaned conversion is settled: the worker's role now, and its bootstrap port.
 SettleOrphan = Callable[[Worker, Role], Awaitable[tuple[Role, int | None]]]
+P = ParamSpec("P")
 
 RETRY_INITIAL_SECS = 0.1
 RETRY_MAX_SECS = 2.0
@@ -93,7 +94,7 @@ class EtcdCluster:
         registry: WorkerRegistry,
         metrics: RouterMetrics,
         *,
-        probe: Callable[[Worker], Awaitable[Any]],
+        probe: Callable[[Worker], Coroutine[Any, Any, Any]],
         spawn: Callable[[Coroutine[Any, Any, Any]], asyncio.Task],
         session: aiohttp.ClientSession,
     ) -> None:
@@ -107,7 +108,7 @@ class EtcdCluster:
         self._registry = registry
         self._spawn = spawn
         self._session = session
-        self._settle: SettleOrphan | None = None
+        self._settle_orphan: SettleOrphan | None = None
         self._keys = ClusterKeys(cluster.name, cluster.prefix)
         self._endpoints = cluster.etcd
         self._ttl = cluster.lease_ttl_secs
@@ -176,7 +177,7 @@ class EtcdCluster:
     def settle_orphans_with(self, settle: SettleOrphan) -> None:
         """Settle the conversions whose replica went with ``settle`` (the conversion runner's
         ``settle_orphan``, which reads the worker's live role)."""
-        self._settle = settle
+        self._settle_orphan = settle
 
     def is_leader(self) -> bool:
         return self._up and self.view.leader == self.replica_id
@@ -262,7 +263,7 @@ class EtcdCluster:
         for spec, role in specs:
             record = WorkerRecord(spec.url, role.value, spec.bootstrap_port, source="config")
             key = self._keys.worker(spec.url)
-            await self._etcd("seed", lambda c, k=key, r=record: c.put_if_absent(k, r.encode()))
+            await self._etcd("seed", EtcdClient.put_if_absent, key, record.encode())
 
     async def _follow(self) -> None:
         """Apply every change until the watch or the lease fails."""
@@ -309,7 +310,7 @@ class EtcdCluster:
             if lease is None:
                 return
             try:
-                await self._etcd("keepalive", lambda c, lease=lease: c.keepalive(lease))
+                await self._etcd("keepalive", EtcdClient.keepalive, lease)
             except LeaseNotFound:
                 log.warning("lease of replica %s expired; joining again", self.replica_id)
                 self._lease = None
@@ -387,7 +388,7 @@ class EtcdCluster:
                 put_op(slot, value, lease=lease),
                 put_op(key, claimed.encode(), lease=stored.lease),
             ]
-            result = await self._etcd("claim", lambda c, cs=compares, os=ops: c.txn(cs, os))
+            result = await self._etcd("claim", EtcdClient.txn, compares, ops)
             if result.succeeded:
                 self._own[conversion_id] = (
                     url,
@@ -395,11 +396,11 @@ class EtcdCluster:
                 )
                 self._slots[conversion_id] = slot
                 return
-            if await self._etcd("claim", lambda c, k=lock: c.get(k)) is not None:
+            if await self._etcd("claim", EtcdClient.get, lock) is not None:
                 raise ConversionRefused(
                     "already_converting", f"another replica converts worker {worker.url}"
                 )
-            if await self._etcd("claim", lambda c, k=slot: c.get(k)) is not None:
+            if await self._etcd("claim", EtcdClient.get, slot) is not None:
                 index += 1
                 continue
             catch_ups += 1
@@ -623,9 +624,9 @@ class EtcdCluster:
             if not locked.succeeded:
                 return
             worker = self._registry.get(url)
-            if self._settle is None:
+            if self._settle_orphan is None:
                 return
-            role, port = await self._settle(worker, Role(record.role))
+            role, port = await self._settle_orphan(worker, Role(record.role))
             port = port if role is Role.PREFILL else None
             settled = record.released(WorkerState.ACTIVE.value, role.value, port)
             ops = self._ending(url, stored, settled, record.conversion or "")
@@ -770,12 +771,20 @@ class EtcdCluster:
         except EtcdError as exc:
             raise unavailable from exc
 
-    async def _etcd(self, operation: str, call: Callable[[EtcdClient], Awaitable[T]]) -> T:
-        """``call`` on the endpoint in use, then on the others if it cannot be reached."""
+    async def _etcd(
+        self,
+        operation: str,
+        call: Callable[Concatenate[EtcdClient, P], Awaitable[T]],
+        *args: P.args,
+        **kwargs: P.kwargs,
+    ) -> T:
+        """``call(client, *args, **kwargs)`` on the endpoint in use, then on the others if it
+        cannot be reached (a loop passes its values as ``args`` to a client method rather than
+        binding them in a lambda)."""
         last: EtcdUnavailable | None = None
         for _ in range(len(self._clients)):
             try:
-                return await call(self._clients[self._current])
+                return await call(self._clients[self._current], *args, **kwargs)
             except EtcdUnavailable as exc:
                 last = exc
                 self._current = (self._current + 1) % len(self._clients)

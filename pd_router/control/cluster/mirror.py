@@ -67,7 +67,7 @@ class Mirror:
         view: ClusterView,
         replica_id: str,
         *,
-        probe: Callable[[Worker], Awaitable[None]],
+        probe: Callable[[Worker], Coroutine[Any, Any, Any]],
         report_drained: Callable[[str], Awaitable[None]],
         spawn: Spawn,
         removal_timeout_secs: float,
