@@ -70,6 +70,19 @@ class Fleet:
         await asyncio.wait_for(conversion.wait(), WAIT)
         return conversion
 
+    async def gone_while_switching(self, worker: Worker) -> Conversion:
+        """Run a conversion of ``worker`` whose process goes while the switch call is out: the
+        call then answers what ``switch_replies`` says, and nothing after it connects."""
+        release = asyncio.Event()
+        model = self.model(worker)
+        model.hold_switch = release
+        conversion = await self.start(worker)
+        await asyncio.wait_for(self.control.switch_sent.wait(), WAIT)
+        model.gone = True
+        release.set()
+        await asyncio.wait_for(conversion.wait(), WAIT)
+        return conversion
+
     def counted(self, status: Status, from_role: Role = Role.PREFILL) -> float:
         return self.metrics.registry.get_sample_value(
             "pd_router_conversions_total",
@@ -364,14 +377,7 @@ async def test_a_worker_reporting_another_role_after_its_switch_fails(fleet):
 
 
 async def test_a_role_that_cannot_be_read_back_fails_the_worker(fleet):
-    release = asyncio.Event()
-    model = fleet.model(fleet.p0)
-    model.hold_switch = release
-    conversion = await fleet.start(fleet.p0)
-    await asyncio.wait_for(fleet.control.switch_sent.wait(), WAIT)
-    model.gone = True
-    release.set()
-    await asyncio.wait_for(conversion.wait(), WAIT)
+    conversion = await fleet.gone_while_switching(fleet.p0)
     assert conversion.status is Status.FAILED
     assert "could not read the role back" in conversion.message
 
@@ -436,15 +442,10 @@ async def test_a_switch_call_unanswered_by_a_live_worker_leaves_it_failed(fleet)
 
 
 async def test_a_switch_call_unanswered_by_a_worker_that_died_puts_it_back_unhealthy(fleet):
-    release = asyncio.Event()
-    model = fleet.model(fleet.p0)
-    model.hold_switch = release
-    model.switch_replies.append(ControlError(fleet.p0.url, SWITCH_PATH, "server disconnected"))
-    conversion = await fleet.start(fleet.p0)
-    await asyncio.wait_for(fleet.control.switch_sent.wait(), WAIT)
-    model.gone = True
-    release.set()
-    await asyncio.wait_for(conversion.wait(), WAIT)
+    fleet.model(fleet.p0).switch_replies.append(
+        ControlError(fleet.p0.url, SWITCH_PATH, "server disconnected")
+    )
+    conversion = await fleet.gone_while_switching(fleet.p0)
     assert conversion.status is Status.RESTORED
     assert back_in_old_pool(fleet.p0)
     assert fleet.reported_down
