@@ -45,6 +45,7 @@ from pd_protocol.etcd_client import (
     if_unchanged,
     put_op,
 )
+from pd_router.backoff import Backoff
 from pd_router.control.cluster.config import default_replica_id
 from pd_router.control.cluster.local import ConversionTaken
 from pd_router.control.cluster.mirror import Mirror
@@ -200,11 +201,11 @@ class EtcdCluster:
     # --- following etcd ---------------------------------------------------------------------
 
     async def _run(self) -> None:
-        delay = RETRY_INITIAL_SECS
+        backoff = Backoff(RETRY_INITIAL_SECS, RETRY_MAX_SECS)
         while True:
             try:
                 await self._join()
-                delay = RETRY_INITIAL_SECS
+                backoff.reset()
                 await self._follow()
             except WatchCompacted as exc:
                 log.warning("cluster watch fell behind (%s); reading everything again", exc)
@@ -212,8 +213,7 @@ class EtcdCluster:
                 if self._up:
                     log.warning("etcd unreachable (%s); routing on the last state seen", exc)
                 self._set_up(False)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_SECS)
+                await backoff.sleep()
 
     async def _join(self) -> None:
         """Lease, presence, the configured workers (once, and again when etcd lost its data),
@@ -303,7 +303,8 @@ class EtcdCluster:
         etcd being away marks the replica down (and up again when it answers); a lost lease
         ends the follow, to join afresh (the workers whose records went meanwhile keep serving
         through the mirror's grace period, so nothing in flight here is dropped)."""
-        delay, retry = self._ttl / 3, RETRY_INITIAL_SECS
+        delay = self._ttl / 3
+        retry = Backoff(RETRY_INITIAL_SECS, self._ttl / 3)
         while True:
             await asyncio.sleep(delay)
             lease = self._lease
@@ -319,9 +320,10 @@ class EtcdCluster:
                 if self._up:
                     log.warning("etcd unreachable (%s); routing on the last state seen", exc)
                 self._set_up(False)
-                delay, retry = retry, min(retry * 2, self._ttl / 3)
+                delay = retry.take()
                 continue
-            delay, retry = self._ttl / 3, RETRY_INITIAL_SECS
+            delay = self._ttl / 3
+            retry.reset()
             if not self._up:
                 log.info("etcd reachable again")
                 self._set_up(True)
@@ -550,10 +552,9 @@ class EtcdCluster:
             )  # fmt: skip
 
     async def _release_later(self, conversion_id: str, compares: list, ops: list) -> None:
-        delay = RETRY_INITIAL_SECS
+        backoff = Backoff(RETRY_INITIAL_SECS, RETRY_MAX_SECS)
         while True:
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RETRY_MAX_SECS)
+            await backoff.sleep()
             try:
                 await self._etcd("release", lambda c: c.txn(compares, ops))
             except EtcdError:
@@ -580,14 +581,13 @@ class EtcdCluster:
         """Say that this replica has nothing in flight on the worker ``conversion_id`` drains
         (under its lease: a replica that goes takes its reports with it)."""
         key = self._keys.drain_report(conversion_id, self.replica_id)
-        delay = RETRY_INITIAL_SECS
+        backoff = Backoff(RETRY_INITIAL_SECS, RETRY_MAX_SECS)
         while True:
             try:
                 await self._etcd("report", lambda c: c.put(key, b"", lease=self._lease or 0))
                 return
             except EtcdError:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_SECS)
+                await backoff.sleep()
 
     # --- orphans: conversions whose replica went ---------------------------------------------
 

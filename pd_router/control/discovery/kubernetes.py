@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pd_router.backoff import Backoff
 from pd_router.control.discovery.config import DiscoveryConfig, DiscoveryUnavailable
 from pd_router.control.discovery.labels import PodLabels
 from pd_router.control.discovery.membership import Membership, Target
@@ -143,22 +144,21 @@ class KubernetesDiscovery:
     async def _run(self) -> None:
         from kubernetes_asyncio.client.exceptions import ApiException
 
-        pause = RETRY_MIN_SECS
+        backoff = Backoff(RETRY_MIN_SECS, RETRY_MAX_SECS)
         while True:
             try:
                 await self._list_and_watch()
-                pause = RETRY_MIN_SECS
+                backoff.reset()
             except asyncio.CancelledError:
                 raise
             except ApiException as exc:
                 if exc.status == 410:
                     continue
                 log.error("listing pods failed (%s %s); again in %.1fs", exc.status, exc.reason,
-                          pause)  # fmt: skip
+                          backoff.secs)  # fmt: skip
             except Exception as exc:
-                log.error("listing pods failed (%s); again in %.1fs", exc, pause)
-            await asyncio.sleep(pause)
-            pause = min(RETRY_MAX_SECS, pause * 2)
+                log.error("listing pods failed (%s); again in %.1fs", exc, backoff.secs)
+            await backoff.sleep()
 
     def _list_call(self) -> tuple[Any, tuple[Any, ...]]:
         if self._config.namespace:

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pd_router.backoff import Backoff
 from pd_router.control.cluster.local import Cluster
 from pd_router.control.errors import ClusterUnavailable
 from pd_router.control.workers import (
@@ -109,7 +110,7 @@ class Membership:
     async def _reconcile(self, key: str) -> None:
         """Step ``key`` towards what is wanted, re-reading it after every wait, until the two
         agree (nothing awaited between the last reading and the return)."""
-        pause = RETRY_SECS
+        backoff = Backoff(RETRY_SECS, RETRY_MAX_SECS)
         try:
             while True:
                 target, reason = self._wanted.get(key, (None, ""))
@@ -124,15 +125,14 @@ class Membership:
                         self._joined[key] = target.url
                         continue
                 except Exception:
-                    log.exception("discovery: %s failed; trying again in %.1fs", key, pause)
-                    await asyncio.sleep(pause)
-                    pause = min(RETRY_MAX_SECS, pause * 2)
+                    log.exception("discovery: %s failed; trying again in %.1fs", key, backoff.secs)
+                    await backoff.sleep()
                     continue
                 if target is None:
                     self._wanted.pop(key, None)
                     return
                 try:
-                    worker = self._registry.get(url)
+                    worker = self._registry.get(target.url)
                 except UnknownWorker:
                     del self._joined[key]  # removed by someone else: join again
                     continue
