@@ -159,9 +159,16 @@ class Hello:
     version: int
 
 
-ToDataPlane = Hello | Snapshot | InflightTotals | MetricsAsk
-ToControl = Hello | Report | Suspect | SnapshotRefused | MetricsAnswer
-Message = ToDataPlane | ToControl
+Message = (
+    Hello
+    | Snapshot
+    | InflightTotals
+    | MetricsAsk
+    | Report
+    | Suspect
+    | SnapshotRefused
+    | MetricsAnswer
+)
 
 
 class ChannelEnd(Protocol):
