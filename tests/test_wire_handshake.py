@@ -1,7 +1,8 @@
 """The wire's handshake and snapshot check across the control/data-plane boundary: a data-plane
 process that meets a control side of another protocol version exits with one line naming both;
-the control side refuses a data plane of another version and closes its channel; a data plane
-that finds a snapshot inconsistent routes on from the last one, and the control side logs it."""
+the control side refuses a data plane of another version and closes its channel; a socket
+channel that receives a malformed message is closed; a data plane that finds a snapshot
+inconsistent routes on from the last one, and the control side logs it."""
 
 from __future__ import annotations
 
@@ -75,6 +76,18 @@ def test_a_data_plane_process_meeting_another_protocol_version_exits_with_one_li
         f"data plane 0 speaks protocol version {PROTOCOL_VERSION}, "
         f"the control process {OTHER_VERSION}; exiting"
     ) in lines[0]
+
+
+async def test_a_socket_channel_that_receives_a_malformed_message_is_closed():
+    near, far = socket.socketpair()
+    channel = await Channel.over(near)
+    far.sendall(HEADER.pack(9) + b'["nope",]')
+    try:
+        with pytest.raises(ChannelClosed, match="not JSON"):
+            await asyncio.wait_for(channel.receive(), 5.0)
+    finally:
+        channel.close()
+        far.close()
 
 
 async def test_the_control_side_refuses_a_data_plane_of_another_version_and_closes_it(caplog):

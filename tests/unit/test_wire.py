@@ -5,22 +5,18 @@ pools route on from the last one otherwise."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import socket
 
 import orjson
 import pytest
 
 from pd_router.circuit_state import CircuitState
-from pd_router.dataplane.channel import HEADER, Channel
 from pd_router.dataplane.policies import make_policy
 from pd_router.dataplane.snapshot import SnapshotPools
 from pd_router.roles import Role
 from pd_router.wire import (
     NO_SNAPSHOT,
     PROTOCOL_VERSION,
-    ChannelClosed,
     Hello,
     InconsistentSnapshot,
     InflightTotals,
@@ -156,18 +152,6 @@ def test_a_report_of_the_wrong_shape_is_refused_naming_the_field(field: str, val
     fields[field] = value
     with pytest.raises(WireError, match=f"Report\\.{field}"):
         decode(orjson.dumps(["report", fields]))
-
-
-async def test_a_socket_channel_that_receives_a_malformed_message_is_closed():
-    near, far = socket.socketpair()
-    channel = await Channel.over(near)
-    far.sendall(HEADER.pack(9) + b'["nope",]')
-    try:
-        with pytest.raises(ChannelClosed, match="not JSON"):
-            await asyncio.wait_for(channel.receive(), 5.0)
-    finally:
-        channel.close()
-        far.close()
 
 
 # --- the hello -----------------------------------------------------------------------------
