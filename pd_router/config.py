@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from pd_protocol.json_values import is_int, is_number
 from pd_router.control.autopilot.policy import MODES, AutopilotConfig
 from pd_router.control.circuit import CircuitConfig
 from pd_router.control.cluster.config import ClusterConfig
@@ -276,9 +277,9 @@ def coerce(key: str, hint: Any, value: Any) -> Any:
             return coerce_strings(key, value)
         if option is bool and isinstance(value, bool):
             return value
-        if option is int and isinstance(value, int) and not isinstance(value, bool):
+        if option is int and is_int(value):
             return value
-        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if option is float and is_number(value):
             return float(value)
         if option is str and isinstance(value, str):
             return value

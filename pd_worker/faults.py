@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from pd_protocol.json_values import is_number
 from pd_worker.errors import BadRequest
 
 _FIELDS = {
@@ -148,5 +149,5 @@ def _is_type(value: Any, expected: type) -> bool:
     if expected is bool:
         return isinstance(value, bool)
     if expected is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
+        return is_number(value)
     return isinstance(value, expected) and not isinstance(value, bool)

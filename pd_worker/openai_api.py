@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pd_protocol.json_values import is_int
 from pd_worker import logprobs
 from pd_worker.errors import BadRequest
 from pd_worker.protocol import Prompt, Tokenize, build_items, is_token_id, item_rids
@@ -47,7 +48,7 @@ def parse_completion(
     else:
         raise BadRequest("prompt must be a string, a list of strings or token ids")
     logprobs_num = body.get("logprobs")
-    if logprobs_num is not None and not _is_int(logprobs_num):
+    if logprobs_num is not None and not _is_count(logprobs_num):
         raise BadRequest("logprobs must be a non-negative integer")
     logprob = {"return_logprob": logprobs_num is not None, "top_logprobs_num": logprobs_num or 0}
     return _build(
@@ -65,7 +66,7 @@ def parse_chat(body: dict[str, Any], model: str, tokenizer: Tokenize = tokenize)
         raise BadRequest("messages must be a non-empty list of message objects")
     ids_list = [tokenizer(chat_prompt(messages))]
     top = body.get("top_logprobs")
-    if top is not None and not _is_int(top):
+    if top is not None and not _is_count(top):
         raise BadRequest("top_logprobs must be a non-negative integer")
     logprob = {"return_logprob": body.get("logprobs") is True, "top_logprobs_num": top or 0}
     return _build("chat", body, ids_list, False, model, CHAT_DEFAULT_MAX_TOKENS, logprob)
@@ -84,12 +85,12 @@ def _build(
     through unchanged, so it is normalized as on ``/generate``; logprobs always come with their
     token text)."""
     n = body.get("n", 1)
-    if not _is_int(n) or n < 1:
+    if not _is_count(n) or n < 1:
         raise BadRequest("n must be a positive integer")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is None:
         max_tokens = default_max
-    if not _is_int(max_tokens):
+    if not _is_count(max_tokens):
         raise BadRequest("max_tokens must be a non-negative integer")
     sampling = {
         "max_new_tokens": max_tokens,
@@ -112,8 +113,9 @@ def _build(
     )
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+def _is_count(value: Any) -> bool:
+    """A non-negative integer (not a bool)."""
+    return is_int(value) and value >= 0
 
 
 def _is_int_list(value: Any) -> bool:

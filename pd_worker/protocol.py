@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pd_protocol.json_values import is_int
 from pd_worker import logprobs
 from pd_worker.errors import BadRequest, ContractError
 from pd_worker.requests import GenItem, Progress
@@ -131,7 +132,7 @@ def sample_room(room: Any, sample: int) -> Any:
     """The transfer key of sample ``sample`` of a prompt whose bootstrap room is ``room``: the
     room itself for the first sample, a fixed odd multiple away (mod 2**64) for the others, so
     the samples of one prompt never share a transfer and both legs derive the same keys."""
-    if sample == 0 or not (isinstance(room, int) and not isinstance(room, bool)):
+    if sample == 0 or not is_int(room):
         return room
     return (room + sample * SAMPLE_ROOM_STRIDE) % (MAX_ROOM + 1)
 
@@ -139,7 +140,7 @@ def sample_room(room: Any, sample: int) -> Any:
 def _rooms(room: Any, count: int) -> list[Any]:
     """One room per prompt; a scalar room on a batch counts up from it (``room + i``), as in
     SGLang's ``_normalize_bootstrap_params``."""
-    if isinstance(room, int) and not isinstance(room, bool) and count > 1:
+    if is_int(room) and count > 1:
         return [room + i for i in range(count)]
     return _per_prompt(room, count, "bootstrap_room")
 
@@ -162,7 +163,7 @@ def _logprob_param(value: Any, count: int, n: int, name: str) -> list[Any]:
 
 
 def _with_logprobs(item: GenItem, flag: Any, top: Any, text: Any) -> GenItem:
-    if top is not None and not (isinstance(top, int) and not isinstance(top, bool)):
+    if top is not None and not is_int(top):
         raise ContractError("top_logprobs_num must be an integer")
     return replace(
         item,
@@ -176,9 +177,7 @@ def _item(prompt: Prompt, rid: str, host: Any, port: Any, room: Any) -> GenItem:
     if host is not None and not isinstance(host, str):
         raise ContractError("bootstrap_host must be a string")
     for name, value, high in (("bootstrap_port", port, 65535), ("bootstrap_room", room, MAX_ROOM)):
-        if value is not None and not (
-            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= high
-        ):
+        if value is not None and not (is_int(value) and 0 <= value <= high):
             raise ContractError(f"{name} must be an integer in 0..{high}")
     sampling = prompt.sampling
     stop = sampling.get("stop") or ()
@@ -204,7 +203,7 @@ def _max_new_tokens(sampling: dict[str, Any]) -> int:
     value = sampling.get("max_new_tokens")
     if value is None:
         return DEFAULT_MAX_NEW_TOKENS
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+    if not is_int(value) or value < 0:
         raise ContractError("max_new_tokens must be a non-negative integer")
     return value
 
@@ -233,7 +232,7 @@ def _prompts(body: dict[str, Any], tokenizer: Tokenize) -> tuple[list[Prompt], b
 
 
 def is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_TOKEN_ID
+    return is_int(value) and 0 <= value <= MAX_TOKEN_ID
 
 
 def _is_id_list(value: Any) -> bool:
@@ -245,7 +244,7 @@ def _sampling_n(prompts: list[Prompt]) -> int:
     if len(values) != 1:
         raise BadRequest("sampling_params.n must be the same for every prompt")
     n = values.pop()
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+    if not is_int(n) or n < 1:
         raise ContractError("sampling_params.n must be a positive integer")
     return n
 

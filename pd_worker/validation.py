@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from pd_protocol.json_values import is_int, is_number
 from pd_worker.errors import InvalidBody
 
 Loc = tuple[str | int, ...]
@@ -84,10 +85,6 @@ def raise_if(issues: list[Issue]) -> None:
         raise InvalidBody(message(issues))
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def string(value: Any, loc: Loc) -> Result:
     if isinstance(value, str):
         return value, []
@@ -97,11 +94,11 @@ def string(value: Any, loc: Loc) -> Result:
 def boolean(value: Any, loc: Loc) -> Result:
     if isinstance(value, bool):
         return value, []
-    if (_is_int(value) or isinstance(value, float)) and value in (0, 1):
+    if is_number(value) and value in (0, 1):
         return bool(value), []
     if isinstance(value, str) and value.strip().lower() in TRUE_WORDS | FALSE_WORDS:
         return value.strip().lower() in TRUE_WORDS, []
-    kind = "bool_parsing" if isinstance(value, str) or _is_int(value) else "bool_type"
+    kind = "bool_parsing" if isinstance(value, str) or is_int(value) else "bool_type"
     text = BOOL_PARSING if kind == "bool_parsing" else "Input should be a valid boolean"
     return value, [Issue(kind, loc, text, value)]
 

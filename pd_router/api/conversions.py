@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from pd_protocol.json_values import is_int, is_number
 from pd_protocol.wire import UNSUPPORTED_KNOBS
 from pd_router.api.info import json_response
 from pd_router.api.keys import CONVERSIONS
@@ -246,7 +247,7 @@ def _number(body: dict[str, Any], name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if not is_number(value) or value < 0:
         raise InvalidField(name, f"{name} must be a non-negative number")
     return float(value)
 
@@ -255,7 +256,7 @@ def _port(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+    if not is_int(value) or not 0 < value < 65536:
         raise InvalidField(name, f"{name} must be a port number")
     return value
 
@@ -264,9 +265,7 @@ def _graph_bs(body: dict[str, Any]) -> list[int] | None:
     value = body.get("decode_cuda_graph_bs")
     if value is None:
         return None
-    if not isinstance(value, list) or not all(
-        isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 for bs in value
-    ):
+    if not isinstance(value, list) or not all(is_int(bs) and bs > 0 for bs in value):
         raise InvalidField(
             "decode_cuda_graph_bs", "decode_cuda_graph_bs must be a list of positive integers"
         )

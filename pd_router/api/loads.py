@@ -14,6 +14,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from pd_protocol.json_values import is_int
 from pd_router.api.info import json_response
 from pd_router.api.keys import REGISTRY, SESSION
 from pd_router.control.worker_calls import call
@@ -61,5 +62,5 @@ def summed(body: bytes, key: str | None, field: str) -> int:
     if not isinstance(entries, list):
         return NO_LOAD
     values = [e.get(field) for e in entries if isinstance(e, dict)]
-    counted = [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
+    counted = [v for v in values if is_int(v) and v >= 0]
     return sum(counted) if counted else NO_LOAD

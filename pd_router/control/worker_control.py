@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from pd_protocol.json_values import is_int
 from pd_protocol.wire import (
     CONVERT_PATH,
     DRAIN_PATH,
@@ -190,7 +191,7 @@ class WorkerControl:
             return RoleReading(
                 _role(body.get("role")),
                 _port(body.get("bootstrap_port")),
-                epoch=epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+                epoch=epoch if is_int(epoch) else None,
                 instance=_signature(body.get("started_at")),
                 draining=body.get("draining") is True,
                 switch_supported=_flag(body.get("switch_supported")),
@@ -436,7 +437,7 @@ def _role(value: Any) -> Role | None:
 
 
 def _port(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return value if is_int(value) and value > 0 else None
 
 
 def _is_router(info: dict[str, Any]) -> bool:
@@ -453,4 +454,4 @@ def _flag(value: Any) -> bool | None:
 
 
 def _int(value: Any) -> int:
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+    return value if is_int(value) else 0

@@ -23,6 +23,8 @@ from typing import Any
 
 import orjson
 
+from pd_protocol.json_values import is_int
+
 # Every abort shape above has one of these tokens; an answer with neither is not parsed.
 _TOKENS = (b'"abort"', b'"error"')
 
@@ -82,6 +84,6 @@ def _item_abort(item: Any) -> Abort | None:
 
 def _status(value: Any) -> int | None:
     """An HTTP error status, or None (absent, or not a status)."""
-    if isinstance(value, int) and not isinstance(value, bool) and 400 <= value < 600:
+    if is_int(value) and 400 <= value < 600:
         return value
     return None

@@ -18,6 +18,7 @@ from typing import Any
 
 import orjson
 
+from pd_protocol.json_values import is_int
 from pd_router.dataplane.target import Target
 from pd_router.errors import BadRequest
 from pd_router.roles import DEFAULT_BOOTSTRAP_PORT
@@ -82,10 +83,6 @@ FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
 # Most items (prompts x samples) one request may fan out to: each gets a bootstrap room the
 # router draws and serialises, so a huge ``n`` would stall the router before any worker saw it.
 MAX_BATCH_ITEMS = 65536
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_optional(body: dict[str, Any], key: str, kind: type, what: str) -> None:

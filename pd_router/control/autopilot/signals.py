@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pd_protocol.json_values import is_number
+
 PREFILL = "prefill"
 DECODE = "decode"
 ROLES = (PREFILL, DECODE)
@@ -144,6 +146,6 @@ def _total(ranks: Iterable[Mapping[str, Any]], key: str) -> int:
     total = 0
     for rank in ranks:
         value = rank.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
+        if is_number(value):
             total += int(value)
     return total
