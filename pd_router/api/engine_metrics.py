@@ -37,7 +37,8 @@ class Families:
 
 async def handle_engine_metrics(request: web.Request) -> web.Response:
     """The workers' /metrics merged; 503 with no worker, 502 when none answered."""
-    workers = list(request.app[REGISTRY])
+    registry = request.app[REGISTRY]
+    workers = list(registry)
     if not workers:
         raise NoWorkers("no worker to read metrics from")
     replies = await fan_out(request.app[SESSION], workers, "GET", "/metrics", limit=SCRAPE_TIMEOUT)

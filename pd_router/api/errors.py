@@ -49,7 +49,7 @@ CONTROL_ERRORS: dict[type[Exception], Answer] = {
 }
 
 # Errors the middleware turns into responses with error_response(); anything else is a 500.
-MAPPED_ERRORS = (
+MAPPED_ERRORS: tuple[type[Exception], ...] = (
     RouterError,
     web.HTTPException,
     web.RequestPayloadError,

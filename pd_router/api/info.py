@@ -147,7 +147,8 @@ async def handle_model_info(request: web.Request) -> web.Response:
 async def handle_server_info(request: web.Request) -> web.Response:
     """Every worker's /server_info grouped by pool; the decodes' ``internal_states`` at the top
     (where SGLang's benchmark scripts look for them), as mini_lb does."""
-    workers = list(request.app[REGISTRY])
+    registry = request.app[REGISTRY]
+    workers = list(registry)
     replies = await fan_out(
         request.app[SESSION], workers, "GET", "/server_info", limit=INFO_TIMEOUT
     )

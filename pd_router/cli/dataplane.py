@@ -9,12 +9,12 @@ import asyncio
 import pickle
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from pd_router.api.dataplane_process import serve_dataplane
 from pd_router.cli.logs import configure_logging
 from pd_router.dataplane.listener import raise_fd_limit
-from pd_router.runtime.serve import tune_gc
+from pd_router.runtime.serve import tune_gc, uvloop_factory
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -29,15 +29,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise_fd_limit()
     listen = socket.socket(fileno=args.listen_fd)
     channel = socket.socket(fileno=args.channel_fd)
-    loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    try:
-        import uvloop
-
-        loop_factory = uvloop.new_event_loop
-    except ImportError:
-        pass
     tune_gc()
-    with asyncio.Runner(loop_factory=loop_factory) as r:
+    with asyncio.Runner(loop_factory=uvloop_factory()) as r:
         return r.run(serve_dataplane(config, args.index, listen, channel, args.control_socket))
 
 

@@ -51,12 +51,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
 
+from pd_protocol.json_values import is_int
 from pd_router.config import HealthConfig
 from pd_router.control.worker_control import ControlError, RoleReading, WorkerControl
 from pd_router.control.workers import Role, Worker, WorkerRegistry, WorkerState
@@ -149,6 +151,13 @@ class HealthMonitor:
     def start(self, session: aiohttp.ClientSession) -> None:
         self._session = session
 
+    @property
+    def _started_session(self) -> aiohttp.ClientSession:
+        """The session probes go out on (RuntimeError before :meth:`start`)."""
+        if self._session is None:
+            raise RuntimeError("health monitor not started")
+        return self._session
+
     def run_in_background(self) -> None:
         if self._config.enabled:
             self._task = asyncio.get_running_loop().create_task(self._run())
@@ -192,7 +201,7 @@ class HealthMonitor:
         if task is None or task.done():
             task = asyncio.get_running_loop().create_task(self._recheck(worker))
             self._suspicions[worker.id] = task
-            task.add_done_callback(lambda done, key=worker.id: self._forget_suspicion(key, done))
+            task.add_done_callback(functools.partial(self._forget_suspicion, worker.id))
         return task
 
     def _forget_suspicion(self, key: str, task: asyncio.Task[None]) -> None:
@@ -384,7 +393,7 @@ class HealthMonitor:
         afresh; a worker that lost its extension routes (restarted without them) is read
         through the native protocol."""
         control = WorkerControl(
-            self._session, self._registry, timeout_secs=self._config.timeout_secs
+            self._started_session, self._registry, timeout_secs=self._config.timeout_secs
         )
         detected = worker.has_extensions is None
         try:
@@ -432,13 +441,11 @@ class HealthMonitor:
 
     async def _bootstrap_port(self, worker: Worker, limit: aiohttp.ClientTimeout) -> int:
         """The prefill's ``disaggregation_bootstrap_port`` from /server_info (8998 if absent)."""
-        async with self._session.get(worker.url + "/server_info", timeout=limit) as resp:
+        async with self._started_session.get(worker.url + "/server_info", timeout=limit) as resp:
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(
                     resp.request_info, (), status=resp.status, message="server_info failed"
                 )
             info = orjson.loads(await resp.read())
         port = info.get("disaggregation_bootstrap_port") if isinstance(info, dict) else None
-        return (
-            port if isinstance(port, int) and not isinstance(port, bool) else DEFAULT_BOOTSTRAP_PORT
-        )
+        return port if is_int(port) else DEFAULT_BOOTSTRAP_PORT

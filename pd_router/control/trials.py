@@ -24,7 +24,7 @@ class PlaneView(Protocol):
 
     acked: int
     connections: int
-    inflight: dict[str, int]
+    inflight: Mapping[str, int]
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ HTTP handlers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -293,7 +294,7 @@ class WorkerRegistry:
             role=role,
             bootstrap_port=bootstrap_port,
             circuit=CircuitBreaker(
-                self._circuit_config, on_change=lambda s, u=url: self._on_circuit(u, s)
+                self._circuit_config, on_change=functools.partial(self._on_circuit, url)
             ),
             healthy=healthy,
         )

@@ -18,6 +18,7 @@ import asyncio
 import gc
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -115,6 +116,16 @@ async def start_server(
     return RunningServer(app, app_socket, relay, dataplane, host, port, scheme)
 
 
+def uvloop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop factory, or None (asyncio's default loop) where it is not
+    installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def tune_gc() -> None:
     """Every request leaves short-lived cycles (tasks, futures, responses); with the default
     thresholds the collector ran often enough to take a fifth of the router's CPU. Freeze what
@@ -154,10 +165,6 @@ def run_server(config: RouterConfig) -> None:
     """Serve until interrupted (the CLI's ``serve``), on uvloop when available, with the open
     file limit raised as far as allowed. Exits 1 when workers do not come up within
     ``health.startup_wait_secs``."""
-    try:
-        import uvloop
-    except ImportError:
-        uvloop = None
     nofile = raise_fd_limit()
     safe = default_max_connections(nofile)
     if config.max_client_connections > safe:
@@ -165,7 +172,7 @@ def run_server(config: RouterConfig) -> None:
             "max_client_connections %d leaves too few of the %d open files for worker "
             "connections (%d would)", config.max_client_connections, nofile, safe,
         )  # fmt: skip
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop if uvloop is not None else None) as r:
+    with asyncio.Runner(loop_factory=uvloop_factory()) as r:
         try:
             r.run(serve(config))
         except WorkersUnreachable as exc:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pd_protocol.json_values import is_int
 from pd_router.control.cluster.local import Cluster, ConversionTaken, LocalCluster
 from pd_router.control.conversion.canary import run_canary
 from pd_router.control.conversion.history import (
@@ -156,7 +157,7 @@ class ConversionManager:
         return [
             self._history.get(w.conversion_id)
             for w in self._registry.converting()
-            if w.conversion_id in self._history
+            if w.conversion_id is not None and w.conversion_id in self._history
         ]
 
     # --- commands ---------------------------------------------------------------------------
@@ -228,7 +229,7 @@ class ConversionManager:
         """``worker`` is leaving (discovery lost it): abort this router's conversion of it if
         it still drains, and return once that conversion ended; False when none of this
         router's conversions holds it."""
-        if worker.conversion_id not in self._history:
+        if worker.conversion_id is None or worker.conversion_id not in self._history:
             return False
         conversion = self._history.get(worker.conversion_id)
         if conversion.status is Status.DRAINING:
@@ -728,4 +729,4 @@ def _given_graph_params(conv: Conversion) -> dict[str, Any]:
 
 
 def _port(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+    return value if is_int(value) and value > 0 else None
