@@ -74,6 +74,7 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/python -m mypy
 
 # Benchmarks (minutes, not part of make test); figures and commands in docs/PERFORMANCE.md.
 bench: bench-worker bench-overhead bench-convert
