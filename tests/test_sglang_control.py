@@ -78,7 +78,14 @@ def test_extension_endpoints_answered_by_real_sglang(sglang_fleet: Fleet) -> Non
     """server_patch's routes on a real SGLang process (launched by server_patch.launch_server,
     which also added nothing the command line lacked: --enable-pd-role-switch was given)."""
     d1 = sglang_fleet.decode[1]
-    role = httpx.get(d1.url + "/pd_role", timeout=10).json()
+
+    def pd_role() -> dict[str, Any]:
+        return httpx.get(d1.url + "/pd_role", timeout=10).json()
+
+    # The requests of the tests before may still be finishing on the decode (their answers
+    # reached the router before the scheduler released them).
+    eventually(lambda: pd_role()["idle"], 30, "the decode idle")
+    role = pd_role()
     assert role["role"] == "decode" and role["idle"] and role["switch_supported"]
     assert role["bootstrap_port"] == d1.bootstrap_port
     epoch = role["epoch"]
@@ -115,7 +122,7 @@ def test_extension_endpoints_answered_by_real_sglang(sglang_fleet: Fleet) -> Non
         timeout=TIMEOUT,
     ).json()
     assert back["success"], back
-    assert httpx.get(d1.url + "/pd_role", timeout=10).json()["epoch"] == epoch + 2
+    assert pd_role()["epoch"] == epoch + 2
 
     p0 = sglang_fleet.prefill[0]
     forgot = httpx.post(
