@@ -49,7 +49,7 @@ class RoomRegistry:
         self._rooms: dict[int, Room] = {}
         self._appeared: dict[int, asyncio.Event] = {}
 
-    def __contains__(self, room_id: int) -> bool:
+    def __contains__(self, room_id: object) -> bool:
         return room_id in self._rooms
 
     def __len__(self) -> int:

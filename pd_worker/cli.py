@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.engine == "torch":
         _check_model_config(parser, config.model_config)
     try:
-        check_can_listen(config.host, config.bootstrap_port, "--bootstrap-port")
+        check_can_listen(config.host, config.bootstrap_port or 0, "--bootstrap-port")
         check_can_listen(config.host, config.port, "--port")
     except ListenError as exc:
         parser.error(str(exc))

@@ -125,7 +125,7 @@ class InjectedFault(WorkerError):
 class RequestAborted(WorkerError):
     """A scheduler abort carrying a status code (SGLang's FINISH_ABORT with status_code)."""
 
-    status = HTTPStatus.INTERNAL_SERVER_ERROR
+    status: int = HTTPStatus.INTERNAL_SERVER_ERROR
     openai_shape = True
 
     def __init__(self, message: str, status: int = HTTPStatus.INTERNAL_SERVER_ERROR) -> None:

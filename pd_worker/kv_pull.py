@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -142,7 +143,7 @@ async def lost_pull(room_id: int, timeout_secs: float) -> PulledKV:
     )
 
 
-async def _request(connection: Connection, request: dict[str, object]) -> dict[str, object]:
+async def _request(connection: Connection, request: dict[str, object]) -> dict[str, Any]:
     """Send one request and read the reply header; a connection closed before it is PeerClosed."""
     reader, writer = connection
     try:

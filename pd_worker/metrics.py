@@ -59,9 +59,9 @@ class EngineCollector(Collector):
             "generation_tokens": stats.generation_tokens,
         }
         for name, value in counters.items():
-            family = CounterMetricFamily(f"sglang:{name}", f"SGLang {name}", labels=LABELS)
-            family.add_metric(self._labels(), float(value))
-            yield family
+            counter = CounterMetricFamily(f"sglang:{name}", f"SGLang {name}", labels=LABELS)
+            counter.add_metric(self._labels(), float(value))
+            yield counter
 
 
 class RegistrationCollector(Collector):

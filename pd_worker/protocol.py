@@ -209,7 +209,8 @@ def _max_new_tokens(sampling: dict[str, Any]) -> int:
 
 
 def _prompts(body: dict[str, Any], tokenizer: Tokenize) -> tuple[list[Prompt], bool]:
-    text, input_ids = body.get("text"), body.get("input_ids")
+    text: Any = body.get("text")
+    input_ids: Any = body.get("input_ids")
     if (text is None) == (input_ids is None):
         raise BadRequest("Either text, input_ids or input_embeds should be provided.")
     if text is not None:

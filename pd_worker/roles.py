@@ -67,7 +67,7 @@ class PrefillRole:
         if not item.fake_transfer:
             if item.bootstrap_room in engine.rooms:
                 raise BadRequest(f"bootstrap_room {item.bootstrap_room} is already in use")
-            room = engine.rooms.open(item.bootstrap_room, num_tokens)
+            room = engine.rooms.open(item.bootstrap_room or 0, num_tokens)
         try:
             engine.set_stage(req, "waiting")
             await engine.kv_pool.acquire(num_tokens)
@@ -104,7 +104,7 @@ class PrefillRole:
             self._engine.stats.num_bootstrap_failed_reqs += 1
             elapsed = time.monotonic() - started
             error = KVTransferError(
-                item.bootstrap_room,
+                item.bootstrap_room or 0,
                 f"Request {item.bootstrap_room} timed out after {elapsed:.1f}s "
                 "in KVPoll.Bootstrapping",
             )

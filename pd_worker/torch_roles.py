@@ -320,7 +320,7 @@ class TorchDecodeRole:
         with contextlib.suppress(KVTransferError):
             await self._puller.release(host, port, room_id, timeout_secs)
 
-    async def _read_kv(self, handoff: KVHandoff, slots: list[int], source: str) -> None:
+    async def _read_kv(self, handoff: KVHandoff, slots: list[int], source: str | None) -> None:
         if self._transport is None:
             raise KVTransferFailed("the decode has no KV transport (role torn down)")
         if handoff.transport != self._transport.kind:
