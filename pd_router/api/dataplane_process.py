@@ -211,7 +211,7 @@ class DataPlane:
             case MetricsAsk():
                 self.reports.send_metrics(message.request)
             case _:
-                raise WireError(f"{type(message).__name__} is not for a data plane")
+                raise WireError(f"a {type(message).__name__}, which is not for a data plane")
 
     def _take_snapshot(self, snapshot: Snapshot) -> None:
         """Route from ``snapshot`` and ack it at once; an inconsistent one is not applied,
@@ -238,7 +238,7 @@ class DataPlane:
         except ChannelClosed:
             pass
         except WireError as exc:
-            log.error("data plane %d: %s from the control side", self.pools.index, exc)
+            log.error("data plane %d: the control side sent %s", self.pools.index, exc)
         except TimeoutError:
             if self._on_control_silent is not None:
                 self._on_control_silent()
