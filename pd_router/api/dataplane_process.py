@@ -134,7 +134,7 @@ class DataPlane:
         relay: Relay,
         body_admission: BodyAdmission,
         ssl_context: ssl.SSLContext | None,
-        abort: Callable[[Target, list[str]], None],
+        abort: Callable[[Target, list[str]], object],
         samples: Callable[[], list[list]],
         on_control_silent: Callable[[], None] | None = None,
     ) -> None:

@@ -119,4 +119,4 @@ class RequestPath:
     latency: LatencySink
     metrics: RequestMetrics
     # Fire-and-forget ``/abort_request`` of these rids to a worker.
-    abort: Callable[[Target, list[str]], None]
+    abort: Callable[[Target, list[str]], object]
