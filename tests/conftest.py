@@ -69,5 +69,11 @@ def free_port() -> Callable[[], int]:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The real-SGLang tests run last: their servers then share the machine with no other test
-    (timing-sensitive ones included) for as long as the session keeps them."""
-    items.sort(key=lambda item: item.get_closest_marker("real_sglang") is not None)
+    (timing-sensitive ones included) for as long as the session keeps them. Those that kill
+    servers of the shared fleet run after every other."""
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("real_sglang") is not None,
+            item.get_closest_marker("ends_the_fleet") is not None,
+        )
+    )

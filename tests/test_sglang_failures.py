@@ -4,7 +4,8 @@ prefill with its radix cache, it crashes at its first idle after serving decode 
 shared prefix). The router ends what was in flight with an error the client can read, takes the
 dead worker out at once, and every later request is served by the others.
 
-These servers are this module's own (they are killed), not the session's shared fleet."""
+The module uses the session's fleet and kills two of its servers (a decode and the radix
+prefill), so it runs after every other real-SGLang test (marker ends_the_fleet)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ import pytest
 
 from tests.cli_process import Served, serving
 from tests.router_helpers import sse_events
-from tests.sglang_cluster import NO_RADIX, SGLangServer, pd_args, router_ready, running, server
+from tests.sglang_cluster import Fleet, SGLangServer, pd_args, router_ready
 
-pytestmark = pytest.mark.real_sglang
+pytestmark = [pytest.mark.real_sglang, pytest.mark.ends_the_fleet]
 
 TIMEOUT = 120.0
 
@@ -34,16 +35,14 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    radix_prefill = server("p-radix", "prefill")
-    prefill = server("p", "prefill", extra=NO_RADIX)
-    decodes = [server("d0", "decode", extra=NO_RADIX), server("d1", "decode", extra=NO_RADIX)]
-    with running([radix_prefill, prefill, *decodes]):
-        args = [*pd_args([radix_prefill, prefill], decodes), "--host", "127.0.0.1"]
-        args += ["--health-check-interval-secs", "1", "--decode-policy", "round_robin"]
-        with serving(*args) as router:
-            router_ready(router.url, prefill=2, decode=2)
-            yield Cluster(radix_prefill, prefill, decodes, router)
+def cluster(sglang_fleet: Fleet) -> Iterator[Cluster]:
+    radix_prefill, prefill = sglang_fleet.radix_prefill, sglang_fleet.prefill[0]
+    decodes = sglang_fleet.decode
+    args = [*pd_args([radix_prefill, prefill], decodes), "--host", "127.0.0.1"]
+    args += ["--health-check-interval-secs", "1", "--decode-policy", "round_robin"]
+    with serving(*args) as router:
+        router_ready(router.url, prefill=2, decode=2)
+        yield Cluster(radix_prefill, prefill, decodes, router)
 
 
 def workers(router: Served) -> dict[str, dict]:
