@@ -260,11 +260,18 @@ async def test_a_half_open_circuit_gets_one_trial_from_the_whole_router(cluster_
                     await http.post("/generate", json=generate_body(f"client {n}", TOKENS))
 
         clients = [asyncio.create_task(client(n)) for n in range(12)]
-        seen = []
+        seen: list[int] = []
+        # Watched from the first sight of the trial for 3 s: well inside the 10 s it is held,
+        # after which it succeeds and closes the circuit to every client.
+        trial_seen_at = None
+        deadline = time.monotonic() + 8.0
         async with router.client() as http:
-            for _ in range(150):
+            while time.monotonic() < deadline:
                 workers = (await http.get("/workers")).json()["workers"]
                 seen += [w["inflight"] for w in workers if w["url"] == failing]
+                if trial_seen_at is None and seen[-1] > 0:
+                    trial_seen_at = time.monotonic()
+                    deadline = trial_seen_at + 3.0
                 await asyncio.sleep(0.02)
         stop.set()
         for task in clients:
