@@ -348,6 +348,14 @@ async def test_a_router_shutdown_aborts_a_draining_conversion(fleet):
     assert back_in_old_pool(fleet.p0)
 
 
+async def test_a_router_shutdown_right_after_the_start_aborts_the_conversion_it_just_claimed(fleet):
+    fleet.registry.set_inflight(fleet.p0, 1, 0.0)
+    conversion = await fleet.start(fleet.p0)
+    await fleet.manager.close()
+    assert conversion.status is Status.ABORTED
+    assert back_in_old_pool(fleet.p0)
+
+
 async def test_a_router_shutdown_with_the_switch_unanswered_leaves_the_role_unknown(fleet):
     fleet.model(fleet.p0).hold_switch = asyncio.Event()
     conversion = await fleet.start(fleet.p0)

@@ -253,6 +253,9 @@ class ConversionManager:
         waiting for the worker's answer when the grace ends is recorded with its role
         unknown, never as back in a pool."""
         self.abort_draining("because the router is shutting down")
+        # A conversion task cancelled before its first step would never run its own ending
+        # (the record left draining, the worker held): one turn of the loop starts them all.
+        await asyncio.sleep(0)
         tasks = list(self._tasks)
         if tasks and grace_secs > 0:
             await asyncio.wait(tasks, timeout=grace_secs)
