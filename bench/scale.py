@@ -90,6 +90,7 @@ SEGMENT_SLACK_S = 120.0
 PROFILE_PICK_S = 1.0
 SMG = "smg"
 BUSY_NEIGHBOURS = "1busy"
+BASELINE = "base"
 SPIN_FOREVER = "while True: pass"
 
 
@@ -163,11 +164,13 @@ class Setup:
     """One router setup: smg (on every router core, or on ``count`` of them), one pd-router
     with ``--workers N``, or N separate pd-routers. ``busy_neighbours``: one pd-router process
     on one router core while bare loops keep the other router cores busy, so that it runs on a
-    machine as loaded as the many-process setups leave it."""
+    machine as loaded as the many-process setups leave it. ``venv``: a pd-router setup run
+    from another build (``--baseline``), to compare two versions of the router in one run."""
 
     kind: str  # "smg", "workers" or "separate"
     count: int = 1  # smg: router cores it is pinned to, 0 for all of them
     busy_neighbours: bool = False
+    venv: Path | None = None
 
     @property
     def name(self) -> str:
@@ -177,7 +180,8 @@ class Setup:
         if self.busy_neighbours:
             return f"pd-router --workers {self.count}, other router cores busy"
         if self.kind == "workers":
-            return f"pd-router --workers {self.count}"
+            build = " (baseline)" if self.venv else ""
+            return f"pd-router --workers {self.count}{build}"
         return f"{self.count} pd-router processes"
 
     def cores(self, router: Sequence[int]) -> tuple[int, ...]:
@@ -200,12 +204,17 @@ SMG_ONE_CORE = Setup(SMG, 1)
 BUSY_ONE = Setup("workers", 1, busy_neighbours=True)
 
 
-def parse_setups(text: str) -> tuple[Setup, ...]:
-    """``"smg,smg1,1,1busy,2,6s"`` -> smg, smg on 1 core, --workers 1, --workers 1 beside busy
-    router cores, --workers 2, 6 separate processes."""
+def parse_setups(text: str, baseline: Path | None = None) -> tuple[Setup, ...]:
+    """``"smg,smg1,1,1busy,2,6s,1base"`` -> smg, smg on 1 core, --workers 1, --workers 1 beside
+    busy router cores, --workers 2, 6 separate processes, --workers 1 of the baseline build."""
     setups = []
     for entry in (part.strip() for part in text.split(",")):
         if not entry:
+            continue
+        if entry.endswith(BASELINE):
+            if baseline is None:
+                raise ValueError(f"{entry}: a baseline setup needs --baseline VENV")
+            setups.append(Setup("workers", int(entry.removesuffix(BASELINE)), venv=baseline))
             continue
         if entry.startswith(SMG):
             setups.append(Setup(SMG, int(entry.removeprefix(SMG) or 0)))
@@ -289,6 +298,8 @@ def setup_peers(setup: Setup, cores: Sequence[int], workers_flag: bool = True) -
     """The routers of one setup, each pinned to the router cores, each with its own name;
     ``--workers N`` is passed for N > 1, and for N = 1 where the pd-router knows the flag."""
     base = PEERS[SMG] if setup.kind == SMG else PEERS["pd-router"]
+    if setup.venv is not None:
+        base = dataclasses.replace(base, venv_name=str(setup.venv.resolve()))
     explicit = setup.kind == "workers" and (setup.count > 1 or workers_flag)
     extra = ["--workers", str(setup.count)] if explicit else []
 
@@ -297,7 +308,7 @@ def setup_peers(setup: Setup, cores: Sequence[int], workers_flag: bool = True) -
         return pinned(argv, setup.cores(cores))
 
     copies = setup.count if setup.kind == "separate" else 1
-    slug = setup.name.replace(" ", "").replace("--", "-")
+    slug = setup.name.replace(" ", "").replace("--", "-").replace("(", "-").replace(")", "")
     return [
         dataclasses.replace(
             base, name=slug if copies == 1 else f"{slug}-{i}", build_argv=build, description=""
@@ -743,9 +754,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[ScaleConfig, float]:
     )
     parser.add_argument("--profile", type=float, default=0.0, help="py-spy one data plane N s")
     parser.add_argument("--results-dir", type=Path, default=RESULTS, help="default: %(default)s")
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="a venv holding another build of pd-router, run by the setups named Nbase",
+    )
     args = parser.parse_args(argv)
     try:
-        setups = parse_setups(args.setups)
+        setups = parse_setups(args.setups, args.baseline)
         concurrencies = tuple(int(c) for c in args.concurrency.split(",") if c)
         if args.share_cores:
             if any(setup.busy_neighbours for setup in setups):
@@ -803,6 +819,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for peer in {PEERS[SMG] if s.kind == SMG else PEERS["pd-router"] for s in cfg.setups}:
             ensure_peer(peer)
             check_peer(peer)
+        for venv in {s.venv for s in cfg.setups if s.venv is not None}:
+            if not (venv / "bin" / "pd-router").exists():
+                raise PeerSetupError(f"baseline: {venv}/bin/pd-router is missing")
     except PeerSetupError as exc:
         print(f"peer setup failed: {exc}", file=sys.stderr)
         return 1

@@ -56,6 +56,19 @@ def test_a_plan_without_cores_for_each_part_is_refused(
         plan_cores(range(16), router=router, backends=backends)
 
 
+def test_a_baseline_setup_runs_the_pd_router_of_the_baseline_venv(
+    bench_modules: None, tmp_path: Path
+) -> None:
+    from scale import parse_setups, setup_peers
+
+    (base,) = parse_setups("1base", tmp_path)
+    assert (base.name, base.count, base.venv) == ("pd-router --workers 1 (baseline)", 1, tmp_path)
+    (peer,) = setup_peers(base, (10,))
+    assert peer.venv == tmp_path.resolve()
+    with pytest.raises(ValueError, match="--baseline"):
+        parse_setups("1base")
+
+
 def test_setups_name_smg_worker_counts_and_separate_processes(bench_modules: None) -> None:
     from scale import parse_setups
 
