@@ -3,5 +3,5 @@
 ``server`` builds the aiohttp application (routes and middleware), ``errors`` turns what a handler
 raised into its response, ``keys`` names the collaborators handlers read from the application;
 the other modules are the handlers of one area each (workers, conversions, autopilot, dashboard,
-loads, metrics, info). ``dataplane_process`` is the data-plane process's main, still here.
+loads, metrics, info).
 """

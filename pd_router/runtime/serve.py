@@ -8,7 +8,7 @@ timeouts, the client connection cap, HTTPS with ``[tls]`` cert and key), which s
 generation endpoints itself and relays every other request to the application, listening on a
 Unix socket of its own with handler cancellation, so a client that goes away cancels its
 request. With ``--workers 1`` the data plane runs in this process, fed by the same snapshots as
-the data-plane processes of ``--workers N`` (:mod:`pd_router.api.dataplane_process`) over a
+the data-plane processes of ``--workers N`` (:mod:`pd_router.runtime.dataplane_process`) over a
 channel with no socket.
 """
 
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from pd_protocol.listen import ListenError
-from pd_router.api.dataplane_process import DataPlane, client_limits
 from pd_router.api.server import BODY_ADMISSION
 from pd_router.config import RouterConfig
 from pd_router.control.discovery.config import DiscoveryUnavailable
@@ -34,6 +33,7 @@ from pd_router.dataplane.front.relay import Relay
 from pd_router.dataplane.listener import default_max_connections, fd_limit, raise_fd_limit
 from pd_router.dataplane.upstream import abort
 from pd_router.runtime.app_socket import AppSocket
+from pd_router.runtime.dataplane_process import DataPlane, client_limits
 from pd_router.runtime.processes import serve_processes
 from pd_router.runtime.router import ROUTER, Router, build_app
 from pd_router.runtime.signals import begin_stop

@@ -5,7 +5,8 @@ they share is ``pd_protocol``); the reference worker does not import server_patc
 ``pd_router`` dependencies point one way: ``cli`` -> ``runtime`` -> ``api`` ->
 ``control``/``dataplane`` -> the shared modules at the top (config, errors, metrics, tls), and no
 module imports itself back through another. No module but the registry (``control/workers.py``)
-writes a worker's lifecycle fields (every change goes through the registry's transition table)."""
+writes a worker's lifecycle fields (every change goes through the registry's transition table).
+``api`` holds HTTP handlers only: process mains, signals and sockets live in ``runtime``."""
 
 from __future__ import annotations
 
@@ -125,6 +126,16 @@ def test_the_reference_worker_does_not_import_server_patch():
         if "server_patch" in imported_packages(tree)
     }
     assert offenders == {}
+
+
+def test_the_http_handlers_run_no_process():
+    process_machinery = {"signal", "socket", "subprocess", "multiprocessing"}
+    offenders = {
+        name: sorted(imported_modules(tree) & process_machinery)
+        for name, tree in modules(ROUTER).items()
+        if layer(name) == "api"
+    }
+    assert {name: found for name, found in offenders.items() if found} == {}
 
 
 def test_every_layer_imports_only_the_layers_beneath_it():
