@@ -12,14 +12,23 @@ router's ``[autopilot]`` section with mode "auto"); ``autopilot-restart`` (the s
 role switch takes ``--restart-secs`` modeled seconds, the cost of a restart and weight reload).
 The autopilot configurations are skipped with a message when the router refuses the section.
 
+With ``--trace`` the configurations replay real traces instead (``bench/traces.py``: the Azure
+LLM inference 2023 code and conversation services in ``bench/traces/``, or CSV files of the same
+format), merged by time, cut to ``--trace-window`` minutes, played ``--compress`` times faster
+and thinned to ``--keep`` of the requests with ``--seed``; a real trace has no phases, so it is
+reported in ``--windows`` equal windows.
+
 Reported per configuration: goodput (requests per second meeting both the TTFT and the TPOT SLO,
-over the trace), SLO attainment per phase, conversions made, failed requests. The report goes to
+over the trace), SLO attainment per phase (per window, with goodput per window, for a real
+trace), conversions made, failed requests. The report goes to
 bench/results/rebalance-<timestamp>.md and the plot of goodput and pool sizes over time to
-docs/img/rebalance.png (matplotlib: ``pip install -e '.[bench]'``).
+docs/img/rebalance.png, for a real trace next to the report (matplotlib:
+``pip install -e '.[bench]'``).
 
     .venv/bin/python bench/rebalance.py                       # every configuration (~13 min)
     .venv/bin/python bench/rebalance.py --only static         # the three static splits
     .venv/bin/python bench/rebalance.py --autopilot-config ap.toml   # [autopilot] section to use
+    .venv/bin/python bench/rebalance.py --trace azure_code,azure_conv --compress 6 --keep 0.2
 
 Exit status 2 on bad arguments or a missing matplotlib (unless --no-plot).
 """
@@ -46,6 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from router_process import router_toml, running_router  # noqa: E402
+from traces import KNOWN, TraceError, TraceRequest, merge, prepare, read_trace, resolve  # noqa: E402
 
 from pd_router.config import ConfigError, build_config  # noqa: E402
 from pd_router.control.conversion.history import FINAL  # noqa: E402
@@ -111,16 +121,6 @@ class Phase:
     end: float
 
 
-@dataclass(frozen=True)
-class TraceRequest:
-    """One request of the trace: when it is sent (modeled seconds) and how big it is."""
-
-    at: float
-    phase: int
-    prompt_tokens: int
-    output_tokens: int
-
-
 def phases(spec: TraceSpec) -> list[Phase]:
     """The phases in order, alternating the two shapes, ``spec.shapes[0]`` first."""
     return [
@@ -146,6 +146,88 @@ def make_trace(spec: TraceSpec) -> list[TraceRequest]:
                 )
             )
     return trace
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every configuration replays, and how the report and the plot name its parts: one
+    column per phase of the synthetic trace or per window of a real one."""
+
+    trace: list[TraceRequest]
+    duration: float
+    heads: list[str]
+    description: str
+    # Spans the plot shades grey, and what the grey means.
+    shaded: list[tuple[float, float]]
+    shading: str
+    goal_ratio: float
+    goodput_per_window: bool = False
+
+
+def synthetic_workload(spec: TraceSpec) -> Workload:
+    """The phase-shifting synthetic trace, the prompt-heavy phases shaded."""
+    trace = make_trace(spec)
+    description = (
+        f"seed {spec.seed}, {spec.phases} phases of {spec.phase_secs:.0f} modeled s "
+        f"({len(trace)} requests), load x{spec.load}; "
+        + "; ".join(
+            f"{s.name}: {s.rate * spec.load:g} req/s, prompt {s.prompt_tokens[0]}-"
+            f"{s.prompt_tokens[1]}, answer {s.output_tokens[0]}-{s.output_tokens[1]} tokens"
+            for s in spec.shapes
+        )
+    )
+    return Workload(
+        trace,
+        spec.duration,
+        [f"{p.shape.name[0].upper()}{p.index + 1}" for p in phases(spec)],
+        description,
+        [(p.start, p.end) for p in phases(spec) if p.shape.name == PROMPT_HEAVY.name],
+        "prompt-heavy phases",
+        GOAL_RATIO,
+    )
+
+
+# The issue's goal on a real trace (Azure merged, 4 workers): at least the best static split.
+TRACE_GOAL_RATIO = 1.0
+
+
+def trace_workload(args: argparse.Namespace) -> Workload:
+    """The real traces named by ``--trace``, merged, cut, compressed and thinned as the
+    options say, counted in ``--windows`` equal windows (every other one shaded).
+
+    Raises TraceError for a trace that cannot be read or options that leave nothing."""
+    names = [name.strip() for name in args.trace.split(",")]
+    logged = merge([read_trace(resolve(name)) for name in names])
+    replay = prepare(
+        logged,
+        minutes=args.trace_window,
+        factor=args.compress,
+        keep=args.keep,
+        seed=args.seed,
+        windows=args.windows,
+    )
+    width = replay.duration / args.windows
+    start = args.trace_window[0] if args.trace_window else 0.0
+    minutes = width * args.compress / 60
+    description = (
+        f"{' + '.join(names)} merged by time, "
+        + (f"minutes {start:g}-{args.trace_window[1]:g}" if args.trace_window else "all")
+        + f" of the trace (from its first request), compressed {args.compress:g}x, "
+        f"{args.keep:.0%} of the requests kept at random (seed {args.seed}): "
+        f"{len(replay.requests)} requests over {replay.duration:.0f} modeled s, "
+        f"{args.windows} windows of {width:.0f} s (W1 = trace minutes "
+        f"{start:g}-{start + minutes:g})"
+    )
+    return Workload(
+        replay.requests,
+        replay.duration,
+        [f"W{i + 1}" for i in range(args.windows)],
+        description,
+        [(i * width, (i + 1) * width) for i in range(1, args.windows, 2)],
+        "every other window",
+        TRACE_GOAL_RATIO,
+        goodput_per_window=True,
+    )
 
 
 # --- outcomes and goodput -------------------------------------------------------------------
@@ -182,14 +264,28 @@ def goodput(outcomes: Sequence[Outcome], slo: Slo, duration: float) -> float:
     return sum(meets_slo(o, slo) for o in outcomes) / duration
 
 
-def attainment_by_phase(outcomes: Sequence[Outcome], slo: Slo, count: int) -> list[float]:
-    """Per phase, the share of the requests sent in it that met both SLOs (nan when none)."""
+def _tally(outcomes: Sequence[Outcome], slo: Slo, count: int) -> tuple[list[int], list[int]]:
+    """Per phase, how many requests were sent in it and how many of those met both SLOs."""
     sent = [0] * count
     good = [0] * count
     for outcome in outcomes:
         sent[outcome.request.phase] += 1
         good[outcome.request.phase] += meets_slo(outcome, slo)
+    return sent, good
+
+
+def attainment_by_phase(outcomes: Sequence[Outcome], slo: Slo, count: int) -> list[float]:
+    """Per phase, the share of the requests sent in it that met both SLOs (nan when none)."""
+    sent, good = _tally(outcomes, slo, count)
     return [g / s if s else math.nan for g, s in zip(good, sent, strict=True)]
+
+
+def goodput_by_phase(
+    outcomes: Sequence[Outcome], slo: Slo, count: int, phase_secs: float
+) -> list[float]:
+    """Per phase (or window) of ``phase_secs``, the requests sent in it that met both SLOs,
+    per second."""
+    return [g / phase_secs for g in _tally(outcomes, slo, count)[1]]
 
 
 def goodput_series(
@@ -433,13 +529,12 @@ def _pct(value: float) -> str:
 
 
 def report(
-    runs: list[Run], skipped: list[str], spec: TraceSpec, slo: Slo, args: argparse.Namespace
+    runs: list[Run], skipped: list[str], work: Workload, slo: Slo, args: argparse.Namespace
 ) -> str:
-    phase_list = phases(spec)
-    trace = make_trace(spec)
-    static = [goodput(r.outcomes, slo, spec.duration) for r in runs if not r.config.autopilot]
+    duration = work.duration
+    static = [goodput(r.outcomes, slo, duration) for r in runs if not r.config.autopilot]
     best = max(static, default=math.nan)
-    heads = " | ".join(f"{p.shape.name[0].upper()}{p.index + 1}" for p in phase_list)
+    heads = " | ".join(work.heads)
     lines = [
         f"# Rebalancing benchmark ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)",
         "",
@@ -448,23 +543,17 @@ def report(
         f"- Cluster: 4 pd_worker processes, profile `{PROFILE}`, speed {args.speed} "
         f"(1 modeled s = {args.speed} s wall), decode batch cap {args.decode_batch_cap} "
         "running requests per worker.",
-        f"- Trace: seed {spec.seed}, {spec.phases} phases of {spec.phase_secs:.0f} modeled s "
-        f"({len(trace)} requests), load x{spec.load}; "
-        + "; ".join(
-            f"{s.name}: {s.rate * spec.load:g} req/s, prompt {s.prompt_tokens[0]}-"
-            f"{s.prompt_tokens[1]}, answer {s.output_tokens[0]}-{s.output_tokens[1]} tokens"
-            for s in spec.shapes
-        ),
+        f"- Trace: {work.description}",
         f"- SLOs: TTFT <= {slo.ttft_secs * 1000:.0f} ms, TPOT <= {slo.tpot_secs * 1000:.0f} ms "
         "(modeled); goodput = requests meeting both / trace duration.",
         "",
         f"| configuration | goodput (req/s) | vs best static | {heads} | TTFT p50/p90 ms "
         "| TPOT p50/p90 ms | conversions | failed requests | wall s |",
-        "|---|---|---|" + "---|" * len(phase_list) + "---|---|---|---|---|",
+        "|---|---|---|" + "---|" * len(work.heads) + "---|---|---|---|---|",
     ]
     for run in runs:
-        value = goodput(run.outcomes, slo, spec.duration)
-        shares = attainment_by_phase(run.outcomes, slo, spec.phases)
+        value = goodput(run.outcomes, slo, duration)
+        shares = attainment_by_phase(run.outcomes, slo, len(work.heads))
         failed = sum(o.error is not None for o in run.outcomes)
         ttft = [o.ttft for o in run.outcomes if o.ttft is not None]
         tpot = [o.tpot for o in run.outcomes if o.tpot is not None]
@@ -482,7 +571,9 @@ def report(
             + " | ".join(_pct(s) for s in shares)
             + f" | {latency} | {conversions} | {failed} | {run.wall_secs:.0f} |"
         )
-    lines += goal_lines(runs, spec, slo)
+    if work.goodput_per_window:
+        lines += window_goodput_lines(runs, work, slo)
+    lines += goal_lines(runs, work, slo)
     lines += ["", *(f"Skipped: {reason}" for reason in skipped)]
     errors = [o.error for r in runs for o in r.outcomes if o.error][:5]
     if errors:
@@ -490,66 +581,81 @@ def report(
     return "\n".join(lines) + "\n"
 
 
+def window_goodput_lines(runs: list[Run], work: Workload, slo: Slo) -> list[str]:
+    """A table of each configuration's goodput (req/s within both SLOs) per window."""
+    count = len(work.heads)
+    lines = [
+        "",
+        "Goodput per window (req/s sent in the window that met both SLOs):",
+        "",
+        "| configuration | " + " | ".join(work.heads) + " |",
+        "|---|" + "---|" * count,
+    ]
+    for run in runs:
+        values = goodput_by_phase(run.outcomes, slo, count, work.duration / count)
+        lines.append(f"| {run.config.name} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+    return lines
+
+
 GOAL_RATIO = 1.3
 PHASE_FLOOR = 0.9
 
 
-def goal_lines(runs: list[Run], spec: TraceSpec, slo: Slo) -> list[str]:
+def goal_lines(runs: list[Run], work: Workload, slo: Slo) -> list[str]:
     """The issue's goal checked for the in-place autopilot against the best static split (by
-    goodput over the trace): at least ``GOAL_RATIO`` times its goodput, in every phase at
+    goodput over the trace): at least ``work.goal_ratio`` times its goodput, in every phase at
     least ``PHASE_FLOOR`` times its SLO attainment, and no failed request."""
     static = [r for r in runs if not r.config.autopilot]
     pilot = next((r for r in runs if r.config.name == "autopilot"), None)
     if not static or pilot is None:
         return []
-    best = max(static, key=lambda r: goodput(r.outcomes, slo, spec.duration))
-    ratio = goodput(pilot.outcomes, slo, spec.duration) / max(
-        goodput(best.outcomes, slo, spec.duration), 1e-9
+    best = max(static, key=lambda r: goodput(r.outcomes, slo, work.duration))
+    ratio = goodput(pilot.outcomes, slo, work.duration) / max(
+        goodput(best.outcomes, slo, work.duration), 1e-9
     )
-    mine = attainment_by_phase(pilot.outcomes, slo, spec.phases)
-    theirs = attainment_by_phase(best.outcomes, slo, spec.phases)
+    mine = attainment_by_phase(pilot.outcomes, slo, len(work.heads))
+    theirs = attainment_by_phase(best.outcomes, slo, len(work.heads))
     short = [
-        f"{p.shape.name[0].upper()}{p.index + 1} {_pct(a)} vs {_pct(b)}"
-        for p, a, b in zip(phases(spec), mine, theirs, strict=True)
+        f"{head} {_pct(a)} vs {_pct(b)}"
+        for head, a, b in zip(work.heads, mine, theirs, strict=True)
         if a < PHASE_FLOOR * b
     ]
     failed = sum(o.error is not None for o in pilot.outcomes)
-    verdict = ratio >= GOAL_RATIO and not short and failed == 0
+    verdict = ratio >= work.goal_ratio and not short and failed == 0
     return [
         "",
         f"Goal against the best static split ({best.config.name}): "
         + ("met" if verdict else "NOT met"),
-        f"- goodput {ratio:.2f}x (goal >= {GOAL_RATIO}x)",
+        f"- goodput {ratio:.2f}x (goal >= {work.goal_ratio}x)",
         f"- phases below {PHASE_FLOOR:.0%} of its attainment: "
         + (", ".join(short) if short else "none"),
         f"- failed requests: {failed}",
     ]
 
 
-def plot(runs: list[Run], spec: TraceSpec, slo: Slo, path: Path, bin_secs: float) -> None:
+def plot(runs: list[Run], work: Workload, slo: Slo, path: Path, bin_secs: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
-    for phase in phases(spec):
-        if phase.shape.name == PROMPT_HEAVY.name:
-            for axis in (top, bottom):
-                axis.axvspan(phase.start, phase.end, color="0.92", lw=0)
+    for start, end in work.shaded:
+        for axis in (top, bottom):
+            axis.axvspan(start, end, color="0.92", lw=0)
     for run in runs:
-        series = goodput_series(run.outcomes, slo, spec.duration, bin_secs)
+        series = goodput_series(run.outcomes, slo, work.duration, bin_secs)
         times = [bin_secs * (i + 0.5) for i in range(len(series))]
         top.plot(times, series, marker=".", label=run.config.name)
         if run.pools:
             bottom.step([p[0] for p in run.pools], [p[1] for p in run.pools], where="post")
     top.set_ylabel("goodput (req/s)")
-    top.set_title("Goodput and prefill pool size (grey: prompt-heavy phases)")
+    top.set_title(f"Goodput and prefill pool size (grey: {work.shading})")
     top.legend(fontsize="small", ncol=3)
     bottom.set_ylabel("ACTIVE prefills (of 4)")
     bottom.set_xlabel("modeled time (s)")
     bottom.set_ylim(0, 4.2)
-    bottom.set_xlim(0, spec.duration)
+    bottom.set_xlim(0, work.duration)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -564,7 +670,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--phases", type=int, default=6)
     parser.add_argument("--phase-secs", type=float, default=60.0, help="modeled seconds")
     parser.add_argument("--load", type=float, default=1.0, help="multiplies every arrival rate")
-    parser.add_argument("--seed", type=int, default=10)
+    parser.add_argument(
+        "--seed", type=int, default=10, help="the synthetic trace's, or --keep's thinning"
+    )
     parser.add_argument("--decode-batch-cap", type=int, default=4)
     parser.add_argument("--ttft-ms", type=float, default=2000.0)
     parser.add_argument("--tpot-ms", type=float, default=30.0)
@@ -582,14 +690,60 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help='"static", "autopilot", or configuration names separated by commas '
         '("static 2P2D,autopilot")',
     )
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="replay real traces instead of the synthetic one: names "
+        f"({', '.join(KNOWN)}) or CSV paths, separated by commas, merged by time",
+    )
+    parser.add_argument(
+        "--trace-window",
+        type=minute_range,
+        default=None,
+        metavar="START:END",
+        help="minutes of the trace to replay, from its first request (default: all)",
+    )
+    parser.add_argument(
+        "--compress", type=float, default=None, help="play the trace this many times faster"
+    )
+    parser.add_argument(
+        "--keep", type=float, default=None, help="share of the trace's requests kept, seeded"
+    )
+    parser.add_argument(
+        "--windows", type=int, default=None, help="equal windows the trace is reported in (6)"
+    )
     parser.add_argument("--bin-secs", type=float, default=10.0, help="plot bin, modeled s")
-    parser.add_argument("--plot", type=Path, default=PLOT)
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help=f"default {PLOT.relative_to(REPO)}; with --trace, next to the report",
+    )
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--results-dir", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.speed <= 0 or args.phases < 1 or args.phase_secs <= 0 or args.load <= 0:
         parser.error("--speed, --phases, --phase-secs and --load must be > 0")
+    trace_options = (args.trace_window, args.compress, args.keep, args.windows)
+    if args.trace is None and any(option is not None for option in trace_options):
+        parser.error("--trace-window, --compress, --keep and --windows apply to --trace only")
+    args.compress = 1.0 if args.compress is None else args.compress
+    args.keep = 1.0 if args.keep is None else args.keep
+    args.windows = 6 if args.windows is None else args.windows
     return args
+
+
+def minute_range(text: str) -> tuple[float, float]:
+    """``START:END`` minutes, START before END (argparse's type for --trace-window)."""
+    start, _, end = text.partition(":")
+    bad = argparse.ArgumentTypeError(f"{text!r} is not START:END minutes, 0 <= START < END")
+    try:
+        minutes = (float(start), float(end))
+    except ValueError:
+        raise bad from None
+    if not 0 <= minutes[0] < minutes[1]:
+        raise bad
+    return minutes
 
 
 def selected(config: Configuration, only: str | None) -> bool:
@@ -618,14 +772,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    spec = TraceSpec(args.seed, args.phases, args.phase_secs, args.load)
+    try:
+        work = (
+            trace_workload(args)
+            if args.trace
+            else synthetic_workload(TraceSpec(args.seed, args.phases, args.phase_secs, args.load))
+        )
+    except TraceError as exc:
+        print(f"rebalance: {exc}", file=sys.stderr)
+        return 2
     slo = Slo(args.ttft_ms / 1000, args.tpot_ms / 1000)
     autopilot_toml = (
         args.autopilot_config.read_text()
         if args.autopilot_config
         else default_autopilot(args.speed, slo)
     )
-    trace = make_trace(spec)
+    trace = work.trace
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     log_dir = args.results_dir / f"rebalance-{stamp}"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -641,14 +803,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         print(f"rebalance: {config.name} ({len(trace)} requests)", file=sys.stderr, flush=True)
         runs.append(run_configuration(config, trace, args, log_dir))
-    text = report(runs, skipped, spec, slo, args)
+    text = report(runs, skipped, work, slo, args)
     written = args.results_dir / f"rebalance-{stamp}.md"
     written.write_text(text)
     print(text)
     print(f"rebalance: report written to {written}", file=sys.stderr)
     if not args.no_plot and runs:
-        plot(runs, spec, slo, args.plot, args.bin_secs)
-        print(f"rebalance: plot written to {args.plot}", file=sys.stderr)
+        path = args.plot or (written.with_suffix(".png") if args.trace else PLOT)
+        plot(runs, work, slo, path, args.bin_secs)
+        print(f"rebalance: plot written to {path}", file=sys.stderr)
     return 0
 
 
