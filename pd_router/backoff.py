@@ -2,7 +2,8 @@
 failure, up to a cap, so a dependency that is down is not hammered, and starts small again
 after a success, so a short outage is noticed soon after it ends.
 
-Request retries have their own configurable, jittered schedule (:mod:`pd_router.dataplane.retry`).
+Request retries have their own configurable, jittered schedule
+(:mod:`pd_router.dataplane.routing.retry`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The states of a worker's circuit, shared by the control side (which decides them,
 :mod:`pd_router.control.circuit`) and the data planes (which route by them,
-:mod:`pd_router.dataplane.snapshot`)."""
+:mod:`pd_router.dataplane.routing.snapshot`)."""
 
 from __future__ import annotations
 

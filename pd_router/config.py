@@ -27,15 +27,15 @@ from pd_router.control.cluster.config import ClusterConfig
 from pd_router.control.discovery.config import PROVIDERS, DiscoveryConfig
 from pd_router.control.discovery.selectors import Selector, SelectorError
 from pd_router.control.workers import normalize_url
-from pd_router.dataplane.concurrency import AdmissionConfig
-from pd_router.dataplane.http1 import LegLimits
-from pd_router.dataplane.policies import (
+from pd_router.dataplane.front.concurrency import AdmissionConfig
+from pd_router.dataplane.legs.pool import LegLimits
+from pd_router.dataplane.routing.policies import (
     POLICIES,
     POLICY_ALIASES,
     CacheAwareConfig,
     canonical_policy_name,
 )
-from pd_router.dataplane.retry import RetryConfig
+from pd_router.dataplane.routing.retry import RetryConfig
 from pd_router.roles import Role
 from pd_router.tls import TLSConfig, server_context, worker_context
 

@@ -1,7 +1,7 @@
 """The messages between the control side and its data planes: typed, immutable records, one
 class per kind, and how they travel over a socket.
 
-Over a socket (:class:`pd_router.dataplane.channel.Channel`) a message is the JSON array
+Over a socket (:class:`pd_router.dataplane.link.channel.Channel`) a message is the JSON array
 ``[tag, fields]`` (orjson writes the dataclass as the object of its fields); :func:`decode`
 reads it back through the tag's class and refuses anything else with :class:`WireError`. In one
 process the records are handed over as they are, so neither side changes one once sent (the
@@ -173,7 +173,7 @@ Message = (
 
 class ChannelEnd(Protocol):
     """One end of a channel, over a socket or in one process
-    (:mod:`pd_router.dataplane.channel`). Sending never waits; receiving raises ChannelClosed
+    (:mod:`pd_router.dataplane.link.channel`). Sending never waits; receiving raises ChannelClosed
     once the other end is gone."""
 
     @property

@@ -73,15 +73,15 @@ def test_profile_summary_leaves_out_syscalls_and_charges_python_frames(
 
     raw = tmp_path / "profile.txt"
     raw.write_text(
-        "main (/r/pd_router/cli/main.py:1);serve (/r/pd_router/dataplane/proxy.py:70);"
+        "main (/r/pd_router/cli/main.py:1);serve (/r/pd_router/dataplane/path/proxy.py:70);"
         "epoll_pwait (libc.so.6) 5\n"
-        "main (/r/pd_router/cli/main.py:1);serve (/r/pd_router/dataplane/proxy.py:70);"
+        "main (/r/pd_router/cli/main.py:1);serve (/r/pd_router/dataplane/path/proxy.py:70);"
         "feed_data (_http_parser.c:9) 3\n"
         "main (/r/pd_router/cli/main.py:1);gc_collect_main (libpython3.11.so.1.0) 2\n"
     )
     summary = summarize(raw)
     assert (summary.total, summary.user, summary.in_syscalls["epoll_pwait"]) == (10, 5, 5)
-    assert summary.self_samples["serve (pd_router/dataplane/proxy.py)"] == 3
+    assert summary.self_samples["serve (pd_router/dataplane/path/proxy.py)"] == 3
     assert summary.self_samples["gc_collect_main (cyclic GC)"] == 2
     assert summary.inclusive_samples["main (pd_router/cli/main.py)"] == 5
 

@@ -28,7 +28,7 @@ from pd_router.cli.main import (
     startup_warnings,
 )
 from pd_router.config import ConfigError, load_config
-from pd_router.dataplane import policies
+from pd_router.dataplane.routing import policies
 from tests.router_helpers import assert_paired, generate_body, running_router
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -342,7 +342,7 @@ def alias_with_warning() -> str:
     """A policy alias whose warning is defined (skip when this branch has none)."""
     explain = getattr(policies, "alias_warning", None)
     if explain is None:
-        pytest.skip("pd_router.dataplane.policies.alias_warning is not in this branch")
+        pytest.skip("pd_router.dataplane.routing.policies.alias_warning is not in this branch")
     alias = next((name for name in policy_names() if explain(name)), None)
     if alias is None:
         pytest.skip("no policy alias with a warning in this branch")
@@ -413,7 +413,7 @@ def peer_policy_names() -> set[str]:
 def test_every_policy_name_of_the_peers_is_accepted():
     if getattr(policies, "alias_warning", None) is None:
         pytest.skip(
-            "the peers' policy names arrive with pd_router.dataplane.policies.alias_warning"
+            "the peers' policy names arrive with pd_router.dataplane.routing.policies.alias_warning"
         )
     assert peer_policy_names() - set(policy_names()) == set()
     for name in sorted(peer_policy_names()):

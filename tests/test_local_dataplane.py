@@ -17,10 +17,10 @@ from pd_router.control.dataplanes import DataPlanes
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
 from pd_router.control.workers import Worker, WorkerRegistry
-from pd_router.dataplane.channel import ChannelClosed, LocalChannel
-from pd_router.dataplane.policies import make_policy
-from pd_router.dataplane.reports import Reports
-from pd_router.dataplane.snapshot import Member, SnapshotPools
+from pd_router.dataplane.link.channel import ChannelClosed, LocalChannel
+from pd_router.dataplane.link.reports import Reports
+from pd_router.dataplane.routing.policies import make_policy
+from pd_router.dataplane.routing.snapshot import Member, SnapshotPools
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
 from pd_router.wire import PROTOCOL_VERSION, Hello, Snapshot, Suspect

@@ -11,7 +11,7 @@ import pytest
 from pd_router.circuit_state import CircuitState
 from pd_router.config import ConfigError, load_config
 from pd_router.control.workers import Role, Worker, WorkerRegistry
-from pd_router.dataplane.policies import (
+from pd_router.dataplane.routing.policies import (
     POLICIES,
     POLICY_ALIASES,
     CacheAwareConfig,
@@ -21,8 +21,8 @@ from pd_router.dataplane.policies import (
     make_policy,
     prompt_key,
 )
-from pd_router.dataplane.radix_tree import ApproxRadixTree
-from pd_router.dataplane.snapshot import SnapshotPools
+from pd_router.dataplane.routing.radix_tree import ApproxRadixTree
+from pd_router.dataplane.routing.snapshot import SnapshotPools
 from pd_router.metrics import RouterMetrics
 from pd_router.wire import Snapshot, WorkerEntry
 from tests.router_helpers import assert_paired, generate_body, running_router

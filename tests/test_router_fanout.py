@@ -9,8 +9,8 @@ import asyncio
 
 import pytest
 
-from pd_router.dataplane.fanout import Sampling, merged_usage, sample_bodies
-from pd_router.dataplane.requests import CHAT, COMPLETIONS, GENERATE
+from pd_router.dataplane.path.fanout import Sampling, merged_usage, sample_bodies
+from pd_router.dataplane.path.requests import CHAT, COMPLETIONS, GENERATE
 from pd_worker.tokens import chat_prompt, expected_text, tokenize
 from tests.router_helpers import (
     assert_paired,

@@ -11,7 +11,7 @@ import zlib
 import orjson
 import pytest
 
-from pd_router.dataplane.channel import LocalChannel
+from pd_router.dataplane.link.channel import LocalChannel
 from pd_router.wire import PROTOCOL_VERSION, Hello, Report
 from tests.router_helpers import assert_paired, generate_body, running_router, wait_until
 

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pd_router.dataplane.http1 import Http1Pool, LegLimits, PoolTimeout
-from pd_router.dataplane.http1_conn import (
+from pd_router.dataplane.legs.connection import (
     LegTimeout,
     Phase,
     UpstreamConnectError,
@@ -23,6 +22,7 @@ from pd_router.dataplane.http1_conn import (
     UpstreamProtocolError,
     WorkerUnavailable,
 )
+from pd_router.dataplane.legs.pool import Http1Pool, LegLimits, PoolTimeout
 from tests.router_helpers import wait_until
 
 

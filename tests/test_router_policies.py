@@ -10,7 +10,8 @@ import pytest
 
 from pd_router.config import SECTIONS
 from pd_router.control.workers import Role, WorkerRegistry
-from pd_router.dataplane.policies import (
+from pd_router.dataplane.path.proxy import SSE_HEADERS
+from pd_router.dataplane.routing.policies import (
     POLICIES,
     POLICY_ALIASES,
     LeastInflightPolicy,
@@ -19,7 +20,6 @@ from pd_router.dataplane.policies import (
     canonical_policy_name,
     make_policy,
 )
-from pd_router.dataplane.proxy import SSE_HEADERS
 from pd_router.metrics import RouterMetrics
 from tests.router_helpers import assert_paired, generate_body, running_router
 

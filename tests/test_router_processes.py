@@ -25,10 +25,10 @@ import pytest
 from pd_router.circuit_state import CircuitState
 from pd_router.cli.main import config_from_argv
 from pd_router.config import ConfigError, load_config
-from pd_router.dataplane.listener import MAX_BACKLOG
-from pd_router.dataplane.policies import make_policy
-from pd_router.dataplane.reports import METRICS_PUSH_SECS
-from pd_router.dataplane.snapshot import SnapshotPools
+from pd_router.dataplane.front.listener import MAX_BACKLOG
+from pd_router.dataplane.link.reports import METRICS_PUSH_SECS
+from pd_router.dataplane.routing.policies import make_policy
+from pd_router.dataplane.routing.snapshot import SnapshotPools
 from pd_router.roles import Role
 from pd_router.wire import Snapshot, WorkerEntry
 from pd_worker.cluster import WorkerCluster

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pd_router.dataplane.http1_conn import WorkerUnavailable
+from pd_router.dataplane.legs.connection import WorkerUnavailable
 from pd_worker.cluster import WorkerCluster
 from pd_worker.tokens import expected_text
 from tests.router_helpers import (

@@ -18,8 +18,8 @@ import pytest
 from pd_router.cli.admin_client import status as admin_status
 from pd_router.config import ConfigError, load_config
 from pd_router.control.workers import Role
-from pd_router.dataplane.http1 import LegLimits
-from pd_router.dataplane.http1_conn import UpstreamConnectError, UpstreamDisconnected
+from pd_router.dataplane.legs.connection import UpstreamConnectError, UpstreamDisconnected
+from pd_router.dataplane.legs.pool import LegLimits
 from pd_worker.cli import main as worker_main
 from pd_worker.cluster import ClusterTLS, WorkerCluster
 from tests.router_helpers import assert_paired, generate_body, running_router, sse_events

@@ -21,7 +21,7 @@ from pd_router.control.dataplanes import DataPlanes
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
 from pd_router.control.workers import WorkerRegistry
-from pd_router.dataplane.channel import HEADER, Channel
+from pd_router.dataplane.link.channel import HEADER, Channel
 from pd_router.metrics import RouterMetrics
 from pd_router.wire import PROTOCOL_VERSION, ChannelClosed, Hello, Message, Snapshot, decode, encode
 from tests.router_helpers import generate_body, running_router, wait_until

@@ -8,7 +8,7 @@ from aiohttp import web
 from pd_router.api.info import json_response
 from pd_router.api.keys import AUTOPILOT
 from pd_router.config import ConfigError
-from pd_router.dataplane.requests import parse_admin_body
+from pd_router.dataplane.path.requests import parse_admin_body
 from pd_router.errors import BadRequest
 
 

@@ -22,7 +22,7 @@ from pd_router.api.keys import CONVERSIONS
 from pd_router.control.conversion.history import Conversion, ConversionRequest, Status
 from pd_router.control.errors import AlreadyInRole
 from pd_router.control.workers import Role
-from pd_router.dataplane.requests import parse_admin_body
+from pd_router.dataplane.path.requests import parse_admin_body
 from pd_router.errors import BadRequest
 
 ABORT_REPLY_WAIT_SECS = 5.0

@@ -23,7 +23,7 @@ from pd_router.api.auth import has_admin_key, require_admin
 from pd_router.api.keys import CLUSTER, DATAPLANES, METRICS, REGISTRY, SESSION
 from pd_router.control.worker_calls import Reply, call, fan_out
 from pd_router.control.workers import Role, Worker, WorkerRegistry, WorkerState
-from pd_router.dataplane.requests import parse_body
+from pd_router.dataplane.path.requests import parse_body
 from pd_router.errors import BadRequest, ModelNotFound, NoWorkers, UpstreamError
 
 INFO_TIMEOUT = aiohttp.ClientTimeout(total=10.0)

@@ -26,9 +26,9 @@ from pd_router.api.cors import add_cors
 from pd_router.api.dashboard import add_dashboard_routes
 from pd_router.api.errors import MAPPED_ERRORS, error_response
 from pd_router.config import RouterConfig
-from pd_router.dataplane.admission import BodyAdmission
+from pd_router.dataplane.front.admission import BodyAdmission
 from pd_router.dataplane.front.ids import RequestIds
-from pd_router.dataplane.path import RequestMetrics
+from pd_router.dataplane.path.collaborators import RequestMetrics
 from pd_router.errors import ClientClosedRequest, RouterError
 
 log = logging.getLogger("pd_router.api.server")

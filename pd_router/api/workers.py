@@ -26,7 +26,7 @@ from pd_router.control.workers import (
     WorkerState,
     normalize_url,
 )
-from pd_router.dataplane.requests import is_int, parse_body
+from pd_router.dataplane.path.requests import is_int, parse_body
 from pd_router.errors import BadRequest, Conflict
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from pd_router.config import LOG_LEVELS, ConfigError
 from pd_router.control.discovery.config import PROVIDERS
-from pd_router.dataplane.policies import POLICIES, POLICY_ALIASES
+from pd_router.dataplane.routing.policies import POLICIES, POLICY_ALIASES
 
 SGLANG = "sglang-router"
 SMG = "smg"

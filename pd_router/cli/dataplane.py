@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from pd_router.cli.logs import configure_logging
-from pd_router.dataplane.listener import raise_fd_limit
+from pd_router.dataplane.front.listener import raise_fd_limit
 from pd_router.runtime.dataplane_process import serve_dataplane
 from pd_router.runtime.serve import tune_gc, uvloop_factory
 

@@ -38,7 +38,7 @@ from pd_router.cli.usage import INTERRUPTED, USAGE_ERROR, nearest
 from pd_router.config import LOG_FORMATS, ConfigError, RouterConfig, load_config, merge
 from pd_router.control.discovery.config import DiscoveryUnavailable
 from pd_router.control.discovery.kubernetes import check_credentials
-from pd_router.dataplane import policies
+from pd_router.dataplane.routing import policies
 
 SUBCOMMANDS = ("serve", "launch", "demo", "status", "convert", "autopilot")
 WORKER_API_KEY_ENV = "PD_ROUTER_WORKER_API_KEY"

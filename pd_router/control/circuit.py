@@ -20,7 +20,7 @@ through and 503 for the rest. Two rules keep that from happening:
 Half-open stays at one trial in flight: with the pool-wide rule a burst is no longer limited by
 it, and while other workers serve, one trial is enough to learn that a worker is back. This
 breaker decides the states from the outcomes the data planes report; the data planes route by
-them and hold the one trial (:class:`pd_router.dataplane.snapshot.SharedCircuit`,
+them and hold the one trial (:class:`pd_router.dataplane.routing.snapshot.SharedCircuit`,
 :mod:`pd_router.control.trials`).
 
 The knobs the peers have (sglang-router's and smg's ``--cb-*`` flags): ``success_threshold``

@@ -1,6 +1,6 @@
 """The control side of the data planes: the snapshots it pushes, the reports it reads. A
 one-process router has one data plane, linked in memory (a
-:class:`~pd_router.dataplane.channel.LocalChannel`); ``--workers N`` has N data-plane
+:class:`~pd_router.dataplane.link.channel.LocalChannel`); ``--workers N`` has N data-plane
 processes, linked over sockets. Both are read and fed alike.
 
 Every change to the registry that a data plane routes by (membership, role, state, health,
@@ -29,7 +29,8 @@ is looked at every :data:`INFLIGHT_PUSH_SECS`.
 
 Client connections. Each report counts the data plane's open client connections; while they are
 uneven (:func:`connection_share`), the in-flight push carries the share each should keep, and
-a data plane above it closes its surplus between answers (:mod:`pd_router.dataplane.listener`).
+a data plane above it closes its surplus between answers
+(:mod:`pd_router.dataplane.front.listener`).
 """
 
 from __future__ import annotations

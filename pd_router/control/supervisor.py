@@ -9,7 +9,7 @@ accepts: a data plane that is restarted takes its socket, and the connections qu
 meanwhile, over.
 
 Talking. Each data plane gets one end of a Unix socketpair as its channel (see
-:mod:`pd_router.dataplane.channel`); the other end is handed to ``attach(index, sock)``, and
+:mod:`pd_router.dataplane.link.channel`); the other end is handed to ``attach(index, sock)``, and
 ``detach(index)`` is called when the process exits. A data plane that exits while the router
 runs is started again after :data:`RESTART_DELAY_SECS`, the delay doubling (up to
 :data:`MAX_RESTART_DELAY_SECS`) while it keeps exiting within :data:`STABLE_SECS` of its start.

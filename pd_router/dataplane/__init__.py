@@ -1,6 +1,7 @@
 """The data plane: client requests in, a (prefill, decode) pair picked, two legs out.
 
-``listener`` accepts and limits client connections, ``requests`` parses bodies once,
-``policies`` (with ``radix_tree``) picks workers, ``proxy`` runs the request path over
-``upstream`` legs on the keep-alive pool of ``http1``/``http1_conn``.
+``front`` is the client side (the server, its connections, and the limits on what clients may
+ask), ``path`` the request path, ``routing`` picks the workers from the control side's last
+snapshot, ``legs`` sends the two POSTs to the workers, and ``link`` is this side of the channel
+to the control side (its messages in, the reports out).
 """

@@ -1,13 +1,13 @@
 """The data plane: the pools the control side's snapshots make, the request path over them,
 the client side, and the reports back (:class:`DataPlane`). Every router serves its clients
 through data planes: a one-process router (``--workers 1``) runs one beside its control side,
-fed over a :class:`~pd_router.dataplane.channel.LocalChannel`
+fed over a :class:`~pd_router.dataplane.link.channel.LocalChannel`
 (:func:`pd_router.runtime.serve.start_server`); a router of ``--workers N`` runs one in each
 data-plane process (:func:`serve_dataplane`), started by the control process
 (:mod:`pd_router.runtime.processes`) with its listening socket and its channel.
 
 A data plane serves the generation endpoints from its pools (it takes the first snapshot
-before it accepts a connection) and reports back (:mod:`pd_router.dataplane.reports`); every
+before it accepts a connection) and reports back (:mod:`pd_router.dataplane.link.reports`); every
 other path is relayed to the router's application (:mod:`pd_router.dataplane.front.relay`).
 
 A data plane opens its channel with a hello naming its protocol version and reads the control
@@ -37,28 +37,28 @@ from typing import Any
 import aiohttp
 
 from pd_router.config import RouterConfig
-from pd_router.dataplane.admission import BodyAdmission
-from pd_router.dataplane.channel import Channel
-from pd_router.dataplane.concurrency import RequestAdmission
+from pd_router.dataplane.front.admission import BodyAdmission
+from pd_router.dataplane.front.concurrency import RequestAdmission
 from pd_router.dataplane.front.cors import CorsPolicy
 from pd_router.dataplane.front.dispatch import Dispatcher, FrontPolicy
 from pd_router.dataplane.front.ids import RequestIds
-from pd_router.dataplane.front.relay import Relay
-from pd_router.dataplane.front.server import FrontServer
-from pd_router.dataplane.http1_conn import WorkerUnavailable
-from pd_router.dataplane.legs import LegSetup, leg_setup
-from pd_router.dataplane.listener import (
+from pd_router.dataplane.front.listener import (
     ClientConnections,
     ClientLimits,
     default_max_connections,
     fd_limit,
 )
-from pd_router.dataplane.path import RequestMetrics, RequestPath
-from pd_router.dataplane.policies import make_policy
-from pd_router.dataplane.reports import Reports
-from pd_router.dataplane.snapshot import SnapshotPools
-from pd_router.dataplane.target import Target
-from pd_router.dataplane.upstream import abort
+from pd_router.dataplane.front.relay import Relay
+from pd_router.dataplane.front.server import FrontServer
+from pd_router.dataplane.legs.connection import WorkerUnavailable
+from pd_router.dataplane.legs.leg import abort
+from pd_router.dataplane.legs.setup import LegSetup, leg_setup
+from pd_router.dataplane.link.channel import Channel
+from pd_router.dataplane.link.reports import Reports
+from pd_router.dataplane.path.collaborators import PathCollaborators, RequestMetrics
+from pd_router.dataplane.routing.policies import make_policy
+from pd_router.dataplane.routing.snapshot import SnapshotPools
+from pd_router.dataplane.routing.target import Target
 from pd_router.metrics import RouterMetrics, samples
 from pd_router.roles import Role
 from pd_router.shutdown import SHUTDOWN_GRACE_SECS, stop_signalled
@@ -97,7 +97,7 @@ def client_limits(config: RouterConfig) -> ClientLimits:
 
 def front_server(
     config: RouterConfig,
-    path: RequestPath,
+    path: PathCollaborators,
     relay: Relay,
     admission: BodyAdmission,
     ssl_context: ssl.SSLContext | None,
@@ -156,7 +156,7 @@ class DataPlane:
             count_refusal=self.reports.count_refusal,
             on_unavailable=self._end_legs,
         )
-        self.path = RequestPath(
+        self.path = PathCollaborators(
             pools=self.pools,
             legs=setup.legs,
             leg_headers=setup.leg_headers,

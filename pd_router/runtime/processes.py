@@ -20,8 +20,8 @@ from aiohttp import web
 
 from pd_router.config import RouterConfig
 from pd_router.control.supervisor import Supervisor, reuseport_sockets
-from pd_router.dataplane.channel import Channel
-from pd_router.dataplane.listener import backlog_for
+from pd_router.dataplane.front.listener import backlog_for
+from pd_router.dataplane.link.channel import Channel
 from pd_router.runtime.app_socket import AppSocket
 from pd_router.runtime.router import ROUTER
 from pd_router.runtime.signals import begin_stop

@@ -44,8 +44,8 @@ from pd_router.control.worker_control import (
     open_control_session,
 )
 from pd_router.control.workers import Worker, WorkerRegistry
-from pd_router.dataplane.legs import LegSetup, leg_setup
-from pd_router.dataplane.path import RequestMetrics
+from pd_router.dataplane.legs.setup import LegSetup, leg_setup
+from pd_router.dataplane.path.collaborators import RequestMetrics
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
 

@@ -28,10 +28,10 @@ from pd_router.api.server import BODY_ADMISSION
 from pd_router.config import RouterConfig
 from pd_router.control.discovery.config import DiscoveryUnavailable
 from pd_router.control.health import WorkersUnreachable
-from pd_router.dataplane.channel import LocalChannel
+from pd_router.dataplane.front.listener import default_max_connections, fd_limit, raise_fd_limit
 from pd_router.dataplane.front.relay import Relay
-from pd_router.dataplane.listener import default_max_connections, fd_limit, raise_fd_limit
-from pd_router.dataplane.upstream import abort
+from pd_router.dataplane.legs.leg import abort
+from pd_router.dataplane.link.channel import LocalChannel
 from pd_router.runtime.app_socket import AppSocket
 from pd_router.runtime.dataplane_process import DataPlane, client_limits
 from pd_router.runtime.processes import serve_processes

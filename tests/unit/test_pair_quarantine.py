@@ -1,4 +1,4 @@
-"""How the quarantine of pairs that missed a rendezvous decides (pd_router.dataplane.pairs):
+"""How the quarantine of pairs that missed a rendezvous decides (pd_router.dataplane.routing.pairs):
 pure decisions on a clock of the test's own, with workers as the legs see them."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from pd_router.dataplane.pairs import PairQuarantine
+from pd_router.dataplane.routing.pairs import PairQuarantine
 from pd_router.roles import Role
 
 COOLDOWN = 10.0

@@ -16,7 +16,7 @@ from pd_router.control.dataplanes import DataPlanes
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
 from pd_router.control.workers import WorkerRegistry
-from pd_router.dataplane.channel import LocalChannel
+from pd_router.dataplane.link.channel import LocalChannel
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
 from pd_router.wire import PROTOCOL_VERSION, ChannelClosed, Hello, Report, Snapshot

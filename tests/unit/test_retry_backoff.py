@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pd_router.config import ConfigError, load_config
-from pd_router.dataplane.retry import RetryConfig, attempts, backoff_secs
+from pd_router.dataplane.routing.retry import RetryConfig, attempts, backoff_secs
 
 
 def test_pauses_grow_by_the_multiplier_until_the_cap():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pd_router.control.workers import Role, WorkerRegistry
-from pd_router.dataplane.requests import (
+from pd_router.dataplane.path.requests import (
     CHAT,
     COMPLETIONS,
     GENERATE,

@@ -11,8 +11,8 @@ import orjson
 import pytest
 
 from pd_router.circuit_state import CircuitState
-from pd_router.dataplane.policies import make_policy
-from pd_router.dataplane.snapshot import SnapshotPools
+from pd_router.dataplane.routing.policies import make_policy
+from pd_router.dataplane.routing.snapshot import SnapshotPools
 from pd_router.roles import Role
 from pd_router.wire import (
     NO_SNAPSHOT,

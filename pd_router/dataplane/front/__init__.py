@@ -16,4 +16,7 @@ objects); here it is parsed by httptools and answered with a head built in one s
 - :mod:`.dispatch`: request ids, body admission, CORS, metrics, errors, routing.
 - :mod:`.relay`: every other request, to the application.
 - :mod:`.server`: the listening socket, the connection cap, a graceful stop.
+- :mod:`.listener`: the client side's limits (timeouts, the cap on open connections).
+- :mod:`.admission`: the size of one body and the budget of all bodies in flight.
+- :mod:`.concurrency`: generation requests by number and rate (the ``[admission]`` limits).
 """

@@ -29,9 +29,9 @@ from typing import Protocol
 
 import httptools
 
+from pd_router.dataplane.front.listener import BUSY_RESPONSE, ClientConnections, ClientLimits
 from pd_router.dataplane.front.reply import Reply
 from pd_router.dataplane.front.request import ClientRequest
-from pd_router.dataplane.listener import BUSY_RESPONSE, ClientConnections, ClientLimits
 from pd_router.errors import BadRequest, PayloadTooLarge, RequestTimeout, RouterError
 
 log = logging.getLogger("pd_router.dataplane.front")

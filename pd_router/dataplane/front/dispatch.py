@@ -1,6 +1,6 @@
 """What happens to each request a client connection parsed: its id, its body's admission, the
 CORS headers, one mapping from errors to JSON answers, the request metrics, and the route:
-the generation endpoints to the request path (:mod:`pd_router.dataplane.proxy`), everything
+the generation endpoints to the request path (:mod:`pd_router.dataplane.path.proxy`), everything
 else to the relay."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from pd_router.dataplane.admission import BodyAdmission
+from pd_router.dataplane.front.admission import BodyAdmission
 from pd_router.dataplane.front.cors import CorsPolicy
 from pd_router.dataplane.front.encoding import decoded_body
 from pd_router.dataplane.front.ids import RequestIds
 from pd_router.dataplane.front.reply import Reply
 from pd_router.dataplane.front.request import ClientRequest
-from pd_router.dataplane.path import RequestPath
-from pd_router.dataplane.proxy import serve
-from pd_router.dataplane.requests import CHAT, COMPLETIONS, GENERATE, Endpoint
+from pd_router.dataplane.path.collaborators import PathCollaborators
+from pd_router.dataplane.path.proxy import serve
+from pd_router.dataplane.path.requests import CHAT, COMPLETIONS, GENERATE, Endpoint
 from pd_router.errors import ClientClosedRequest, RouterError, error_body
 
 log = logging.getLogger("pd_router.dataplane.front")
@@ -57,7 +57,7 @@ async def send_error(reply: Reply, exc: RouterError) -> None:
 class Dispatcher:
     """Serves the requests of every client connection of one process."""
 
-    def __init__(self, path: RequestPath, relay: Relay, policy: FrontPolicy) -> None:
+    def __init__(self, path: PathCollaborators, relay: Relay, policy: FrontPolicy) -> None:
         self._path = path
         self._relay = relay
         self._ids = policy.ids

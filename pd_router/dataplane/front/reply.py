@@ -56,7 +56,7 @@ DATE = HttpDate()
 
 class Answer(Protocol):
     """What the request path writes one answer on: a :class:`Reply` to the client, or one
-    sample's share of a fanned-out request (:mod:`pd_router.dataplane.fanout`)."""
+    sample's share of a fanned-out request (:mod:`pd_router.dataplane.path.fanout`)."""
 
     status: int
     delivered: int | None

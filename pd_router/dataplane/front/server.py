@@ -11,7 +11,7 @@ import socket
 import ssl
 
 from pd_router.dataplane.front.connection import ClientConnection, RequestHandler
-from pd_router.dataplane.listener import ClientConnections, ClientLimits, backlog_for
+from pd_router.dataplane.front.listener import ClientConnections, ClientLimits, backlog_for
 
 log = logging.getLogger("pd_router.dataplane.front")
 

@@ -1,10 +1,10 @@
-"""What the request path needs, and nothing more: :class:`RequestPath`.
+"""What the request path needs, and nothing more: :class:`PathCollaborators`.
 
 The handlers of the generation endpoints reach their collaborators through it: the pools to
 pick from (:class:`Pools`: the control side's last snapshot,
-:class:`pd_router.dataplane.snapshot.SnapshotPools`), the legs, the admission of requests, the
-latency sink the autopilot reads from (the data plane's reports), the request metrics and how
-to tell a worker to abort. Nothing in the data plane sees the router's control side.
+:class:`pd_router.dataplane.routing.snapshot.SnapshotPools`), the legs, the admission of
+requests, the latency sink the autopilot reads from (the data plane's reports), the request
+metrics and how to tell a worker to abort. Nothing in the data plane sees the router's control side.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pd_router.dataplane.concurrency import RequestAdmission
-from pd_router.dataplane.policies import Policy
-from pd_router.dataplane.retry import RetryConfig
-from pd_router.dataplane.target import Target
-from pd_router.dataplane.upstream import Legs
+from pd_router.dataplane.front.concurrency import RequestAdmission
+from pd_router.dataplane.legs.leg import Legs
+from pd_router.dataplane.routing.policies import Policy
+from pd_router.dataplane.routing.retry import RetryConfig
+from pd_router.dataplane.routing.target import Target
 from pd_router.errors import NoWorkers
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
@@ -108,7 +108,7 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
-class RequestPath:
+class PathCollaborators:
     """The collaborators of the generation handlers."""
 
     pools: Pools

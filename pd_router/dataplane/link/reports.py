@@ -23,7 +23,7 @@ import contextlib
 import time
 from collections.abc import Callable, Sized
 
-from pd_router.dataplane.snapshot import SnapshotPools
+from pd_router.dataplane.routing.snapshot import SnapshotPools
 from pd_router.wire import (
     HEARTBEAT_SECS,
     ChannelEnd,

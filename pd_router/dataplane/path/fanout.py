@@ -33,8 +33,8 @@ import orjson
 
 from pd_protocol.json_values import is_int
 from pd_router.dataplane.front.reply import Answer, Headers, Reply, sse_error_event
-from pd_router.dataplane.logprobs import event_payload
-from pd_router.dataplane.requests import Endpoint
+from pd_router.dataplane.path.logprobs import event_payload
+from pd_router.dataplane.path.requests import Endpoint
 from pd_router.errors import BadRequest, RouterError, UpstreamError
 
 END_EVENT = b"data: [DONE]\n\n"

@@ -1,5 +1,5 @@
 """A worker as the request path and the policies see it: a snapshot's member in a data plane
-(:mod:`pd_router.dataplane.snapshot`); the policies take the registry's workers too."""
+(:mod:`pd_router.dataplane.routing.snapshot`); the policies take the registry's workers too."""
 
 from __future__ import annotations
 

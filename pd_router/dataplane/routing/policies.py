@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from pd_router.dataplane.radix_tree import ApproxRadixTree
-from pd_router.dataplane.target import Target
+from pd_router.dataplane.routing.radix_tree import ApproxRadixTree
+from pd_router.dataplane.routing.target import Target
 
 
 @dataclass(frozen=True)

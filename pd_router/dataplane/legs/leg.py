@@ -10,7 +10,7 @@ The legs that carry a pair's rendezvous (every prefill leg, whose answer comes o
 pulled its KV, and a streaming decode, whose first event comes after it) must see their first
 byte within ``rendezvous_timeout_secs`` when that is shorter than the first-byte timeout. Missing
 it is the pair's failure (kind ``rendezvous``): no verdict on either worker's circuit, the pair
-goes to the quarantine (:mod:`pd_router.dataplane.pairs`) and the request to another pair.
+goes to the quarantine (:mod:`pd_router.dataplane.routing.pairs`) and the request to another pair.
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ import aiohttp
 import orjson
 
 from pd_protocol.wire import MISDIRECTED_STATUS
-from pd_router.dataplane.aborts import Abort, find_abort
-from pd_router.dataplane.http1 import Http1Pool, LegLimits, PoolTimeout, Response
-from pd_router.dataplane.http1_conn import (
+from pd_router.dataplane.legs.aborts import Abort, find_abort
+from pd_router.dataplane.legs.connection import (
     LegTimeout,
     LocalResourceError,
     Phase,
     UpstreamConnectError,
     UpstreamDisconnected,
 )
-from pd_router.dataplane.pairs import PairQuarantine
-from pd_router.dataplane.target import Target
+from pd_router.dataplane.legs.pool import Http1Pool, LegLimits, PoolTimeout, Response
+from pd_router.dataplane.routing.pairs import PairQuarantine
+from pd_router.dataplane.routing.target import Target
 from pd_router.roles import Role
 
 RETRYABLE_STATUSES = frozenset({502, 503, 504})

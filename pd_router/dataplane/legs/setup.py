@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from pd_protocol.wire import ROLE_HEADER
 from pd_router.config import RouterConfig
-from pd_router.dataplane.http1 import Http1Pool
-from pd_router.dataplane.upstream import ErrorCounter, Legs
+from pd_router.dataplane.legs.leg import ErrorCounter, Legs
+from pd_router.dataplane.legs.pool import Http1Pool
 from pd_router.roles import Role
 from pd_router.tls import worker_context
 

@@ -5,7 +5,7 @@ The router only checks what it must understand to route (the inputs that decide 
 ``n``, ``stream``, ``return_logprob``, ``rid``); everything else is the worker's business and is
 passed through untouched. Counting follows SGLang's ``GenerateReqInput`` normalisation: a list of
 texts, a 2-D ``input_ids`` or a 3-D ``input_embeds`` is a batch, ``n > 1`` multiplies it (and
-sends the request through :mod:`pd_router.dataplane.fanout`), and a batch gets one bootstrap
+sends the request through :mod:`pd_router.dataplane.path.fanout`), and a batch gets one bootstrap
 room per prompt.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from pd_protocol.json_values import is_int
-from pd_router.dataplane.target import Target
+from pd_router.dataplane.routing.target import Target
 from pd_router.errors import BadRequest
 from pd_router.roles import DEFAULT_BOOTSTRAP_PORT
 
@@ -270,7 +270,7 @@ CHAT = Endpoint("chat_completions", "/v1/chat/completions", chat_items, native=F
 
 def inject_bootstrap(body: dict[str, Any], prefill: Target, items: int | None) -> None:
     """Point the decode at ``prefill`` with fresh random 63-bit rooms, one per item of a batch.
-    A request never carries ``n > 1`` here: :mod:`pd_router.dataplane.fanout` sends its samples
+    A request never carries ``n > 1`` here: :mod:`pd_router.dataplane.path.fanout` sends its samples
     as requests of their own."""
     host = prefill.bootstrap_host
     port = prefill.bootstrap_port or DEFAULT_BOOTSTRAP_PORT

@@ -10,11 +10,11 @@ client got a byte, the other leg is cancelled (and told to abort) and, for trans
 502/503/504, the request is retried on a new pair with new rooms. After the first byte a failure
 ends the stream with an SSE error event. A client that goes away cancels both legs and both
 workers get ``/abort_request``. A request with ``n > 1`` is served as ``n`` such requests, one
-per sample (:mod:`pd_router.dataplane.fanout`: SGLang's PD cannot serve ``n > 1``).
+per sample (:mod:`pd_router.dataplane.path.fanout`: SGLang's PD cannot serve ``n > 1``).
 
 A pair that does not meet within the rendezvous wait (the prefill's answer, and for a stream
-the decode's first event: :mod:`pd_router.dataplane.upstream`) has both legs ended and both
-workers told to abort; the pair is quarantined (:mod:`pd_router.dataplane.pairs`) and the
+the decode's first event: :mod:`pd_router.dataplane.legs.leg`) has both legs ended and both
+workers told to abort; the pair is quarantined (:mod:`pd_router.dataplane.routing.pairs`) and the
 request retried on another pair: the decode for a chosen prefill is picked avoiding the decodes
 quarantined with it, and a prefill left with quarantined decodes only gives way to another.
 """
@@ -30,24 +30,9 @@ from typing import Any, TypeVar
 
 import orjson
 
-from pd_router.dataplane.aborts import find_abort
-from pd_router.dataplane.fanout import Sampling, serve_samples
 from pd_router.dataplane.front.reply import Answer, Reply, sse_error_event
-from pd_router.dataplane.http1 import Response
-from pd_router.dataplane.logprobs import merge_body, merged_events, prefill_logprobs
-from pd_router.dataplane.path import RequestPath
-from pd_router.dataplane.policies import prompt_key
-from pd_router.dataplane.requests import (
-    Endpoint,
-    inject_bootstrap,
-    item_rids,
-    logprobs_requested,
-    parse_body,
-    router_rid,
-)
-from pd_router.dataplane.retry import attempts, backoff_secs
-from pd_router.dataplane.target import Target
-from pd_router.dataplane.upstream import (
+from pd_router.dataplane.legs.aborts import find_abort
+from pd_router.dataplane.legs.leg import (
     UPSTREAM_ERRORS,
     LegFailed,
     LegResult,
@@ -60,6 +45,21 @@ from pd_router.dataplane.upstream import (
     recorded,
     transport_failure,
 )
+from pd_router.dataplane.legs.pool import Response
+from pd_router.dataplane.path.collaborators import PathCollaborators
+from pd_router.dataplane.path.fanout import Sampling, serve_samples
+from pd_router.dataplane.path.logprobs import merge_body, merged_events, prefill_logprobs
+from pd_router.dataplane.path.requests import (
+    Endpoint,
+    inject_bootstrap,
+    item_rids,
+    logprobs_requested,
+    parse_body,
+    router_rid,
+)
+from pd_router.dataplane.routing.policies import prompt_key
+from pd_router.dataplane.routing.retry import attempts, backoff_secs
+from pd_router.dataplane.routing.target import Target
 from pd_router.errors import (
     ClientClosedRequest,
     NoWorkers,
@@ -70,7 +70,7 @@ from pd_router.errors import (
 )
 from pd_router.roles import Role
 
-log = logging.getLogger("pd_router.dataplane.proxy")
+log = logging.getLogger("pd_router.dataplane.path.proxy")
 
 T = TypeVar("T")
 
@@ -83,7 +83,7 @@ END_EVENT = b"data: [DONE]\n\n"
 
 
 async def serve(
-    path: RequestPath,
+    path: PathCollaborators,
     endpoint: Endpoint,
     raw: bytes,
     reply: Reply,
@@ -104,7 +104,7 @@ async def serve(
 
 
 async def run_sample(
-    path: RequestPath,
+    path: PathCollaborators,
     endpoint: Endpoint,
     started: float,
     reply: Answer,
@@ -141,7 +141,7 @@ class Exchange:
 
     def __init__(
         self,
-        path: RequestPath,
+        path: PathCollaborators,
         reply: Answer,
         ids: tuple[str, str],
         endpoint: Endpoint,

@@ -5,7 +5,7 @@ The legs are the router's hot path: two POSTs per client request to known worker
 SSE out. aiohttp's general-purpose client spends most of the router's CPU on them (request objects,
 header multidicts, payload wrappers, tracing hooks); this pool writes the request head and body in
 one call on a pooled connection whose answers httptools parses in protocol callbacks
-(:mod:`pd_router.dataplane.http1_conn`), which measured about a third less CPU per request.
+(:mod:`pd_router.dataplane.legs.connection`), which measured about a third less CPU per request.
 Everything else (health probes, fan-outs, aborts, worker control) stays on the shared aiohttp
 session.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from pd_router.dataplane.http1_conn import (
+from pd_router.dataplane.legs.connection import (
     ClosedBeforeAnswer,
     Connection,
     Target,
@@ -51,7 +51,8 @@ TICK_SECS = 0.2  # how often the pool checks its legs' timeouts and its idle con
 class LegLimits:
     """The ``[legs]`` section of the router's configuration: the timeouts a leg has besides
     connect and total, the wait for a pair's rendezvous (and how long a pair that missed it
-    rests: :mod:`pd_router.dataplane.pairs`), and the connection pool's limits per worker."""
+    rests: :mod:`pd_router.dataplane.routing.pairs`), and the connection pool's limits per
+    worker."""
 
     first_byte_timeout_secs: float = 300.0
     rendezvous_timeout_secs: float = 30.0

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pd_router.dataplane.target import Target
+from pd_router.dataplane.routing.target import Target
 
 Stamp = tuple[Any, Any]
 
