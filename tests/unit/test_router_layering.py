@@ -40,6 +40,17 @@ LAYERS = {
     "cli": {"cli", "runtime", "api", "control", "dataplane"},
 }
 
+# What each part of the data plane may import of the others: routing at the bottom, the legs
+# and the link above it; the request path and the client side (``front``) use each other (the
+# client's reply is what the path answers on).
+DATAPLANE_PARTS = {
+    "routing": {"routing"},
+    "legs": {"legs", "routing"},
+    "link": {"link", "routing"},
+    "path": {"path", "front", "legs", "routing"},
+    "front": {"front", "path", "legs", "routing"},
+}
+
 
 def module_name(path: Path, root: Path = ROUTER) -> str:
     parts = path.relative_to(root.parent).with_suffix("").parts
@@ -144,6 +155,25 @@ def test_every_layer_imports_only_the_layers_beneath_it():
         own = layer(name)
         allowed = LAYERS.get(own, set()) if own else set()
         wrong = sorted(m for m in imported if layer(m) not in {None, "config", *allowed})
+        if wrong:
+            offenders[name] = wrong
+    assert offenders == {}
+
+
+def dataplane_part(name: str) -> str | None:
+    """The part of the data plane a module belongs to (``pd_router.dataplane.<part>...``)."""
+    parts = name.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "dataplane" else None
+
+
+def test_each_part_of_the_data_plane_imports_only_the_parts_beneath_it():
+    offenders = {}
+    for name, imported in router_imports().items():
+        own = dataplane_part(name)
+        if own is None:
+            continue
+        allowed = DATAPLANE_PARTS[own]
+        wrong = sorted(m for m in imported if dataplane_part(m) not in {None, *allowed})
         if wrong:
             offenders[name] = wrong
     assert offenders == {}

@@ -1,66 +1,26 @@
 """What the request path needs, and nothing more: :class:`PathCollaborators`.
 
 The handlers of the generation endpoints reach their collaborators through it: the pools to
-pick from (:class:`Pools`: the control side's last snapshot,
-:class:`pd_router.dataplane.routing.snapshot.SnapshotPools`), the legs, the admission of
+pick from (:class:`~pd_router.dataplane.routing.pools.Pools`: the control side's last snapshot,
+:class:`~pd_router.dataplane.routing.snapshot.SnapshotPools`), the legs, the admission of
 requests, the latency sink the autopilot reads from (the data plane's reports), the request
-metrics and how to tell a worker to abort. Nothing in the data plane sees the router's control side.
+metrics and how to tell a worker to abort. Nothing in the data plane sees the router's control
+side.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pd_router.dataplane.front.concurrency import RequestAdmission
 from pd_router.dataplane.legs.leg import Legs
-from pd_router.dataplane.routing.policies import Policy
+from pd_router.dataplane.routing.pools import Pools
 from pd_router.dataplane.routing.retry import RetryConfig
 from pd_router.dataplane.routing.target import Target
-from pd_router.errors import NoWorkers
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
-
-
-class Pools(Protocol):
-    def pick(
-        self, role: Role, avoid: Iterable[Target] = (), prompt: Callable[[], str] | None = None
-    ) -> Target:
-        """A worker of ``role`` by its pool's policy (NoWorkers if none)."""
-        ...
-
-    def acquire(self, target: Target) -> None: ...
-    def release(self, target: Target) -> None: ...
-
-    def suspect(self, target: Target) -> None:
-        """The worker answered for the other role: have its role read now."""
-        ...
-
-
-def choose(
-    role: Role,
-    workers: Sequence[Target],
-    avoid: Iterable[Target],
-    policy: Policy,
-    prompt: Callable[[], str] | None,
-    count_refusal: Callable[[str], None],
-) -> Target:
-    """The pick of a pool, wherever its workers come from: one of ``workers`` (the selectable
-    ones, or when none is, those kept out only by their circuits), preferring those not in
-    ``avoid`` (they already failed this request), chosen by ``policy``; NoWorkers (and a
-    refusal counted) if there is none. ``prompt`` is called only for a policy that needs it."""
-    if avoid and len(workers) > 1:
-        avoided = set(avoid)
-        fresh = [w for w in workers if w not in avoided]
-        if fresh:
-            workers = fresh
-    if not workers:
-        count_refusal(role.value)
-        raise NoWorkers(f"no available {role.value} worker (none active, healthy and closed)")
-    if policy.needs_prompt and prompt is not None:
-        return policy.select(workers, prompt())
-    return policy.select(workers)
 
 
 class LatencySink(Protocol):

@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pd_router.circuit_state import CircuitState
-from pd_router.dataplane.path.collaborators import choose
 from pd_router.dataplane.routing.policies import Policy
+from pd_router.dataplane.routing.pools import choose
 from pd_router.roles import Role, bootstrap_host
 from pd_router.wire import NO_SNAPSHOT, Snapshot, check_consistent
 

@@ -1,0 +1,53 @@
+"""What the request path picks from: :class:`Pools`, and :func:`choose`, the pick of one pool
+wherever its workers come from (:class:`pd_router.dataplane.routing.snapshot.SnapshotPools`
+calls it for each role)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+from pd_router.dataplane.routing.policies import Policy
+from pd_router.dataplane.routing.target import Target
+from pd_router.errors import NoWorkers
+from pd_router.roles import Role
+
+
+class Pools(Protocol):
+    def pick(
+        self, role: Role, avoid: Iterable[Target] = (), prompt: Callable[[], str] | None = None
+    ) -> Target:
+        """A worker of ``role`` by its pool's policy (NoWorkers if none)."""
+        ...
+
+    def acquire(self, target: Target) -> None: ...
+    def release(self, target: Target) -> None: ...
+
+    def suspect(self, target: Target) -> None:
+        """The worker answered for the other role: have its role read now."""
+        ...
+
+
+def choose(
+    role: Role,
+    workers: Sequence[Target],
+    avoid: Iterable[Target],
+    policy: Policy,
+    prompt: Callable[[], str] | None,
+    count_refusal: Callable[[str], None],
+) -> Target:
+    """The pick of a pool, wherever its workers come from: one of ``workers`` (the selectable
+    ones, or when none is, those kept out only by their circuits), preferring those not in
+    ``avoid`` (they already failed this request), chosen by ``policy``; NoWorkers (and a
+    refusal counted) if there is none. ``prompt`` is called only for a policy that needs it."""
+    if avoid and len(workers) > 1:
+        avoided = set(avoid)
+        fresh = [w for w in workers if w not in avoided]
+        if fresh:
+            workers = fresh
+    if not workers:
+        count_refusal(role.value)
+        raise NoWorkers(f"no available {role.value} worker (none active, healthy and closed)")
+    if policy.needs_prompt and prompt is not None:
+        return policy.select(workers, prompt())
+    return policy.select(workers)
