@@ -18,7 +18,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from pd_router.api.keys import REGISTRY, SESSION
-from pd_router.control.worker_calls import Reply, fan_out
+from pd_router.control.worker_calls import CallReply, fan_out
 from pd_router.errors import NoWorkers, UpstreamError
 
 WORKER_LABEL = "worker_addr"
@@ -50,7 +50,7 @@ async def handle_engine_metrics(request: web.Request) -> web.Response:
     return response
 
 
-def merged_exposition(replies: list[Reply]) -> bytes:
+def merged_exposition(replies: list[CallReply]) -> bytes:
     """One text exposition of the replies' metrics, every sample labelled with its worker."""
     families: dict[str, Metric] = {}
     for reply in replies:

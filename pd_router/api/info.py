@@ -21,7 +21,7 @@ from aiohttp import web
 
 from pd_router.api.auth import has_admin_key, require_admin
 from pd_router.api.keys import CLUSTER, DATAPLANES, METRICS, REGISTRY, SESSION
-from pd_router.control.worker_calls import Reply, call, fan_out
+from pd_router.control.worker_calls import CallReply, call, fan_out
 from pd_router.control.workers import Role, Worker, WorkerRegistry, WorkerState
 from pd_router.dataplane.path.requests import parse_body
 from pd_router.errors import BadRequest, ModelNotFound, NoWorkers, UpstreamError
@@ -163,7 +163,7 @@ async def handle_server_info(request: web.Request) -> web.Response:
     return json_response({**pools, "internal_states": internal_states or [dict(NO_DECODE_STATE)]})
 
 
-def parse_info(reply: Reply) -> dict:
+def parse_info(reply: CallReply) -> dict:
     if not reply.ok:
         return reply.summary()
     try:
@@ -238,7 +238,7 @@ def check_abort(request: web.Request, body: dict[str, Any]) -> None:
         )
 
 
-def summarize(replies: list[Reply]) -> web.Response:
+def summarize(replies: list[CallReply]) -> web.Response:
     """200 when every worker succeeded; else a worker's own 4xx, or 502 for transport errors."""
     success = all(r.ok for r in replies)
     if success:

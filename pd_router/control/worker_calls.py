@@ -1,6 +1,6 @@
 """One call from the router to a worker over the router's shared session (its worker key and
 TLS context included), and the same call to many at once. A call never raises: a worker that
-cannot be reached gives a :class:`Reply` without a status, so a fan-out reports every worker.
+cannot be reached gives a :class:`CallReply` without a status, so a fan-out reports every worker.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ FAN_OUT_TIMEOUT = aiohttp.ClientTimeout(total=30.0)
 
 
 @dataclass(slots=True)
-class Reply:
+class CallReply:
     worker: Worker
     status: int | None
     body: bytes
@@ -48,18 +48,18 @@ async def call(
     data: bytes | None = None,
     params: dict[str, str] | None = None,
     limit: aiohttp.ClientTimeout = FAN_OUT_TIMEOUT,
-) -> Reply:
+) -> CallReply:
     headers = {"Content-Type": "application/json"} if data is not None else None
     try:
         async with session.request(
             method, worker.url + path, data=data, params=params, headers=headers, timeout=limit
         ) as resp:
-            return Reply(worker, resp.status, await resp.read())
+            return CallReply(worker, resp.status, await resp.read())
     except (aiohttp.ClientError, TimeoutError) as exc:
-        return Reply(worker, None, b"", f"{type(exc).__name__}: {exc}")
+        return CallReply(worker, None, b"", f"{type(exc).__name__}: {exc}")
 
 
 async def fan_out(
     session: aiohttp.ClientSession, workers: list[Worker], method: str, path: str, **kwargs
-) -> list[Reply]:
+) -> list[CallReply]:
     return list(await asyncio.gather(*(call(session, w, method, path, **kwargs) for w in workers)))

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from pd_router.control.discovery.membership import Membership, Target
+from pd_router.control.discovery.membership import DiscoveredWorker, Membership
 from pd_router.control.workers import Origin, Role, normalize_url
 
 log = logging.getLogger("pd_router.discovery")
@@ -38,7 +38,7 @@ class ManifestError(ValueError):
     """The manifest is not what the file provider reads."""
 
 
-def parse_manifest(raw: bytes) -> dict[str, Target]:
+def parse_manifest(raw: bytes) -> dict[str, DiscoveredWorker]:
     """The targets of a manifest by entry id (ManifestError naming what is wrong)."""
     try:
         data = orjson.loads(raw)
@@ -51,7 +51,7 @@ def parse_manifest(raw: bytes) -> dict[str, Target]:
         raise ManifestError(f"unknown field(s) {', '.join(sorted(unknown))}")
     if data.get("version", 1) != 1:
         raise ManifestError(f"version {data['version']!r}; this router reads version 1")
-    targets: dict[str, Target] = {}
+    targets: dict[str, DiscoveredWorker] = {}
     for i, entry in enumerate(data["workers"]):
         target = parse_entry(f"workers[{i}]", entry)
         entry_id = target.origin.name
@@ -61,7 +61,7 @@ def parse_manifest(raw: bytes) -> dict[str, Target]:
     return targets
 
 
-def parse_entry(where: str, entry: Any) -> Target:
+def parse_entry(where: str, entry: Any) -> DiscoveredWorker:
     if not isinstance(entry, dict):
         raise ManifestError(f"{where}: expected an object")
     unknown = set(entry) - ENTRY_FIELDS
@@ -81,7 +81,7 @@ def parse_entry(where: str, entry: Any) -> Target:
     entry_id = entry.get("id", url)
     if not isinstance(entry_id, str) or not entry_id:
         raise ManifestError(f"{where}.id: a non-empty string")
-    return Target(url, WORKER_TYPES[kind], port, Origin("file", entry_id))
+    return DiscoveredWorker(url, WORKER_TYPES[kind], port, Origin("file", entry_id))
 
 
 class FileDiscovery:

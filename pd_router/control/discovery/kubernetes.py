@@ -34,7 +34,7 @@ from typing import Any
 from pd_router.backoff import Backoff
 from pd_router.control.discovery.config import DiscoveryConfig, DiscoveryUnavailable
 from pd_router.control.discovery.labels import PodLabels
-from pd_router.control.discovery.membership import Membership, Target
+from pd_router.control.discovery.membership import DiscoveredWorker, Membership
 from pd_router.control.discovery.selectors import Selector, shared
 from pd_router.control.workers import Origin, Role
 
@@ -202,7 +202,7 @@ class KubernetesDiscovery:
         labels = metadata.get("labels") or {}
         selected, role = self._propose(labels)
         ready, why = readiness(pod)
-        targets: dict[str, Target] = {}
+        targets: dict[str, DiscoveredWorker] = {}
         if selected and ready:
             origin = Origin(
                 "kubernetes", metadata["name"], metadata.get("namespace"), self._model_id(pod)
@@ -210,7 +210,7 @@ class KubernetesDiscovery:
             ip = pod["status"]["podIP"]
             host = f"[{ip}]" if ":" in ip else ip
             for port, bootstrap in worker_ports(pod, self._config.port):
-                targets[f"{pod_key[0]}/{pod_key[1]}:{port}"] = Target(
+                targets[f"{pod_key[0]}/{pod_key[1]}:{port}"] = DiscoveredWorker(
                     f"http://{host}:{port}", role, bootstrap, origin
                 )
         reason = why if selected else "unselected"

@@ -1,11 +1,11 @@
 """Discovered workers join and leave through the cluster, as the admin API's do.
 
 A provider (Kubernetes, a manifest file) says what it wants under a key of its own (a pod's
-port, a manifest entry): a :class:`Target` or nothing. :class:`Membership` brings the registry
-there one key at a time, in order: a worker joins with ``cluster.add_worker`` and one probe
-(``POST /workers``), leaves with ``cluster.begin_removal`` and the wait for its in-flight
-requests (``DELETE /workers``), so on every replica it stops taking requests at once and what it
-runs finishes. A worker that a conversion holds is let go first: this router's conversion is
+port, a manifest entry): a :class:`DiscoveredWorker` or nothing. :class:`Membership` brings the
+registry there one key at a time, in order: a worker joins with ``cluster.add_worker`` and one
+probe (``POST /workers``), leaves with ``cluster.begin_removal`` and the wait for its in-flight
+requests (``DELETE /workers``), so on every replica it stops taking requests at once and what
+it runs finishes. A worker that a conversion holds is let go first: this router's conversion is
 aborted while it still drains, and a switch already called is waited for. The role a provider
 proposes only places a new worker; the health probes then keep it in its live role.
 
@@ -46,7 +46,7 @@ PEER_CONVERSION_POLL_SECS = 0.1
 
 
 @dataclass(frozen=True)
-class Target:
+class DiscoveredWorker:
     """A worker a provider wants registered: ``role`` is its proposal (None: read the live
     role first), ``bootstrap_port`` None reads it from the worker."""
 
@@ -82,11 +82,11 @@ class Membership:
         self._let_go = let_go
         self._discovered = metrics.discovery_discovered_total.labels(provider)
         self._removed = metrics.discovery_removed_total
-        self._wanted: dict[str, tuple[Target | None, str]] = {}
+        self._wanted: dict[str, tuple[DiscoveredWorker | None, str]] = {}
         self._joined: dict[str, str] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
-    def want(self, key: str, target: Target | None, reason: str = "") -> None:
+    def want(self, key: str, target: DiscoveredWorker | None, reason: str = "") -> None:
         """What ``key`` should be now: ``target`` registered, or (None) nothing, for
         ``reason`` (counted on removal)."""
         if target is None and key not in self._joined and key not in self._tasks:
@@ -141,7 +141,7 @@ class Membership:
         finally:
             self._tasks.pop(key, None)
 
-    async def _join(self, target: Target) -> None:
+    async def _join(self, target: DiscoveredWorker) -> None:
         role = target.role or await self._live_role(target.url) or Role.DECODE
         while True:
             try:

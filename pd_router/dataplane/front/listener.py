@@ -104,7 +104,7 @@ class ClientLimits:
     max_connections: int
 
 
-class Connection(Protocol):
+class CappedConnection(Protocol):
     """What the cap, and the server's timeout sweep and stop, need of a client connection."""
 
     @property
@@ -139,18 +139,18 @@ class ClientConnections:
         self._count_shed = count_shed
         # The most connections to keep while other data planes hold fewer (None: no bound).
         self.share: int | None = None
-        self._open: collections.OrderedDict[Connection, None] = collections.OrderedDict()
-        self._shedding: set[Connection] = set()
+        self._open: collections.OrderedDict[CappedConnection, None] = collections.OrderedDict()
+        self._shedding: set[CappedConnection] = set()
         self._warned_at = -CAP_WARNING_INTERVAL_SECS
         self._empty: asyncio.Event | None = None
 
     def __len__(self) -> int:
         return len(self._open)
 
-    def __iter__(self) -> Iterator[Connection]:
+    def __iter__(self) -> Iterator[CappedConnection]:
         return iter(list(self._open))
 
-    def admit(self, connection: Connection) -> bool:
+    def admit(self, connection: CappedConnection) -> bool:
         """Count ``connection`` in, closing an idle one to make room; False: refuse it."""
         if len(self._open) >= self.limit:
             self._warn_at_cap()
@@ -159,7 +159,7 @@ class ClientConnections:
         self._open[connection] = None
         return True
 
-    def shed(self, connection: Connection) -> bool:
+    def shed(self, connection: CappedConnection) -> bool:
         """Whether ``connection`` should close after the answer it is about to get, to be
         placed again: true while this process holds more than its share, counting those
         already closing for the same reason."""
@@ -170,7 +170,7 @@ class ClientConnections:
         self._count_shed()
         return True
 
-    def release(self, connection: Connection) -> None:
+    def release(self, connection: CappedConnection) -> None:
         self._open.pop(connection, None)
         self._shedding.discard(connection)
         if not self._open and self._empty is not None:

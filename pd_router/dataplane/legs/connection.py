@@ -7,7 +7,7 @@ keep-alive decision (``Connection`` and version tokens) and rejects what is not 
 connection that receives a byte nobody asked for (after a finished answer, or while idle in the
 pool) is never used again: those bytes would be read as the next request's answer. Reading is
 paused while too much of a body waits unread. The leg's timeouts are checked from outside
-(:meth:`Connection.check_time`, by the pool's ticker).
+(:meth:`WorkerConnection.check_time`, by the pool's ticker).
 """
 
 from __future__ import annotations
@@ -86,10 +86,10 @@ class _UnsolicitedBytes(Exception):
     """Bytes after a finished answer (raised inside the parser to stop it)."""
 
 
-class Connection(asyncio.Protocol):
+class WorkerConnection(asyncio.Protocol):
     """One connection; parses one response at a time into status, headers and body chunks."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: OriginConnections) -> None:
         self.target = target
         self.transport: asyncio.Transport | None = None
         self.closed = False
@@ -326,7 +326,7 @@ class Connection(asyncio.Protocol):
             self.transport.abort()
 
 
-class Target:
+class OriginConnections:
     """One worker's connections (keyed by origin): idle ones (newest last), how many are open
     or opening (counted against the cap), the ones in use and the legs waiting for one."""
 
@@ -341,8 +341,8 @@ class Target:
         self.host = parts.hostname or ""
         self.port = parts.port or (443 if self.tls else 80)
         self.host_header = parts.netloc
-        self.idle: collections.deque[Connection] = collections.deque()
-        self.busy: set[Connection] = set()
+        self.idle: collections.deque[WorkerConnection] = collections.deque()
+        self.busy: set[WorkerConnection] = set()
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.open = 0
         self.epoch = 0

@@ -37,10 +37,10 @@ from urllib.parse import urlsplit
 
 from pd_router.dataplane.legs.connection import (
     ClosedBeforeAnswer,
-    Connection,
-    Target,
+    OriginConnections,
     UpstreamConnectError,
     UpstreamDisconnected,
+    WorkerConnection,
     local_error,
 )
 
@@ -87,7 +87,7 @@ class Response:
 
     __slots__ = ("_conn", "_idle_timeout", "_pool", "content_type", "status")
 
-    def __init__(self, pool: Http1Pool, conn: Connection, idle_timeout: float) -> None:
+    def __init__(self, pool: Http1Pool, conn: WorkerConnection, idle_timeout: float) -> None:
         self._pool = pool
         self._conn = conn
         self._idle_timeout = idle_timeout
@@ -127,18 +127,18 @@ class Http1Pool:
         None: the stdlib's defaults, made on the first https:// connection."""
         self._connect_timeout = connect_timeout
         self._request_timeout = request_timeout
-        self._targets: dict[str, Target] = {}
-        self._routes: dict[str, tuple[Target, str]] = {}
+        self._targets: dict[str, OriginConnections] = {}
+        self._routes: dict[str, tuple[OriginConnections, str]] = {}
         self._ssl = ssl_context
         self._ticker: asyncio.TimerHandle | None = None
 
-    def _route(self, url: str) -> tuple[Target, str]:
+    def _route(self, url: str) -> tuple[OriginConnections, str]:
         route = self._routes.get(url)
         if route is None:
             key = origin(url)
             target = self._targets.get(key)
             if target is None:
-                target = self._targets[key] = Target(url)
+                target = self._targets[key] = OriginConnections(url)
             route = self._routes[url] = (target, urlsplit(url).path or "/")
         return route
 
@@ -187,7 +187,7 @@ class Http1Pool:
 
     # --- connections ------------------------------------------------------------------------
 
-    async def _acquire(self, target: Target, limits: LegLimits) -> Connection:
+    async def _acquire(self, target: OriginConnections, limits: LegLimits) -> WorkerConnection:
         """A new connection in a free slot (no idle one was left), waiting for a returned or a
         new one when the worker has ``max_connections_per_worker`` open."""
         if target.waiters or target.open >= limits.max_connections_per_worker:
@@ -198,7 +198,9 @@ class Http1Pool:
             target.open += 1
         return await self._connect(target)
 
-    async def _wait_turn(self, target: Target, limits: LegLimits) -> Connection | None:
+    async def _wait_turn(
+        self, target: OriginConnections, limits: LegLimits
+    ) -> WorkerConnection | None:
         """Wait (first come, first served) until a connection is returned or a slot frees;
         the idle connection, or None with a slot reserved for a new one."""
         loop = asyncio.get_running_loop()
@@ -225,7 +227,7 @@ class Http1Pool:
                 target.open += 1
                 return None
 
-    def _leave_queue(self, target: Target, waiter: asyncio.Future[None]) -> None:
+    def _leave_queue(self, target: OriginConnections, waiter: asyncio.Future[None]) -> None:
         """A waiting leg gives up (timeout, cancelled, aborted): out of the queue, and a wake-up
         it got but will not use goes to the next one."""
         with contextlib.suppress(ValueError):
@@ -233,7 +235,7 @@ class Http1Pool:
         if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
             self._pass_turn(target)
 
-    def _pass_turn(self, target: Target) -> None:
+    def _pass_turn(self, target: OriginConnections) -> None:
         """Wake the next waiting leg of ``target``; it looks again for a connection or a slot."""
         waiters = target.waiters
         while waiters:
@@ -242,7 +244,7 @@ class Http1Pool:
                 waiter.set_result(None)
                 return
 
-    def _take_idle(self, target: Target, now: float) -> Connection | None:
+    def _take_idle(self, target: OriginConnections, now: float) -> WorkerConnection | None:
         """The most recently returned idle connection that is still usable; expired, closed
         and spoiled ones met on the way are closed."""
         idle = target.idle
@@ -255,7 +257,7 @@ class Http1Pool:
             self._drop(conn)
         return None
 
-    async def _connect(self, target: Target) -> Connection:
+    async def _connect(self, target: OriginConnections) -> WorkerConnection:
         """A new connection in a slot already counted in ``target.open``; the slot is given
         back when none can be made."""
         loop = asyncio.get_running_loop()
@@ -265,7 +267,7 @@ class Http1Pool:
         try:
             async with asyncio.timeout(self._connect_timeout):
                 _, conn = await loop.create_connection(
-                    lambda: Connection(target),
+                    lambda: WorkerConnection(target),
                     target.host,
                     target.port,
                     ssl=self._ssl if target.tls else None,
@@ -288,7 +290,7 @@ class Http1Pool:
         target.busy.add(conn)
         return conn
 
-    async def _replace(self, stale: Connection) -> Connection:
+    async def _replace(self, stale: WorkerConnection) -> WorkerConnection:
         """A fresh connection in the slot of ``stale`` (closed by the worker while idle)."""
         target = stale.target
         target.busy.discard(stale)
@@ -297,12 +299,12 @@ class Http1Pool:
         stale.close()
         return await self._connect(target)
 
-    def _free_slot(self, target: Target) -> None:
+    def _free_slot(self, target: OriginConnections) -> None:
         target.open -= 1
         if target.waiters:
             self._pass_turn(target)
 
-    def _drop(self, conn: Connection) -> None:
+    def _drop(self, conn: WorkerConnection) -> None:
         """Close ``conn`` and give its slot back (once)."""
         conn.finish()
         conn.close()
@@ -312,7 +314,7 @@ class Http1Pool:
             conn.counted = False
             self._free_slot(target)
 
-    def release(self, conn: Connection, idle_timeout: float) -> None:
+    def release(self, conn: WorkerConnection, idle_timeout: float) -> None:
         """Return a fully read connection to the pool (or close it when it cannot be reused)."""
         if not conn.counted:
             return
@@ -327,7 +329,7 @@ class Http1Pool:
         if target.waiters:
             self._pass_turn(target)
 
-    def discard(self, conn: Connection) -> None:
+    def discard(self, conn: WorkerConnection) -> None:
         """Drop a connection whose answer was not read to the end."""
         self._drop(conn)
 
