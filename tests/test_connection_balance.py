@@ -14,7 +14,7 @@ from collections import Counter
 
 import orjson
 
-from pd_router.control.dataplanes import connection_share
+from pd_router.control.publisher import connection_share
 from pd_router.dataplane.front.listener import ClientConnections
 from tests.conversion_helpers import sample
 from tests.router_helpers import generate_body

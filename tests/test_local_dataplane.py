@@ -13,9 +13,9 @@ import pytest
 
 from pd_router.config import HealthConfig
 from pd_router.control.circuit import CircuitConfig, CircuitState
-from pd_router.control.dataplanes import DataPlanes
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
+from pd_router.control.publisher import DataPlanes
 from pd_router.control.workers import Worker, WorkerRegistry
 from pd_router.dataplane.link.channel import ChannelClosed, LocalChannel
 from pd_router.dataplane.link.reports import Reports

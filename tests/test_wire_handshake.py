@@ -17,9 +17,9 @@ import pytest
 
 from pd_router.config import HealthConfig, load_config
 from pd_router.control.circuit import CircuitConfig
-from pd_router.control.dataplanes import DataPlanes
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
+from pd_router.control.publisher import DataPlanes
 from pd_router.control.workers import WorkerRegistry
 from pd_router.dataplane.link.channel import HEADER, Channel
 from pd_router.metrics import RouterMetrics

@@ -15,8 +15,8 @@ from pd_router.config import RouterConfig
 from pd_router.control.autopilot.controller import Autopilot
 from pd_router.control.cluster.local import Cluster
 from pd_router.control.conversion.manager import ConversionManager
-from pd_router.control.dataplanes import DataPlanes
 from pd_router.control.health import HealthMonitor
+from pd_router.control.publisher import DataPlanes
 from pd_router.control.workers import Worker, WorkerRegistry
 from pd_router.metrics import RouterMetrics
 

@@ -609,7 +609,7 @@ class WorkerRegistry:
 
     def set_inflight(self, worker: Worker, count: int, idle_at: float) -> None:
         """The in-flight count the data planes report in sum
-        (:mod:`pd_router.control.dataplanes`); ``idle_at``: when the last of them became idle
+        (:mod:`pd_router.control.publisher`); ``idle_at``: when the last of them became idle
         on the worker, for a count of zero."""
         worker.inflight = count
         worker._inflight_gauge.set(count)

@@ -3,7 +3,7 @@
 It runs the router's whole application (registry, health probes, circuits, conversions, the
 autopilot, etcd membership, the admin and info API) on a Unix socket only the data planes
 reach, and N data planes on the shared port (:mod:`pd_router.control.supervisor`), which
-route from the snapshots it pushes and report back (:mod:`pd_router.control.dataplanes`).
+route from the snapshots it pushes and report back (:mod:`pd_router.control.publisher`).
 ``/metrics`` adds every data plane's counters to its own.
 """
 

@@ -32,11 +32,11 @@ from pd_router.control.autopilot.controller import Autopilot
 from pd_router.control.cluster.etcd import EtcdCluster
 from pd_router.control.cluster.local import Cluster, LocalCluster
 from pd_router.control.conversion.manager import ConversionManager
-from pd_router.control.dataplanes import DataPlanes
 from pd_router.control.discovery.config import DiscoveryUnavailable
 from pd_router.control.discovery.start import Started, start_discovery
 from pd_router.control.health import HealthMonitor, WorkersUnreachable
 from pd_router.control.latency import LatencyRecorder
+from pd_router.control.publisher import DataPlanes
 from pd_router.control.worker_control import (
     ControlError,
     WorkerControl,

@@ -1,4 +1,4 @@
-"""The control side of the data planes (pd_router/control/dataplanes.py), through its public
+"""The control side of the data planes (pd_router/control/publisher.py), through its public
 methods only: each data plane is the other end of an in-process channel that the test plays,
 and what its reports change in the registry is read there (in-flight counts, the picks a data
 plane may still make, circuits)."""
@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from pd_router.config import HealthConfig
-from pd_router.control.dataplanes import DataPlanes
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
+from pd_router.control.publisher import DataPlanes
 from pd_router.control.workers import WorkerRegistry
 from pd_router.dataplane.link.channel import LocalChannel
 from pd_router.metrics import RouterMetrics
