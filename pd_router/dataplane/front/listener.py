@@ -31,7 +31,7 @@ from typing import Protocol
 
 from pd_router.errors import error_body
 
-log = logging.getLogger("pd_router.dataplane.front.listener")
+log = logging.getLogger("pd_router.dataplane.listener")
 
 # File descriptors kept out of the client budget: the listening socket, the event loop,
 # standard streams, log files, DNS lookups.

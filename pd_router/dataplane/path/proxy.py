@@ -70,7 +70,7 @@ from pd_router.errors import (
 )
 from pd_router.roles import Role
 
-log = logging.getLogger("pd_router.dataplane.path.proxy")
+log = logging.getLogger("pd_router.dataplane.proxy")
 
 T = TypeVar("T")
 
