@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from pd_protocol.json_values import is_int
+from pd_router.backoff import Backoff
 from pd_router.control.cluster.local import Cluster, ConversionTaken, LocalCluster
 from pd_router.control.conversion.canary import run_canary
 from pd_router.control.conversion.history import (
@@ -693,13 +694,12 @@ class ConversionManager:
         is about to leave. Waits up to the drain timeout (a worker whose switch failed unsafely
         drains for good; its role is then what it reports)."""
         deadline = self._clock() + self._drain_timeout
-        delay = SETTLE_POLL_FIRST_SECS
+        pause = Backoff(SETTLE_POLL_FIRST_SECS, SETTLE_POLL_MAX_SECS)
         while True:
             reading = await self._control.read_role(worker)
-            if not reading.draining or self._clock() + delay > deadline:
+            if not reading.draining or self._clock() + pause.secs > deadline:
                 return reading
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, SETTLE_POLL_MAX_SECS)
+            await pause.sleep()
 
     async def _decode_peer_params(self, conv: Conversion) -> dict[str, Any]:
         """Decode graph parameters of a decode peer, fetched while the drain runs, for the ones

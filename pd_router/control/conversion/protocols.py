@@ -9,13 +9,13 @@ over either; what goes wrong in a step is raised as :class:`Stop`, which names t
 
 from __future__ import annotations
 
-import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
 from pd_protocol.wire import CONVERT_PATH, SWITCH_PATH
+from pd_router.backoff import Backoff
 from pd_router.control.conversion.history import Conversion, Status
 from pd_router.control.worker_control import ControlError, LoadReading, SwitchReply, WorkerControl
 from pd_router.control.workers import Worker
@@ -103,7 +103,7 @@ class ControlProtocol(ABC):
         """Call the switch; while the worker refuses because it still runs requests (a safe
         refusal and a busy load reading), back off and call again until the deadline. Returns
         the last reply and, when the deadline passed with the worker busy, its load."""
-        delay = IDLE_POLL_FIRST_SECS
+        pause = Backoff(IDLE_POLL_FIRST_SECS, IDLE_POLL_MAX_SECS)
         conv.timings["worker_switch_s"] = 0.0
         idle_since: float | None = None
         while True:
@@ -123,10 +123,9 @@ class ControlProtocol(ABC):
                     return reply, None
             else:
                 idle_since = None
-            if now + delay > deadline:
+            if now + pause.secs > deadline:
                 return reply, load
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, IDLE_POLL_MAX_SECS)
+            await pause.sleep()
 
     async def read_load(self, conv: Conversion) -> LoadReading:
         try:
