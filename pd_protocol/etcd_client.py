@@ -23,6 +23,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+from pd_protocol.backoff import Backoff
+
 DEFAULT_TIMEOUT_S = 5.0
 GRPC_NOT_FOUND = 5
 GRPC_RESOURCE_EXHAUSTED = 8
@@ -358,7 +360,7 @@ class Watch:
 
     async def _events(self) -> AsyncIterator[WatchEvent]:
         loop = asyncio.get_running_loop()
-        delay = WATCH_RETRY_INITIAL_S
+        pause = Backoff(WATCH_RETRY_INITIAL_S, WATCH_RETRY_MAX_S)
         self._failing_since = None
         while self._failing_since is None or (
             loop.time() - self._failing_since < self._reconnect_within
@@ -369,9 +371,9 @@ class Watch:
             except (TimeoutError, aiohttp.ClientError, EtcdUnavailable):
                 pass
             if self._failing_since is None:
-                self._failing_since, delay = loop.time(), WATCH_RETRY_INITIAL_S
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, WATCH_RETRY_MAX_S)
+                self._failing_since = loop.time()
+                pause.reset()
+            await pause.sleep()
         raise EtcdUnavailable(f"etcd watch on {self._prefix!r}: unreachable, gave up")
 
     async def _stream(self) -> AsyncIterator[WatchEvent]:

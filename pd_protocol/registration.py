@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
+from pd_protocol.backoff import Backoff
 from pd_protocol.cluster import (
     DEFAULT_LEASE_TTL_SECS,
     DEFAULT_PREFIX,
@@ -318,7 +319,7 @@ class SelfRegistration:
         """Refresh the lease every ttl/3; register again when it is lost or may have expired;
         ride out outages, retrying well within the TTL (``failing``: the outage began before
         this loop, and was logged already)."""
-        delay = RETRY_INITIAL_S
+        pause = Backoff(RETRY_INITIAL_S, min(RETRY_MAX_S, self.refresh_interval))
         unreachable = failing
         while True:
             if self._registered and self._lapsed(time.monotonic()):
@@ -342,13 +343,12 @@ class SelfRegistration:
                         self._url,
                     )
                     unreachable = True
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_S, self.refresh_interval)
+                await pause.sleep()
                 continue
             if unreachable:
                 logger.info("etcd answers again: %s is registered", self._url)
                 unreachable = False
-            delay = RETRY_INITIAL_S
+            pause.reset()
             await asyncio.sleep(self.refresh_interval)
 
     async def _refresh(self, lease: int) -> None:

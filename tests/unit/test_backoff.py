@@ -1,6 +1,6 @@
-"""The pause of the background retry loops (pd_router.backoff)."""
+"""The pause of the background retry loops (pd_protocol.backoff)."""
 
-from pd_router.backoff import Backoff
+from pd_protocol.backoff import Backoff
 
 
 def test_pauses_double_from_the_first_up_to_the_cap():

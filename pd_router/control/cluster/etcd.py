@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import orjson
 
+from pd_protocol.backoff import Backoff
 from pd_protocol.cluster import ClusterKeys, WorkerRecord
 from pd_protocol.etcd_client import (
     EtcdClient,
@@ -45,7 +46,6 @@ from pd_protocol.etcd_client import (
     if_unchanged,
     put_op,
 )
-from pd_router.backoff import Backoff
 from pd_router.control.cluster.config import default_replica_id
 from pd_router.control.cluster.local import ConversionTaken
 from pd_router.control.cluster.mirror import Mirror

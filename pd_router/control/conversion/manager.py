@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from pd_protocol.backoff import Backoff
 from pd_protocol.json_values import is_int
-from pd_router.backoff import Backoff
 from pd_router.control.cluster.local import Cluster, ConversionTaken, LocalCluster
 from pd_router.control.conversion.canary import run_canary
 from pd_router.control.conversion.history import (

@@ -14,8 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
+from pd_protocol.backoff import Backoff
 from pd_protocol.wire import CONVERT_PATH, SWITCH_PATH
-from pd_router.backoff import Backoff
 from pd_router.control.conversion.history import Conversion, Status
 from pd_router.control.worker_control import ControlError, LoadReading, SwitchReply, WorkerControl
 from pd_router.control.workers import Worker

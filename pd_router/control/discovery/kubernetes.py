@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pd_router.backoff import Backoff
+from pd_protocol.backoff import Backoff
 from pd_router.control.discovery.config import DiscoveryConfig, DiscoveryUnavailable
 from pd_router.control.discovery.labels import PodLabels
 from pd_router.control.discovery.membership import DiscoveredWorker, Membership

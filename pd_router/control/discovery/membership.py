@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pd_router.backoff import Backoff
+from pd_protocol.backoff import Backoff
 from pd_router.control.cluster.local import Cluster
 from pd_router.control.errors import ClusterUnavailable
 from pd_router.control.workers import (

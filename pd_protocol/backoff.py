@@ -1,4 +1,5 @@
-"""The pause between retries of a background loop (etcd, discovery): it doubles after every
+"""The pause between retries of a background loop (etcd, discovery, a worker's registration,
+a conversion's polls): it doubles after every
 failure, up to a cap, so a dependency that is down is not hammered, and starts small again
 after a success, so a short outage is noticed soon after it ends.
 
