@@ -17,6 +17,7 @@ Clusters are synchronous objects; use them from async tests as well (only their 
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -29,6 +30,11 @@ from tests.k8s_helpers import kube, kube_apiserver  # noqa: F401 (fixtures, as e
 from tests.sglang_cluster import sglang_fleet  # noqa: F401 (a fixture, as etcd_server)
 
 ClusterFactory = Callable[..., WorkerCluster]
+
+# A test run started in the background by a non-interactive shell has SIGINT ignored, and every
+# process it starts would inherit that: Ctrl-C's tests send SIGINT to the CLI and expect it
+# heard. A handler here (not inherited across exec) gives the processes the default again.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _factory() -> Iterator[ClusterFactory]:

@@ -60,6 +60,8 @@ class Load:
     answered: int = 0
     failures: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # What the test is doing, named in each failure (the conversion in progress).
+    during: str = "before the first conversion"
 
     def client(self, index: int) -> None:
         with httpx.Client(timeout=TIMEOUT) as http:
@@ -75,7 +77,7 @@ class Load:
                     outcome = f"{type(exc).__name__}: {exc}"
                 with self.lock:
                     if outcome:
-                        self.failures.append(outcome)
+                        self.failures.append(f"{self.during}: {outcome}")
                     else:
                         self.answered += 1
 
@@ -157,6 +159,7 @@ def test_twelve_conversions_under_load_fail_no_request(sglang_fleet: Fleet, rout
     ways = ["cli", "convert_pd_role", "pd_role_switch"]
     with Load(router.url, expected) as load:
         for step, (server, to) in enumerate(plan):
+            load.during = f"step {step}, {server.name} to {to}"
             before = load.answered
             record = convert(router, ways[step % len(ways)], server, to)
             assert record["status"] == "succeeded", record
@@ -164,11 +167,14 @@ def test_twelve_conversions_under_load_fail_no_request(sglang_fleet: Fleet, rout
             assert live_role(server) == to, (step, server.name)
             assert load.answered > before or step == 0 or load.failures, "no traffic flowed"
         answered_at_end = load.answered
+        load.during = "after the last conversion"
         router_ready(router.url, prefill=2, decode=2)
         # Traffic after the last conversion, through every pair.
         while load.answered < answered_at_end + 3 * CLIENTS and not load.failures:
             load.stop.wait(0.2)
-    assert load.failures == [], load.failures[:5]
+    legs = [line for line in router.log().splitlines() if "leg failed" in line or "forg" in line]
+    workers = {s.url: s.name for s in fleet.pd}
+    assert load.failures == [], (load.failures[:5], workers, legs[-20:])
     assert load.answered > 30
     assert [live_role(s) for s in fleet.pd] == ["prefill", "prefill", "decode", "decode"]
 
