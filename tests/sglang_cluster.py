@@ -26,7 +26,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +45,10 @@ MEMORY_PER_SERVER_GB = 2.0
 # Six servers start in 2-3 minutes on 2 cores; much longer only when the machine is shared.
 READY_TIMEOUT_SECS = 600.0
 READY_LINE = "The server is fired up and ready to roll!"
+# A server started beside others can lose its port to one of their own (SGLang picks its
+# internal ports itself): it logs this and never gets ready, so it is started again elsewhere.
+PORT_TAKEN = "error while attempting to bind on address"
+RESTARTS = 2
 CPU_FLAGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
     "--disable-cuda-graph", "--sleep-on-idle", "--disable-overlap-schedule",
@@ -163,6 +167,9 @@ class SGLangServer:
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
+    def port_taken(self) -> bool:
+        return PORT_TAKEN in self.log_text()
+
     def ready(self) -> bool:
         if READY_LINE not in self.log_text():
             return False
@@ -202,12 +209,22 @@ def server(name: str, mode: str | None, *, patched: bool = False, extra=()) -> S
     return SGLangServer(name, mode, free_port(), bootstrap, patched, tuple(extra))
 
 
-def wait_ready(servers: Sequence[SGLangServer], timeout: float = READY_TIMEOUT_SECS) -> None:
-    """Until every server answers; a server that exits or stays silent fails with its log."""
+def wait_ready(
+    servers: Sequence[SGLangServer],
+    restart: Callable[[SGLangServer], None],
+    timeout: float = READY_TIMEOUT_SECS,
+) -> None:
+    """Until every server answers; a server whose port was taken is restarted on others (at
+    most :data:`RESTARTS` times in all); one that exits or stays silent fails with its log."""
     deadline = time.monotonic() + timeout
     waiting = list(servers)
+    restarts = 0
     while waiting:
         for s in list(waiting):
+            if s.port_taken() and restarts < RESTARTS:
+                restarts += 1
+                restart(s)
+                continue
             if not s.alive():
                 raise RuntimeError(f"SGLang server {s.name} exited:\n{s.log_text()[-4000:]}")
             if s.ready():
@@ -224,10 +241,18 @@ def running(servers: Sequence[SGLangServer]) -> Iterator[list[SGLangServer]]:
     require(len(servers))
     model = tiny_model()
     log_dir = Path(tempfile.mkdtemp(prefix="sglang-"))
+
+    def restart(s: SGLangServer) -> None:
+        s.kill()
+        s.port = free_port()
+        if s.bootstrap_port is not None:
+            s.bootstrap_port = free_port()
+        s.start(model, log_dir)
+
     try:
         for s in servers:
             s.start(model, log_dir)
-        wait_ready(servers)
+        wait_ready(servers, restart)
         yield list(servers)
     finally:
         for s in servers:
