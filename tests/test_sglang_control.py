@@ -133,6 +133,12 @@ def test_extension_endpoints_answered_by_real_sglang(sglang_fleet: Fleet) -> Non
     assert forgot.status_code == 200, forgot.text
 
 
+# Long prompts (about 750 tokens each) at once: the backlog of two prefills, and what the one
+# decode left after the conversion holds in its 4096 KV tokens (eight would not fit: SGLang
+# then fails a request, which is the load's fault, not the conversion's).
+IN_FLIGHT = 5
+
+
 def test_the_autopilot_converts_a_real_server_when_prompts_grow(
     sglang_fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -155,33 +161,42 @@ def test_the_autopilot_converts_a_real_server_when_prompts_grow(
             records = httpx.get(router.url + "/conversions", timeout=10).json()["conversions"]
             return any(r["status"] == "succeeded" for r in records)
 
-        statuses: list[int] = []
+        failures: list[str] = []
+        answered = 0
         deadline = time.monotonic() + 150
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            # Eight requests in flight all the time (a new one as each ends), so the backlog
-            # the autopilot samples stays up across its window.
-            running = {pool.submit(generate, router.url, f"{i} {long_prompt}") for i in range(8)}
+        with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
+            # IN_FLIGHT requests all the time (a new one as each ends), so the backlog the
+            # autopilot samples stays up across its window.
+            running = {
+                pool.submit(generate, router.url, f"{i} {long_prompt}") for i in range(IN_FLIGHT)
+            }
             sent = len(running)
             while running:
                 done, running = concurrent.futures.wait(running, return_when="FIRST_COMPLETED")
-                statuses += [f.result().status_code for f in done]
+                for future in done:
+                    reply = future.result()
+                    answered += 1
+                    if reply.status_code != 200:
+                        failures.append(f"{reply.status_code}: {reply.text[:300]}")
                 if not converted() and time.monotonic() < deadline:
                     for _ in done:
                         sent += 1
                         running.add(pool.submit(generate, router.url, f"{sent} {long_prompt}"))
+        httpx.put(router.url + "/autopilot", json={"mode": "off"}, timeout=10)
         records = httpx.get(router.url + "/conversions", timeout=10).json()["conversions"]
+        moved = next((r for r in records if r["status"] == "succeeded"), None)
+        back = None
+        if moved is not None:
+            # Back to 2P2D for the tests after this one, whatever this one found.
+            back = httpx.post(
+                router.url + "/convert_pd_role",
+                json={"server_url": moved["worker_url"], "new_role": moved["from_role"]},
+                timeout=TIMEOUT,
+            )
         autopilot = httpx.get(router.url + "/autopilot", timeout=10).json()
         seen = {k: autopilot[k] for k in ("last_decision", "last_error", "loads", "last_sample")}
-        assert converted(), json.dumps(seen)
-        moved = next(r for r in records if r["status"] == "succeeded")
+        assert moved is not None, json.dumps(seen)
         assert (moved["from_role"], moved["to_role"]) == ("decode", "prefill"), moved
-        assert set(statuses) == {200}, statuses
-        server = next(s for s in sglang_fleet.pd if s.url == moved["worker_url"])
-        # Back to 2P2D for the tests after this one, the autopilot off first.
-        httpx.put(router.url + "/autopilot", json={"mode": "off"}, timeout=10)
-        reply = httpx.post(
-            router.url + "/convert_pd_role",
-            json={"server_url": server.url, "new_role": "decode"},
-            timeout=TIMEOUT,
-        )
-        assert reply.status_code == 200, reply.text
+        legs = [line for line in router.log().splitlines() if "leg failed" in line]
+        assert failures == [], (answered, failures[:5], legs[-10:])
+        assert back is not None and back.status_code == 200, back and back.text
