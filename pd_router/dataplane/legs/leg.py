@@ -176,6 +176,18 @@ class LegFailed(Exception):
         return self.kind == RENDEZVOUS
 
     @property
+    def handoff_failed(self) -> bool:
+        """A decode failed the request because its KV never came from the prefill (SGLang:
+        "Decode transfer failed", also when the decode lost its prefill's heartbeat): the
+        prefill is as likely at fault as the decode."""
+        return (
+            self.role is Role.DECODE
+            and self.result is not None
+            and self.result.status >= 500
+            and KV_TRANSFER_FAILED in self.result.body
+        )
+
+    @property
     def wrong_role(self) -> bool:
         """The worker serves the other role now (changed outside this router)."""
         return self.kind == WRONG_ROLE

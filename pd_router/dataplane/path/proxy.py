@@ -227,6 +227,10 @@ class Exchange:
                 # kept a round-tripped prefill's old endpoints are all of those that talked to it
                 # (SGLang 0.5.23), so its other pairs are likely stuck too.
                 avoid.append(prefill if failure.stuck else failure.worker)
+                if failure.handoff_failed:
+                    # The retry also leaves this prefill: a decode that lost it (a heartbeat
+                    # missed on a saturated prefill) fails every room it sends.
+                    avoid.append(prefill)
                 last = failure
             finally:
                 if trial:
