@@ -27,7 +27,10 @@ from pd_worker.cluster import WorkerCluster
 from pd_worker.cluster import free_port as _free_port
 from tests.etcd_helpers import etcd_server  # noqa: F401 (a fixture, registered by import)
 from tests.k8s_helpers import kube, kube_apiserver  # noqa: F401 (fixtures, as etcd_server)
-from tests.sglang_cluster import sglang_fleet  # noqa: F401 (a fixture, as etcd_server)
+from tests.sglang_cluster import (  # noqa: F401 (fixtures, as etcd_server)
+    fleet_roles_kept,
+    sglang_fleet,
+)
 
 ClusterFactory = Callable[..., WorkerCluster]
 

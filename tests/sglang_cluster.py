@@ -49,6 +49,11 @@ READY_LINE = "The server is fired up and ready to roll!"
 # internal ports itself): it logs this and never gets ready, so it is started again elsewhere.
 PORT_TAKEN = "error while attempting to bind on address"
 RESTARTS = 2
+# SGLang's /health runs a one-token generation (SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is on
+# by default), so a router's health probe keeps an idle server busy for a moment: a switch then
+# is refused as "not idle" (safe_to_restore) and the caller tries again, as the router does.
+NOT_IDLE = "instance is not idle"
+SWITCH_RETRY_SECS = 30.0
 CPU_FLAGS = (
     "--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
     "--disable-cuda-graph", "--sleep-on-idle", "--disable-overlap-schedule",
@@ -202,6 +207,24 @@ class SGLangServer:
         """SIGKILL to the whole group, as a crash or an OOM kill would end it."""
         self.stop(signal.SIGKILL)
 
+    def role(self) -> str:
+        """The role SGLang's scheduler runs now (its ``/server_info``)."""
+        info = httpx.get(self.url + "/server_info", timeout=10.0).json()
+        return str(info["internal_states"][0]["disaggregation_mode"])
+
+    def switch(self, role: str, timeout: float = 120.0) -> dict[str, object]:
+        """SGLang's own ``/pd_role_switch`` to ``role``, tried again while the server answers
+        that it is not idle (a health probe's generation); any other refusal is returned."""
+        body: dict[str, object] = {"new_role": role}
+        if role == "decode":
+            body["decode_cuda_graph_memory_gb"] = 0
+        deadline = time.monotonic() + SWITCH_RETRY_SECS
+        while True:
+            reply = httpx.post(self.url + "/pd_role_switch", json=body, timeout=timeout).json()
+            if NOT_IDLE not in str(reply.get("message")) or time.monotonic() > deadline:
+                return reply
+            time.sleep(0.2)
+
 
 def server(name: str, mode: str | None, *, patched: bool = False, extra=()) -> SGLangServer:
     """A server description on free ports (a bootstrap port for PD servers)."""
@@ -287,6 +310,14 @@ def router_ready(url: str, *, prefill: int, decode: int, timeout: float = 60.0) 
         time.sleep(0.2)
 
 
+def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
+    """Until ``check()`` holds; AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.2)
+
+
 @dataclass
 class Fleet:
     """The shared real-SGLang servers: a colocated reference (same weights, no PD) and a 2P2D
@@ -308,6 +339,17 @@ class Fleet:
     def router_args(self) -> list[str]:
         return pd_args(self.prefill, self.decode)
 
+    def restore_roles(self) -> list[str]:
+        """Switches every living PD server that left its first role back to it; says which
+        (none when the tests kept their promise)."""
+        moved = []
+        for s in self.pd:
+            if s.alive() and s.role() != s.mode:
+                reply = s.switch(str(s.mode))
+                assert reply.get("success"), (s.name, reply)
+                moved.append(s.name)
+        return moved
+
 
 @pytest.fixture(scope="session")
 def sglang_fleet() -> Iterator[Fleet]:
@@ -324,3 +366,15 @@ def sglang_fleet() -> Iterator[Fleet]:
     radix_prefill = server("p-radix", "prefill")
     with running([reference, *prefill, *decode, radix_prefill]):
         yield Fleet(reference, prefill, decode, radix_prefill)
+
+
+@pytest.fixture(autouse=True)
+def fleet_roles_kept(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test on the shared fleet: every server is in its first role again. A test that
+    left one moved errors here, and the servers are switched back so that the tests after it
+    meet the 2P2D they expect rather than fail one after another."""
+    yield
+    if "sglang_fleet" not in request.fixturenames:
+        return
+    moved = request.getfixturevalue("sglang_fleet").restore_roles()
+    assert not moved, f"the test left {moved} in another role (switched back)"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.cli_process import Served, serving
-from tests.sglang_cluster import Fleet, SGLangServer, router_ready
+from tests.sglang_cluster import Fleet, SGLangServer, eventually, router_ready
 
 pytestmark = pytest.mark.real_sglang
 
@@ -42,20 +42,10 @@ def router_role(router: Served, server: SGLangServer) -> str | None:
     return next((w["role"] for w in workers if w["url"] == server.url), None)
 
 
-def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
-        time.sleep(0.2)
-
-
 def native_switch(server: SGLangServer, role: str) -> dict[str, Any]:
-    body: dict[str, Any] = {"new_role": role}
-    if role == "decode":
-        body["decode_cuda_graph_memory_gb"] = 0
-    reply = httpx.post(server.url + "/pd_role_switch", json=body, timeout=TIMEOUT)
-    assert reply.status_code == 200, reply.text
-    return reply.json()
+    reply = server.switch(role)
+    assert reply["success"], reply
+    return reply
 
 
 def test_a_switch_made_on_the_server_is_followed(sglang_fleet: Fleet, router: Served) -> None:
@@ -116,12 +106,9 @@ def test_extension_endpoints_answered_by_real_sglang(sglang_fleet: Fleet) -> Non
         ]
         == "prefill"
     )
-    back = httpx.post(
-        d1.url + "/pd_role_switch",
-        json={"new_role": "decode", "decode_cuda_graph_memory_gb": 0},
-        timeout=TIMEOUT,
-    ).json()
-    assert back["success"], back
+    # Straight after the switch the module's router probes d1 as a new prefill, and SGLang's
+    # /health is a generation: the switch back waits for it.
+    native_switch(d1, "decode")
     assert pd_role()["epoch"] == epoch + 2
 
     p0 = sglang_fleet.prefill[0]
