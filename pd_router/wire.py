@@ -27,7 +27,7 @@ import orjson
 from pd_router.circuit_state import CircuitState
 from pd_router.roles import Role
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 # Each end sends something at least this often, even with nothing to say (the data plane a
 # report, the control side the in-flight totals), so that either can take a long silence of the
 # other for a hang.
@@ -129,6 +129,17 @@ class Suspect:
 
 
 @dataclass(frozen=True, slots=True)
+class StuckPair:
+    """A request through ``prefill`` and ``decode`` missed its rendezvous: the decode may keep
+    an old endpoint of the prefill (SGLang 0.5.23 after the prefill's round trip), so it is
+    asked to forget it."""
+
+    TAG: ClassVar[str] = "stuck"
+    prefill: str
+    decode: str
+
+
+@dataclass(frozen=True, slots=True)
 class SnapshotRefused:
     """Snapshot ``version`` was inconsistent (``reason``) and not applied; the data plane
     routes on from ``routing``."""
@@ -166,6 +177,7 @@ Message = (
     | MetricsAsk
     | Report
     | Suspect
+    | StuckPair
     | SnapshotRefused
     | MetricsAnswer
 )
@@ -345,6 +357,7 @@ DECODERS: dict[str, Callable[[Any], Any]] = {
         connections=INT,
     ),
     Suspect.TAG: record(Suspect, url=TEXT),
+    StuckPair.TAG: record(StuckPair, prefill=TEXT, decode=TEXT),
     SnapshotRefused.TAG: record(SnapshotRefused, version=INT, routing=INT, reason=TEXT),
     MetricsAnswer.TAG: record(
         MetricsAnswer, request=INT, samples=rows(TEXT, TEXT, TEXT, OBJECT, NUMBER)

@@ -62,6 +62,11 @@ class EngineBackend:
         return self._engine.config.enable_pd_role_switch
 
     async def forget_prefill(self, bootstrap_host: str, bootstrap_port: int) -> None:
-        """Nothing to drop: a decode here pulls every room from the prefill's bootstrap server
-        itself, which outlives role switches (an SGLang decode keeps the rank endpoints that
-        server named, which a prefill's round trip through decode replaces)."""
+        """A decode here pulls every room from the prefill's bootstrap server itself, which
+        outlives role switches, so it keeps nothing to drop (an SGLang decode keeps the rank
+        endpoints that server named, which a prefill's round trip through decode replaces),
+        except the ``stale_bootstrap`` fault, the imitation of that endpoint: it is cleared for
+        this prefill, as server_patch's forget mends the real one."""
+        faults = self._engine.faults
+        if faults.stale_bootstrap == f"{bootstrap_host}:{bootstrap_port}":
+            faults.stale_bootstrap = ""

@@ -20,7 +20,8 @@ Body fields, all optional and combinable:
 - ``stale_bootstrap``: str -- ``host:port`` of a prefill's bootstrap server that this decode's
   KV pulls never reach, as SGLang 0.5.23's decode keeps a round-tripped prefill's old endpoint:
   each pull hangs until the bootstrap timeout and the prefill waits for it as long; ``""`` ends
-  it. Other prefills are served as usual (the timing engine; the torch engine ignores it).
+  it, and so does ``/pd_forget_prefill`` for that prefill (hidden by ``native_only``). Other
+  prefills are served as usual (the timing engine; the torch engine ignores it).
 - ``busy_switch_next``: int -- the next N role switches are refused as "not idle" although the
   load reads idle, as SGLang 0.5.23's decode refuses while the KV of an aborted transfer awaits
   its deferred release (no load field counts it).

@@ -6,14 +6,22 @@ tests/test_sglang_bugs.py. Real workers and a real router on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 import httpx
 import pytest
 
 from pd_router.control.workers import Role
 from tests.conversion_helpers import convert
-from tests.router_helpers import running_router, wait_until
+from tests.router_helpers import (
+    fault,
+    generate_body,
+    running_router,
+    wait_until,
+    worker_metric,
+)
 
 FORGOT = "decode {decode} forgot the endpoints of prefill {prefill}"
 
@@ -59,6 +67,34 @@ async def test_a_worker_found_turned_prefill_makes_the_decodes_forget_it(
         assert reply.json()["success"]
         await wait_until(lambda: worker.role is Role.PREFILL, 5.0, "router moved it")
         await wait_until(lambda: forgot(caplog, other, switched), 5.0, "decode forgot it")
+
+
+async def test_a_pair_that_misses_its_rendezvous_makes_its_decode_forget_the_prefill(
+    cluster_factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The prefill's round trip was not seen by this router (another router's switch, or one
+    faster than a probe): the first request through the pair waits out the rendezvous, the
+    decode is told to forget, and the pair meets again after its cool-down."""
+    caplog.set_level(logging.INFO, logger="pd_router.control.worker_control")
+    cluster = cluster_factory(prefill=1, decode=2, speed=1.0)
+    prefill, stale = cluster.prefill_urls[0], cluster.decode_urls[0]
+    await fault(stale, stale_bootstrap=f"127.0.0.1:{cluster.bootstrap_port(prefill)}")
+    pairs = {"rendezvous_timeout_secs": 1.5, "rendezvous_cooldown_secs": 0.5}
+    router_config = {"legs": pairs, "decode_policy": "round_robin"}
+    async with running_router(cluster, **router_config) as router, router.client() as http:
+        first = await http.post("/generate", json=generate_body("stuck", 4))
+        assert first.status_code == 200, first.text
+        await wait_until(lambda: forgot(caplog, stale, prefill), 5.0, "decode forgot it")
+        served = await worker_metric(stale, "num_requests_total")
+        elapsed = []
+        for n in range(6):
+            started = time.monotonic()
+            reply = await http.post("/generate", json=generate_body(f"met {n}", 4))
+            assert reply.status_code == 200, reply.text
+            elapsed.append(time.monotonic() - started)
+            await asyncio.sleep(0.2)  # past the cool-down before the last ones
+    assert max(elapsed) < 1.5, elapsed
+    assert await worker_metric(stale, "num_requests_total") > served
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,11 @@ from pd_router.roles import Role
 from pd_router.wire import PROTOCOL_VERSION, Hello, Snapshot, Suspect
 from tests.router_helpers import generate_body, running_router, wait_until
 
+
+async def forget_nothing(decode: Worker, prefill: Worker) -> None:
+    """The publisher's ``forget``, for tests where no pair gets stuck."""
+
+
 DECODE = "http://127.0.0.1:9"
 # Longer than any test here waits: what a test sees came from a report sent at once.
 SLOW_REPORTS_SECS = 60.0
@@ -61,7 +66,10 @@ class LinkedPlane:
     def __init__(self) -> None:
         self.registry = WorkerRegistry(RouterMetrics(), CircuitConfig(failure_threshold=1))
         self.dataplanes = DataPlanes(
-            self.registry, HealthMonitor(self.registry, HealthConfig()), LatencyRecorder()
+            self.registry,
+            HealthMonitor(self.registry, HealthConfig()),
+            LatencyRecorder(),
+            forget_nothing,
         )
         self.control_end, self.plane_end = LocalChannel.pair()
         self.reports = Reports(self.plane_end, list, [], interval=SLOW_REPORTS_SECS)
@@ -70,6 +78,7 @@ class LinkedPlane:
             index=0,
             wake=self.reports.wake,
             suspect=self.reports.suspect,
+            stuck=self.reports.stuck,
             on_unavailable=lambda url: None,
             count_refusal=self.reports.count_refusal,
         )

@@ -291,6 +291,7 @@ def test_a_worker_that_leaves_a_pool_leaves_that_pools_cache_aware_tree():
     policies = {role: CacheAwarePolicy(CacheAwareConfig(), Clock()) for role in Role}
     pools = SnapshotPools(
         policies, index=0, wake=lambda: None, suspect=lambda url: None,
+        stuck=lambda prefill, decode: None,
         on_unavailable=lambda url: None, count_refusal=lambda role: None,
     )  # fmt: skip
     pools.apply(Snapshot(1, tuple(snapshot_entry(url, Role.PREFILL) for url in (A, B, C))))

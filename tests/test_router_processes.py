@@ -446,6 +446,7 @@ def decode_pools(
         index=index,
         wake=lambda: None,
         suspect=lambda url: None,
+        stuck=lambda prefill, decode: None,
         on_unavailable=lambda url: None,
         count_refusal=lambda role: None,
     )

@@ -42,9 +42,11 @@ def cluster(module_cluster_factory) -> WorkerCluster:
 
 @pytest.fixture
 async def stuck_pair(cluster):
-    """(prefill, decode): the cluster's first prefill and first decode, which never meet."""
+    """(prefill, decode): the cluster's first prefill and first decode, which never meet. The
+    decode runs without server_patch (``native_only``), so nothing makes it forget."""
     prefill, decode = cluster.prefill_urls[0], cluster.decode_urls[0]
-    await fault(decode, stale_bootstrap=f"127.0.0.1:{cluster.bootstrap_port(prefill)}")
+    stale = f"127.0.0.1:{cluster.bootstrap_port(prefill)}"
+    await fault(decode, stale_bootstrap=stale, native_only=True)
     yield prefill, decode
     await fault(decode, clear=True)
 

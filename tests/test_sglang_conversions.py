@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from tests.cli_process import PD_ROUTER, Served, run, serving
-from tests.sglang_cluster import Fleet, SGLangServer, router_ready
+from tests.sglang_cluster import Fleet, SGLangServer, eventually, router_ready
 
 pytestmark = pytest.mark.real_sglang
 
@@ -113,12 +113,6 @@ def check(reply: httpx.Response, expected: list[int], *, streamed: bool) -> str 
     return None
 
 
-def live_role(server: SGLangServer) -> str:
-    """The role SGLang's scheduler reports, not what anyone said about it."""
-    info = httpx.get(server.url + "/server_info", timeout=10).json()
-    return info["internal_states"][0]["disaggregation_mode"]
-
-
 def convert(router: Served, how: str, server: SGLangServer, to: str) -> dict[str, Any]:
     """One conversion through ``how`` (cli, convert_pd_role, pd_role_switch); the router's
     record of it."""
@@ -164,7 +158,7 @@ def test_twelve_conversions_under_load_fail_no_request(sglang_fleet: Fleet, rout
             record = convert(router, ways[step % len(ways)], server, to)
             assert record["status"] == "succeeded", record
             assert [p["name"] for p in record["phases"]][-2:] == ["switch", "verify"], record
-            assert live_role(server) == to, (step, server.name)
+            assert server.role() == to, (step, server.name)
             assert load.answered > before or step == 0 or load.failures, "no traffic flowed"
         answered_at_end = load.answered
         load.during = "after the last conversion"
@@ -176,24 +170,24 @@ def test_twelve_conversions_under_load_fail_no_request(sglang_fleet: Fleet, rout
     workers = {s.url: s.name for s in fleet.pd}
     assert load.failures == [], (load.failures[:5], workers, legs[-20:])
     assert load.answered > 30
-    assert [live_role(s) for s in fleet.pd] == ["prefill", "prefill", "decode", "decode"]
+    assert [s.role() for s in fleet.pd] == ["prefill", "prefill", "decode", "decode"]
 
 
 def test_a_stale_pair_costs_a_request_at_most_the_rendezvous_wait(
     sglang_fleet: Fleet, router: Served
 ) -> None:
-    """SGLang 0.5.23's bug b through the router, where nothing can make the decode forget: p0
-    goes around a round trip by SGLang's own switch (no server_patch on p0 or d0), so d0 keeps
-    p0's old endpoint. Requests through that pair end at the rendezvous wait and are answered
-    by another pair, and the pair is rested. Converting d0 there and back clears it (a decode's
-    own switch drops what it cached), which also leaves the shared fleet clean."""
+    """SGLang 0.5.23's bug b through the router: p0 goes around a round trip by SGLang's own
+    switch (no server_patch on p0 or d0), which the router may not see, so d0 and d1 keep p0's
+    old endpoint. A request through a stale pair ends at the rendezvous wait and is answered by
+    another pair; the patched d1 is then told to forget p0, the plain d0 cannot be, and its pair
+    is rested. Converting d0 there and back clears it (a decode's own switch drops what it
+    cached), which also leaves the shared fleet clean."""
     p0, d0 = sglang_fleet.prefill[0], sglang_fleet.decode[0]
     for _ in range(4):  # d0 learns p0's endpoint
         body = {"text": PROMPTS[0], "sampling_params": GREEDY}
         assert httpx.post(router.url + "/generate", json=body, timeout=TIMEOUT).status_code == 200
     for role in ("decode", "prefill"):
-        body = {"new_role": role, "decode_cuda_graph_memory_gb": 0}
-        assert httpx.post(p0.url + "/pd_role_switch", json=body, timeout=TIMEOUT).json()["success"]
+        assert p0.switch(role)["success"]
     router_ready(router.url, prefill=2, decode=2)
     latencies = []
     for i in range(8):
@@ -209,8 +203,31 @@ def test_a_stale_pair_costs_a_request_at_most_the_rendezvous_wait(
         record = convert(router, "convert_pd_role", d0, role)
         assert record["status"] == "succeeded", record
         assert record["timings"]["drain_s"] < RENDEZVOUS_SECS + 5, record
+    # d1 costs one more wait if none of the requests before took the pair (p0, d1), and
+    # forgets p0 after it; then no pair is stale.
+    misses = rendezvous_misses(router)
+    send_after(router, "once", 6)
+    assert rendezvous_misses(router) - misses <= 1
+    if rendezvous_misses(router) > misses:
+        d1 = sglang_fleet.decode[1]
+        forgot = f"decode {d1.url} forgot the endpoints of prefill {p0.url}"
+        eventually(lambda: forgot in router.log(), 10, forgot)
     started = time.monotonic()
-    for i in range(6):
-        body = {"text": f"after {i}", "sampling_params": GREEDY}
-        assert httpx.post(router.url + "/generate", json=body, timeout=TIMEOUT).status_code == 200
+    send_after(router, "clean", 6)
     assert time.monotonic() - started < RENDEZVOUS_SECS
+
+
+def send_after(router: Served, what: str, count: int) -> None:
+    for i in range(count):
+        body = {"text": f"after {what} {i}", "sampling_params": GREEDY}
+        assert httpx.post(router.url + "/generate", json=body, timeout=TIMEOUT).status_code == 200
+
+
+def rendezvous_misses(router: Served) -> float:
+    """The router's rendezvous misses so far, both roles."""
+    lines = httpx.get(router.url + "/metrics", timeout=10).text.splitlines()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in lines
+        if line.startswith("pd_router_upstream_errors_total{") and 'kind="rendezvous"' in line
+    )

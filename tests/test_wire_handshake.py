@@ -20,11 +20,16 @@ from pd_router.control.circuit import CircuitConfig
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
 from pd_router.control.publisher import DataPlanes
-from pd_router.control.workers import WorkerRegistry
+from pd_router.control.workers import Worker, WorkerRegistry
 from pd_router.dataplane.link.channel import HEADER, Channel
 from pd_router.metrics import RouterMetrics
 from pd_router.wire import PROTOCOL_VERSION, ChannelClosed, Hello, Message, Snapshot, decode, encode
 from tests.router_helpers import generate_body, running_router, wait_until
+
+
+async def forget_nothing(decode: Worker, prefill: Worker) -> None:
+    """The publisher's ``forget``, for tests where no pair gets stuck."""
+
 
 OTHER_VERSION = PROTOCOL_VERSION + 1
 
@@ -92,7 +97,9 @@ async def test_a_socket_channel_that_receives_a_malformed_message_is_closed():
 
 async def test_the_control_side_refuses_a_data_plane_of_another_version_and_closes_it(caplog):
     registry = WorkerRegistry(RouterMetrics(), CircuitConfig())
-    dataplanes = DataPlanes(registry, HealthMonitor(registry, HealthConfig()), LatencyRecorder())
+    dataplanes = DataPlanes(
+        registry, HealthMonitor(registry, HealthConfig()), LatencyRecorder(), forget_nothing
+    )
     control_end, plane_end = socket.socketpair()
     dataplanes.attach(0, await Channel.over(control_end))
     plane = await Channel.over(plane_end)

@@ -21,7 +21,10 @@ dropped at once, so nothing waits for a report that will not come.
 
 The rest of a report goes to the control side's owners of it: leg outcomes to the worker's
 circuit, TTFT/TPOT samples and refusals to the latency recorder the autopilot
-reads; a leg answered for the other role makes the health monitor read the worker's role now.
+reads; a leg answered for the other role makes the health monitor read the worker's role now,
+and a pair that missed its rendezvous makes its decode forget the prefill's endpoints (``forget``,
+for SGLang 0.5.23's decode that kept them across the prefill's round trip, which this router
+did not see: another router's or an operator's switch, or one faster than a health probe).
 
 Half-open trials. Every snapshot names, for each worker whose circuit is not closed, the one
 data plane that may send its trial (:mod:`pd_router.control.trials`); a trial that should move
@@ -39,13 +42,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 from pd_router.control.circuit import CircuitState
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
 from pd_router.control.trials import HalfOpenTrials
 from pd_router.control.workers import UnknownWorker, Worker, WorkerRegistry, WorkerState
+from pd_router.roles import Role
 from pd_router.wire import (
     HEARTBEAT_SECS,
     PROTOCOL_VERSION,
@@ -60,6 +64,7 @@ from pd_router.wire import (
     Sample,
     Snapshot,
     SnapshotRefused,
+    StuckPair,
     Suspect,
     VersionMismatch,
     WireError,
@@ -107,15 +112,25 @@ class DataPlaneLink:
         self.silent_by = time.monotonic() + START_SILENCE_SECS
 
 
+# ``forget(decode, prefill)``: the decode drops what it cached of the prefill's endpoints.
+Forget = Callable[[Worker, Worker], Awaitable[None]]
+
+
 class DataPlanes:
     """The links to the data planes, and what their reports change in the registry."""
 
     def __init__(
-        self, registry: WorkerRegistry, health: HealthMonitor, latency: LatencyRecorder
+        self,
+        registry: WorkerRegistry,
+        health: HealthMonitor,
+        latency: LatencyRecorder,
+        forget: Forget,
     ) -> None:
         self._registry = registry
         self._health = health
         self._latency = latency
+        self._forget = forget
+        self._forgetting: set[asyncio.Task[None]] = set()
         self._links: dict[int, DataPlaneLink] = {}
         self.version = 0
         self._snapshot = Snapshot(0, ())
@@ -169,6 +184,8 @@ class DataPlanes:
     async def stop(self) -> None:
         if self._pusher is not None:
             self._pusher.cancel()
+        for task in list(self._forgetting):
+            task.cancel()
         for index in list(self._links):
             self.detach(index)
 
@@ -250,6 +267,8 @@ class DataPlanes:
                 self._take_report(link, message)
             case Suspect():
                 self._suspect(message.url)
+            case StuckPair():
+                self._stuck(message.prefill, message.decode)
             case MetricsAnswer():
                 self._take_metrics(link, message)
             case SnapshotRefused():
@@ -287,6 +306,14 @@ class DataPlanes:
         worker = self._find(url)
         if worker is not None:
             self._health.suspect(worker)
+
+    def _stuck(self, prefill_url: str, decode_url: str) -> None:
+        prefill, decode = self._find(prefill_url), self._find(decode_url)
+        if prefill is None or decode is None or decode.role is not Role.DECODE:
+            return
+        task = asyncio.get_running_loop().create_task(self._forget(decode, prefill))
+        self._forgetting.add(task)
+        task.add_done_callback(self._forgetting.discard)
 
     def _find(self, url: str) -> Worker | None:
         try:

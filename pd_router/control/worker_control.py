@@ -277,6 +277,16 @@ class WorkerControl:
         body = {"bootstrap_host": prefill.bootstrap_host, "bootstrap_port": port}
         await asyncio.gather(*(self._forget_prefill(decode, prefill, body) for decode in decodes))
 
+    async def forget_prefill(self, decode: Worker, prefill: Worker) -> None:
+        """``POST /pd_forget_prefill`` on ``decode`` for ``prefill`` as it is now (a pair that
+        missed its rendezvous). Never raises, as :meth:`forget_prefill_on_decodes`."""
+        if prefill.bootstrap_port is not None:
+            body = {
+                "bootstrap_host": prefill.bootstrap_host,
+                "bootstrap_port": prefill.bootstrap_port,
+            }
+            await self._forget_prefill(decode, prefill, body)
+
     async def _forget_prefill(self, decode: Worker, prefill: Worker, body: dict[str, Any]) -> None:
         try:
             status, reply = await self._post(decode.url, FORGET_PREFILL_PATH, body, self._timeout)

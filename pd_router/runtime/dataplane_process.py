@@ -153,6 +153,7 @@ class DataPlane:
             index=index,
             wake=self.reports.wake,
             suspect=self.reports.suspect,
+            stuck=self.reports.stuck,
             count_refusal=self.reports.count_refusal,
             on_unavailable=self._end_legs,
         )

@@ -106,17 +106,20 @@ class Router:
             self.registry.add(spec.url, Role.DECODE, healthy=False)
         self.health = HealthMonitor(self.registry, config.health)
         self.latency = LatencyRecorder()
-        self.dataplanes = DataPlanes(self.registry, self.health, self.latency)
         self._background: set[asyncio.Task] = set()
         self.session = worker_session(config, self.leg_setup)
         self._control_session = open_control_session(self.leg_setup.worker_ssl)
+        control = WorkerControl(
+            self._control_session, self.registry, headers=self.leg_setup.worker_headers
+        )
+        self.dataplanes = DataPlanes(
+            self.registry, self.health, self.latency, control.forget_prefill
+        )
         self.cluster = self._cluster()
         self.conversions = ConversionManager(
             self.registry,
             self.metrics,
-            WorkerControl(
-                self._control_session, self.registry, headers=self.leg_setup.worker_headers
-            ),
+            control,
             self.health.report_down,
             min_prefill=config.conversion.min_prefill,
             min_decode=config.conversion.min_decode,

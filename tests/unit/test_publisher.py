@@ -15,11 +15,11 @@ from pd_router.config import HealthConfig
 from pd_router.control.health import HealthMonitor
 from pd_router.control.latency import LatencyRecorder
 from pd_router.control.publisher import DataPlanes
-from pd_router.control.workers import WorkerRegistry
+from pd_router.control.workers import Worker, WorkerRegistry
 from pd_router.dataplane.link.channel import LocalChannel
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
-from pd_router.wire import PROTOCOL_VERSION, ChannelClosed, Hello, Report, Snapshot
+from pd_router.wire import PROTOCOL_VERSION, ChannelClosed, Hello, Report, Snapshot, StuckPair
 
 URL = "http://10.0.0.1:30000"
 OTHER = "http://10.0.0.2:30000"
@@ -76,9 +76,14 @@ class Control:
     def __init__(self) -> None:
         self.registry = WorkerRegistry(RouterMetrics())
         health = HealthMonitor(self.registry, HealthConfig(enabled=False))
-        self.planes = DataPlanes(self.registry, health, LatencyRecorder())
+        # (decode, prefill) of every forget asked for, in order.
+        self.forgotten: list[tuple[str, str]] = []
+        self.planes = DataPlanes(self.registry, health, LatencyRecorder(), self.forget)
         self.prefill = self.registry.add(URL, Role.PREFILL, 8998)
         self.decode = self.registry.add(OTHER, Role.DECODE)
+
+    async def forget(self, decode: Worker, prefill: Worker) -> None:
+        self.forgotten.append((decode.url, prefill.url))
 
     async def attach(self, index: int) -> Plane:
         ours, theirs = LocalChannel.pair()
@@ -240,3 +245,18 @@ async def test_a_forgotten_worker_leaves_the_snapshots(control):
     control.registry.forget(control.prefill)
     snapshot = (await plane.snapshots())[-1]
     assert [w.url for w in snapshot.workers] == [OTHER]
+
+
+async def test_a_stuck_pair_makes_its_decode_forget_the_prefill(control):
+    plane = await control.attach(0)
+    plane.channel.send(StuckPair(URL, OTHER))
+    await settle()
+    assert control.forgotten == [(OTHER, URL)]
+
+
+async def test_a_stuck_pair_whose_decode_is_no_decode_now_or_unknown_is_let_be(control):
+    plane = await control.attach(0)
+    plane.channel.send(StuckPair(URL, "http://10.0.0.9:30000"))
+    plane.channel.send(StuckPair(OTHER, URL))
+    await settle()
+    assert control.forgotten == []

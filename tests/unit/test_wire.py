@@ -26,6 +26,7 @@ from pd_router.wire import (
     Report,
     Snapshot,
     SnapshotRefused,
+    StuckPair,
     Suspect,
     VersionMismatch,
     WireError,
@@ -70,6 +71,7 @@ MESSAGES: list[Message] = [
         connections=5,
     ),
     Suspect(DECODE),
+    StuckPair(PREFILL, DECODE),
     SnapshotRefused(8, 7, "worker http://127.0.0.1:30001 appears twice"),
     MetricsAnswer(
         4,
@@ -239,6 +241,7 @@ def pools() -> SnapshotPools:
         index=0,
         wake=lambda: None,
         suspect=lambda url: None,
+        stuck=lambda prefill, decode: None,
         on_unavailable=lambda url: None,
         count_refusal=lambda role: None,
     )

@@ -8,7 +8,8 @@ goes out every ``interval`` when something changed, at once after a snapshot was
 a conversion's drain waits for) and when a worker out of selection became idle here, and at
 least every ``HEARTBEAT_SECS`` (of the wire) even if nothing did: the control process takes a
 data plane that fell silent for hung, and replaces it. A leg answered for the other role is
-told at once (:class:`~pd_router.wire.Suspect`), a snapshot that was not applied as well
+told at once (:class:`~pd_router.wire.Suspect`), a pair that missed its rendezvous
+(:class:`~pd_router.wire.StuckPair`), a snapshot that was not applied as well
 (:class:`~pd_router.wire.SnapshotRefused`), and the metrics go out when the control process
 asks for them (a scrape) and every :data:`METRICS_PUSH_SECS` unasked, so a data plane that dies
 between scrapes takes at most that much of its counts with it. The data plane of a one-process
@@ -30,6 +31,7 @@ from pd_router.wire import (
     MetricsAnswer,
     Report,
     SnapshotRefused,
+    StuckPair,
     Suspect,
 )
 
@@ -80,6 +82,9 @@ class Reports:
 
     def suspect(self, url: str) -> None:
         self._channel.send(Suspect(url))
+
+    def stuck(self, prefill: str, decode: str) -> None:
+        self._channel.send(StuckPair(prefill, decode))
 
     def refused(self, version: int, routing: int, reason: str) -> None:
         """Tell the control side snapshot ``version`` was not applied (``reason``)."""

@@ -219,6 +219,7 @@ class Exchange:
                     pools.suspect(failure.worker)
                 if failure.stuck:
                     pairs.stuck(prefill, decode)
+                    pools.stuck(prefill, decode)
                 attempt += 1
                 if not failure.retryable or attempt >= attempts(retry):
                     await failure_response(self.reply, failure)

@@ -27,6 +27,10 @@ class Pools(Protocol):
         """The worker answered for the other role: have its role read now."""
         ...
 
+    def stuck(self, prefill: Target, decode: Target) -> None:
+        """The pair missed its rendezvous: have the decode forget the prefill's endpoints."""
+        ...
+
 
 def choose(
     role: Role,

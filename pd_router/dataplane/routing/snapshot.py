@@ -159,10 +159,11 @@ class SnapshotPools:
     """The pools of one data plane: pick, count in flight, apply what the control process
     pushes. ``wake`` asks for a report now (a worker out of selection became idle here: a
     conversion waits for it; a leg failed, or a trial ended: its circuit is decided on it);
-    ``suspect`` tells the control process a worker answered for the
-    other role; ``on_unavailable(url)`` ends the legs still running on a worker that left
-    service. ``index`` is this data plane's number, by which a snapshot names the one that may
-    send a half-open circuit's trial (none at all while a trial moves)."""
+    ``suspect`` tells the control process a worker answered for the other role,
+    ``stuck(prefill, decode)`` that a pair missed its rendezvous; ``on_unavailable(url)`` ends
+    the legs still running on a worker that left service. ``index`` is this data plane's
+    number, by which a snapshot names the one that may send a half-open circuit's trial (none
+    at all while a trial moves)."""
 
     def __init__(
         self,
@@ -171,6 +172,7 @@ class SnapshotPools:
         index: int,
         wake: Callable[[], None],
         suspect: Callable[[str], None],
+        stuck: Callable[[str, str], None],
         on_unavailable: UnavailableCallback,
         count_refusal: Callable[[str], None],
     ) -> None:
@@ -181,6 +183,7 @@ class SnapshotPools:
         self._recorded: set[SharedCircuit] = set()
         self._wake = wake
         self._suspect = suspect
+        self._stuck = stuck
         self._on_unavailable = on_unavailable
         self._count_refusal = count_refusal
         self._members: dict[str, Member] = {}
@@ -279,6 +282,9 @@ class SnapshotPools:
 
     def suspect(self, member: Member) -> None:
         self._suspect(member.url)
+
+    def stuck(self, prefill: Member, decode: Member) -> None:
+        self._stuck(prefill.url, decode.url)
 
     # --- what the reports carry ------------------------------------------------------------
 
