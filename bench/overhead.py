@@ -197,7 +197,9 @@ class RouterProcess:
 
 @contextlib.contextmanager
 def running_router(peer: Peer, topology: Topology, log_dir: Path) -> Iterator[RouterProcess]:
-    """Start peer in front of topology in its own session; always stop it on exit."""
+    """Start peer in front of topology in its own session; always stop it on exit. It runs in
+    ``log_dir``, not the checkout: a pd-router of another build (a baseline venv) starts its
+    data planes with ``python -m``, which would import the checkout's pd_router from there."""
     port = free_port(HOST)
     log_path = log_dir / f"{peer.name}.log"
     with log_path.open("wb") as log:
@@ -207,7 +209,7 @@ def running_router(peer: Peer, topology: Topology, log_dir: Path) -> Iterator[Ro
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
-            cwd=REPO,
+            cwd=log_dir,
         )
     router = RouterProcess(peer=peer, port=port, process=process, log_path=log_path)
     try:
