@@ -284,6 +284,9 @@ class Engine:
             "gen_throughput": round(self.stats.gen_throughput(), 2),
             "cache_hit_rate": round(self.stats.cache_hit_rate(), 4),
             "utilization": round(self.num_running / self.timing.max_running_requests, 4),
+            "total_prefill_uncached_tokens": self.stats.prefill_uncached_tokens,
+            "total_prefill_busy_us": self.stats.prefill_busy_us,
+            "decode_moments": self.stats.decode_moments_or_none(),
             "memory": {
                 "weight_gb": 15.0,
                 "kv_cache_gb": round(capacity * self.timing.kv_bytes_per_token / 1e9, 3),

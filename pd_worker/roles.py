@@ -131,7 +131,10 @@ class PrefillRole:
                 batch, hits, tokens = self._take_batch()
                 for queued, _, _, _ in batch:
                     self._engine.set_stage(queued, "running")
+                started = time.monotonic()
                 await timing.wait(timing.prefill_secs(tokens))
+                busy_us = round((time.monotonic() - started) * 1e6)
+                self._engine.stats.count_prefill_forward(tokens, busy_us)
                 self._finish_batch(batch, hits)
 
     def _take_batch(self) -> tuple[list[Pending], list[int], int]:
@@ -248,7 +251,10 @@ class DecodeRole:
         ids: list[int] = []
         text = ""
         for token_id in planned:
-            await timing.wait(timing.decode_step_secs(engine.num_running, self._context_tokens))
+            batch_size = engine.num_running
+            started = time.monotonic()
+            await timing.wait(timing.decode_step_secs(batch_size, self._context_tokens))
+            engine.stats.count_decode_step(batch_size, (time.monotonic() - started) * 1e6)
             self._context_tokens += 1
             held[0] += 1
             ids.append(token_id)

@@ -21,6 +21,9 @@ class EngineStats:
     generation_tokens: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_secs: float = 0.0
+    prefill_uncached_tokens: int = 0
+    prefill_busy_us: int = 0
+    decode_moments: list[float] = field(default_factory=lambda: [0.0] * 6)
     _buckets: dict[int, int] = field(default_factory=dict)
 
     def count_generated(self, tokens: int) -> None:
@@ -47,6 +50,27 @@ class EngineStats:
         if self.prefill_tokens <= 0:
             return 0.0
         return self.cached_tokens / self.prefill_tokens
+
+    def count_prefill_forward(self, uncached_tokens: int, busy_us: int) -> None:
+        """One prefill forward over ``uncached_tokens`` tokens that kept the GPU busy for
+        ``busy_us`` microseconds (SGLang's ``total_prefill_*`` capacity counters)."""
+        self.prefill_uncached_tokens += uncached_tokens
+        self.prefill_busy_us += busy_us
+
+    def count_decode_step(self, batch_size: int, step_us: float) -> None:
+        """One request's token from a decode step of ``batch_size`` running requests that took
+        ``step_us`` microseconds. Requests step on their own here, so each stands for 1/b of a
+        batch step: b such calls add to SGLang's moment sums ``[n, Σb, Σt, Σb², Σb·t, Σg]``
+        what one batch step of b requests adds there."""
+        b = max(batch_size, 1)
+        share = (1 / b, 1.0, step_us / b, float(b), step_us, 1.0)
+        self.decode_moments = [
+            total + part for total, part in zip(self.decode_moments, share, strict=True)
+        ]
+
+    def decode_moments_or_none(self) -> list[float] | None:
+        """The decode moment sums, or None before any decode step (as SGLang reports them)."""
+        return list(self.decode_moments) if self.decode_moments[0] > 0 else None
 
     def count_transfer(self, nbytes: int, secs: float) -> None:
         self.kv_transfer_bytes += nbytes
