@@ -42,7 +42,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
+from typing import Any
 
 from pd_router.control.circuit import CircuitState
 from pd_router.control.health import HealthMonitor
@@ -113,7 +114,7 @@ class DataPlaneLink:
 
 
 # ``forget(decode, prefill)``: the decode drops what it cached of the prefill's endpoints.
-Forget = Callable[[Worker, Worker], Awaitable[None]]
+Forget = Callable[[Worker, Worker], Coroutine[Any, Any, None]]
 
 
 class DataPlanes:
