@@ -508,10 +508,17 @@ def build_autopilot(data: dict[str, Any]) -> AutopilotConfig:
 def validate_autopilot(a: AutopilotConfig) -> None:
     if a.mode not in MODES:
         raise ConfigError("autopilot.mode", f"must be one of {', '.join(MODES)}, got {a.mode!r}")
-    for key in ("interval_secs", "window_secs", "prefill_queue_tokens", "margin", "history"):
+    positive = ("interval_secs", "window_secs", "prefill_queue_tokens", "margin", "history")
+    for key in (*positive, "backlog_secs"):
         check_positive(f"autopilot.{key}", getattr(a, key))
-    for key in ("sustain_secs", "cooldown_secs", "hysteresis"):
+    for key in ("sustain_secs", "cooldown_secs", "hysteresis", "flip_guard_secs"):
         check_positive(f"autopilot.{key}", getattr(a, key), allow_zero=True)
+    for key in ("flip_mix_change", "judge_tolerance"):
+        check_positive(f"autopilot.{key}", getattr(a, key), allow_zero=True)
+        if getattr(a, key) > 1:
+            raise ConfigError(
+                f"autopilot.{key}", f"must be a fraction in [0, 1], got {getattr(a, key)}"
+            )
     for key in ("ttft_slo_ms", "tpot_slo_ms"):
         value = getattr(a, key)
         if value is not None:

@@ -13,17 +13,19 @@ from pd_router.cli.admin_client import autopilot
 from tests.conversion_helpers import CheckedLoad, pools, sample
 from tests.router_helpers import running_router, wait_until
 
-# Every prefill takes at least 50 ms of modeled time, so the time until the prefill answered
-# misses a 20 ms TTFT SLO, while the decodes' KV stays nearly empty: the prefill pool is over
-# target, the decode pool can give up a server.
-TIMING = {"speed": 1.0, "prefill_batch_overhead_secs": 0.05}
+# A prompt token takes 4 ms to prefill (about 60 ms for a prompt of the load), so six clients
+# keep more prompt tokens queued than one prefill clears within backlog_secs, while the decodes
+# hold a few requests of their batch slots: from the workers' counters the prefill pool needs a
+# second server and the decode pool can give one.
+TIMING = {"speed": 1.0, "prefill_secs_per_token": 0.004}
 AUTOPILOT = {
     "mode": "auto",
     "interval_secs": 0.2,
     "window_secs": 1.0,
     "sustain_secs": 0.6,
     "cooldown_secs": 60.0,
-    "ttft_slo_ms": 20.0,
+    "backlog_secs": 0.5,
+    "tpot_slo_ms": 200.0,
     "decode_kv_usage": 0.9,
 }
 ADMIN_KEY = "autopilot-admin"
@@ -58,8 +60,8 @@ async def test_prompt_traffic_makes_the_autopilot_convert_a_decode_with_no_faile
         state = (await http.get("/autopilot")).json()
         converted = [d for d in state["decisions"] if d["action"] != "hold"]
         assert [(d["action"], d["applied"]) for d in converted] == [("decode_to_prefill", True)]
-        assert converted[0]["reason"].startswith("prefill time to prefill p90 ")
-        assert "> 20 ms for " in converted[0]["reason"]
+        assert converted[0]["reason"].startswith("prefill needs ")
+        assert "prompt tokens/s arriving" in converted[0]["reason"]
         assert converted[0]["worker"] in cluster.decode_urls
         assert await split(http) == (2, 1)
         action = {"action": "decode_to_prefill"}
@@ -107,12 +109,12 @@ async def test_the_autopilot_command_sets_the_mode_and_prints_loads_and_decision
                 what="a recommendation",
             )
         assert load.result.failed == 0, load.result.errors[:3]
-        assert out.getvalue().startswith("autopilot: recommend  (ttft_slo_ms=20.0, ")
+        assert out.getvalue().startswith("autopilot: recommend  (prefill_queue_tokens=8192.0, ")
         out = io.StringIO()
         assert await asyncio.to_thread(autopilot, ["--router", router.url], out) == 0
         text = out.getvalue()
-        assert "prefill  1        time to prefill p90" in text
-        assert "decode_to_prefill" in text and "recommended  prefill time to prefill p90 " in text
+        assert "role     workers  needs  measure" in text and "prefill  1  " in text
+        assert "decode_to_prefill" in text and "recommended  prefill needs " in text
 
 
 async def test_put_autopilot_changes_mode_and_targets_with_the_admin_key(cluster):

@@ -171,11 +171,12 @@ def render_autopilot(state: dict[str, Any]) -> str:
         f"autopilot: {state.get('mode')}  ({targets})\n",
         "\nPools\n",
         _table(
-            ["role", "workers", "measure", "value", "target", "over_for_s"],
+            ["role", "workers", "needs", "measure", "value", "target", "over_for_s"],
             [
                 [
                     str(load.get("role", role)),
                     str(load.get("size", "")),
+                    "-" if load.get("need") is None else f"{load['need']:.1f}",
                     str(load.get("measure", "")),
                     f"{load.get('value', 0):g} {load.get('unit', '')}".rstrip(),
                     f"{load.get('target', 0):g} {load.get('unit', '')}".rstrip(),
@@ -192,6 +193,8 @@ def render_autopilot(state: dict[str, Any]) -> str:
         parts.append(f"\nLatest: {last.get('action')}: {last.get('reason')}\n")
     if state.get("last_error"):
         parts.append(f"Last error: {state['last_error']}\n")
+    if state.get("last_judgement"):
+        parts.append(f"Last judged: {state['last_judgement']}\n")
     decisions = state.get("decisions", [])
     parts.append("\nDecisions\n")
     parts.append(

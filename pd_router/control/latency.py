@@ -53,3 +53,23 @@ def percentile_ms(
         return None
     index = min(len(values) - 1, int(quantile * len(values)))
     return 1000.0 * values[index]
+
+
+def ttft_attained(recorder: LatencyRecorder, since: float, slo_ms: float) -> float | None:
+    """The share of the streams whose first byte came within ``slo_ms`` (both shares of their
+    TTFT: the rings are appended together), among those observed at or after ``since``."""
+    pairs = zip(recorder.prefill, recorder.decode_wait, strict=False)
+    ttfts = [a + b for (at, a), (_, b) in pairs if at >= since]
+    return _share_within(ttfts, slo_ms)
+
+
+def tpot_attained(recorder: LatencyRecorder, since: float, slo_ms: float) -> float | None:
+    """The share of the streams observed at or after ``since`` within ``slo_ms`` per token."""
+    return _share_within([value for at, value in recorder.tpot if at >= since], slo_ms)
+
+
+def _share_within(seconds: list[float], slo_ms: float) -> float | None:
+    if not seconds:
+        return None
+    limit = slo_ms / 1000.0
+    return sum(1 for value in seconds if value <= limit) / len(seconds)

@@ -32,7 +32,7 @@ from pd_router.control.autopilot.policy import (
 from pd_router.control.autopilot.signals import ROLES, Sample, WorkerSignals, worker_from_loads
 from pd_router.control.conversion.history import ConversionRequest
 from pd_router.control.errors import ClusterUnavailable, ConversionRefused, WorkerUnreachable
-from pd_router.control.latency import percentile_ms
+from pd_router.control.latency import percentile_ms, tpot_attained, ttft_attained
 from pd_router.control.worker_calls import call
 from pd_router.control.workers import RegistryError, Role, Worker, WorkerState
 
@@ -154,8 +154,10 @@ class Autopilot:
             if w.healthy and w.admitting
         ]
         workers = await asyncio.gather(*(self._worker_signals(w) for w in pools))
-        since = time.monotonic() - self.config.window_secs
+        config = self.config
+        since = time.monotonic() - config.window_secs
         latency = self._latency
+        ttft_slo, tpot_slo = config.ttft_slo_ms, config.tpot_slo_ms
         return Sample(
             at=time.monotonic(),
             workers=tuple(workers),
@@ -164,6 +166,8 @@ class Autopilot:
             tpot_p90_ms=percentile_ms(latency.tpot, since),
             no_worker_503s=self._new_refusals(),
             converting=bool(self._registry.converting()) or bool(self._conversions.active()),
+            ttft_attained=None if ttft_slo is None else ttft_attained(latency, since, ttft_slo),
+            tpot_attained=None if tpot_slo is None else tpot_attained(latency, since, tpot_slo),
         )
 
     async def _worker_signals(self, worker: Worker) -> WorkerSignals:
@@ -222,6 +226,7 @@ class Autopilot:
             "loads": {role: load.to_json() for role, load in self.policy.loads.items()},
             "last_sample": self.last_sample.to_json() if self.last_sample else None,
             "last_error": self.last_error,
+            "last_judgement": self.policy.last_judgement,
             "last_decision": decision_json(last) if last else None,
             "decisions": [decision_json(d) for d in reversed(self.decisions)],
         }

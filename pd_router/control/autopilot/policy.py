@@ -1,9 +1,15 @@
 """The autopilot's decision policy: pure code over a window of samples.
 
-It decides the way Dynamo's load planner does (docs.nvidia.com/dynamo, "Planner Guide" and the
-v0.8 "Load-based Planner"): every adjustment interval it averages each pool's load over a
-window and never goes below a minimum number of workers per pool. Each pool has several
-measures, and its load is the one furthest over its target:
+Where the workers report their capacity counters, a pool's load is the servers its demand needs
+over the servers it has (:mod:`pd_router.control.autopilot.capacity`), and a move must cut the
+fuller pool's load at the split it leads to; a conversion is not undone within a guard time
+while the demand mix holds, and one that made the SLO attainment worse holds its direction back
+(docs/autopilot.md, "Capacity"). Without the counters, the thresholds below decide.
+
+By thresholds it decides the way Dynamo's load planner does (docs.nvidia.com/dynamo,
+"Planner Guide" and the v0.8 "Load-based Planner"): every adjustment interval it averages each
+pool's load over a window and never goes below a minimum number of workers per pool. Each pool
+has several measures, and its load is the one furthest over its target:
 
 - prefill: prompt tokens queued per prefill (``prefill_queue_tokens``) and, with a TTFT SLO,
   the p90 time until the prefill answered;
@@ -45,6 +51,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from pd_router.control.autopilot.capacity import CapacityModel, Needs
 from pd_router.control.autopilot.signals import DECODE, PREFILL, ROLES, Sample, WorkerSignals
 
 MODES = ("off", "recommend", "auto")
@@ -74,6 +81,10 @@ class AutopilotConfig:
     margin: float = 0.8
     hysteresis: float = 0.1
     history: int = 50
+    backlog_secs: float = 30.0
+    flip_guard_secs: float = 600.0
+    flip_mix_change: float = 0.15
+    judge_tolerance: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -114,6 +125,10 @@ class PoolLoad:
     refused: int
     over_for: float
     falling: bool = False
+    # The servers it needs, from capacity (:mod:`capacity`), and how that was reckoned; None
+    # where the workers report no capacity counters (the ratio is then its fullest measure's).
+    need: float | None = None
+    basis: str | None = None
 
     @property
     def measure(self) -> Measure:
@@ -128,6 +143,14 @@ class PoolLoad:
         return f"{self.role} {m.name} {m.fmt(m.value)}"
 
     def over_text(self) -> str:
+        if self.need is not None:
+            text = (
+                f"{self.role} needs {self.need:.1f} of its {self.size} ({self.basis}) "
+                f"for {self.over_for:.0f} s"
+            )
+            if self.refused:
+                text += f", {self.refused} requests refused for lack of a {self.role}"
+            return text
         m = self.measure
         text = f"{self.describe()} > {m.fmt(m.target)} for {self.over_for:.0f} s"
         if self.refused:
@@ -151,6 +174,8 @@ class PoolLoad:
             "refused": self.refused,
             "over_for_secs": round(self.over_for, 1),
             "falling": self.falling,
+            "need": None if self.need is None else round(self.need, 2),
+            "basis": self.basis,
             "measures": [
                 {"measure": x.name, "value": round(x.value, 2), "target": round(x.target, 2),
                  "unit": x.unit.strip(), "ratio": round(x.ratio, 3)}
@@ -206,6 +231,19 @@ class Decision:
         }
 
 
+@dataclass
+class Move:
+    """A conversion the policy decided: its direction, when, the demand mix then (the prefill
+    share of the need) and the SLO attainment before it, judged once the split after it
+    settled."""
+
+    action: str
+    at: float
+    mix: float
+    attained_before: float | None
+    judged: bool = False
+
+
 class AutopilotPolicy:
     """Feeds on samples (:meth:`step`) and returns one decision per sample."""
 
@@ -219,6 +257,14 @@ class AutopilotPolicy:
         # decided (not seen running yet), or a recommendation, which changed nothing.
         self._last_event = "conversion ended"
         self.loads: dict[str, PoolLoad] = {}
+        self.capacity = CapacityModel()
+        self.needs: Needs | None = None
+        self._last_move: Move | None = None
+        # Directions that made the SLO attainment worse: held until (monotonic), and the next
+        # back-off (doubled by each conversion judged worse, reset by one that was not).
+        self._blocked: dict[str, float] = {}
+        self._backoff: dict[str, float] = {}
+        self.last_judgement: str | None = None
 
     def reconfigure(self, config: AutopilotConfig) -> None:
         """New targets or mode; the window and the cooldown carry over."""
@@ -236,10 +282,24 @@ class AutopilotPolicy:
             }
             return self._hold(sample, "a conversion is running")
         self._remember(sample)
+        self.needs = self._needs()
         self.loads = {
-            role: self._pool_load(role, sample, self._window, clock=True) for role in ROLES
+            role: self._pool_load(role, sample, self._window, clock=True, needs=self.needs)
+            for role in ROLES
         }
         return self._decide(sample)
+
+    def _needs(self) -> Needs | None:
+        """Both pools' needs from capacity over the window (None: a speed is unknown)."""
+        if len(self._window) < 2:
+            return None
+        c = self.config
+        return self.capacity.needs(
+            list(self._window),
+            backlog_secs=c.backlog_secs,
+            kv_target=c.decode_kv_usage,
+            tpot_slo_ms=c.tpot_slo_ms,
+        )
 
     # --- smoothing -----------------------------------------------------------------------
 
@@ -250,10 +310,17 @@ class AutopilotPolicy:
             self._window.popleft()
 
     def _pool_load(
-        self, role: str, now: Sample, samples: Iterable[Sample], *, clock: bool
+        self,
+        role: str,
+        now: Sample,
+        samples: Iterable[Sample],
+        *,
+        clock: bool,
+        needs: Needs | None = None,
     ) -> PoolLoad:
         """The pool's load over ``samples``; with ``clock`` its over-target clock advances
-        (not for a sample taken while a conversion runs)."""
+        (not for a sample taken while a conversion runs). With ``needs`` its ratio is its need
+        over its size (latencies lag and do not decide); without, its fullest measure's."""
         specs = self._specs(role)
         series = {spec.name: _series(role, spec, samples) for spec in specs}
         measures = tuple(
@@ -261,7 +328,14 @@ class AutopilotPolicy:
             for spec in specs
         )
         refused = sum(s.no_worker_503s.get(role, 0) for s in samples)
-        ratio = max(m.ratio for m in measures)
+        size = len(now.pool(role))
+        need = basis = None
+        if needs is not None:
+            need = needs.prefill if role == PREFILL else needs.decode
+            basis = needs.basis[role]
+            ratio = need / size if size else float("inf")
+        else:
+            ratio = max(m.ratio for m in measures)
         if refused:
             ratio = max(ratio, REFUSED_RATIO)
         if clock:
@@ -270,7 +344,7 @@ class AutopilotPolicy:
             since = self._over_since[role]
             over_for = 0.0 if since is None else now.at - since
         falling = not refused and self._falling(measures, series)
-        return PoolLoad(role, len(now.pool(role)), measures, ratio, refused, over_for, falling)
+        return PoolLoad(role, size, measures, ratio, refused, over_for, falling, need, basis)
 
     def _falling(self, measures: tuple[Measure, ...], series: dict[str, list[float]]) -> bool:
         """Whether the pool's fullest queue or cache (its utilisation measure furthest over
@@ -328,14 +402,19 @@ class AutopilotPolicy:
                     f"cooldown: last {self._last_event} {elapsed:.0f} s ago "
                     f"(cooldown {self.config.cooldown_secs:.0f} s)",
                 )
+        self._judge(sample)
+        if len(self._window) < 2 and self.capacity.prefill_rate is not None:
+            # The workers report their capacity: a window too short to measure the demand
+            # does not fall back to the thresholds.
+            return self._hold(sample, "measuring the demand: one sample since the last change")
         over = [p for p in (prefill, decode) if self._persistently_over(p)]
         if not over:
             return self._hold(sample, self._steady_text(prefill, decode))
-        if len(over) == 2:
+        if len(over) == 2 and self.needs is None:
             return self._hold(
                 sample, f"both pools over target ({prefill.over_text()}; {decode.over_text()})"
             )
-        needy = over[0]
+        needy = max(over, key=lambda pool: pool.ratio)
         donor = decode if needy is prefill else prefill
         if donor.size - 1 < self.minimum[donor.role]:
             return self._hold(
@@ -343,13 +422,109 @@ class AutopilotPolicy:
                 f"{needy.over_text()}; {donor.role} pool at its minimum "
                 f"({donor.size}, min {self.minimum[donor.role]})",
             )
-        if donor.projected_ratio() >= self.config.margin:
-            return self._hold(
-                sample,
-                f"{needy.over_text()}; but {donor.donor_text()}, not under "
-                f"{self.config.margin:.0%} of its target",
-            )
+        action = PREFILL_TO_DECODE if donor.role == PREFILL else DECODE_TO_PREFILL
+        refusal = self._gain_refusal(needy, donor) or self._guard(action, sample)
+        if refusal is not None:
+            return self._hold(sample, f"{needy.over_text()}; {refusal}")
         return self._convert(sample, needy, donor)
+
+    def _gain_refusal(self, needy: PoolLoad, donor: PoolLoad) -> str | None:
+        """Why moving a server from ``donor`` to ``needy`` is not worth it, or None.
+
+        From capacity: the move must cut the fuller pool's load (need over size) by the
+        hysteresis, counting the prefill queue the decodes receive once more prefills clear
+        it; and it may leave the donor short of what the traffic asks of it only when the
+        needy pool is short of that too (a backlog alone is no reason to starve the other
+        pool). Without: the donor, with one server fewer (utilisation x N/(N-1), latency as
+        measured), must stay under ``margin`` of its target."""
+        needs = self.needs
+        if needs is None:
+            if donor.projected_ratio() < self.config.margin:
+                return None
+            return f"but {donor.donor_text()}, not under {self.config.margin:.0%} of its target"
+        needy_after, donor_after = self._after(needy, donor)
+        now = max(needy.ratio, donor.ratio)
+        after = max(needy_after, donor_after)
+        left = donor.size - 1
+        if after > now * (1.0 - self.config.hysteresis):
+            return (
+                f"but {donor.role} would need {donor_after * left:.1f} of {left}: the fuller "
+                f"pool at {after:.0%} of its servers, not {self.config.hysteresis:.0%} below "
+                f"{now:.0%} now"
+            )
+        short_after = needs.sustained(donor.role) / left if left else float("inf")
+        if short_after > 1.0 and needs.sustained(needy.role) <= needy.size:
+            return (
+                f"but its own traffic needs {needs.sustained(needy.role):.1f} of its "
+                f"{needy.size} (the rest is backlog), and {donor.role} would be short: "
+                f"{needs.sustained(donor.role):.1f} needed of {left}"
+            )
+        return None
+
+    def _after(self, needy: PoolLoad, donor: PoolLoad) -> tuple[float, float]:
+        """The two pools' loads (need over size) once one server moved from donor to needy."""
+        needs = self.needs
+        assert needs is not None
+        prefills = self.loads[PREFILL].size + (1 if needy.role == PREFILL else -1)
+        need = {PREFILL: needs.prefill, DECODE: needs.decode_at(prefills)}
+        needy_after = need[needy.role] / (needy.size + 1)
+        donor_after = need[donor.role] / (donor.size - 1) if donor.size > 1 else float("inf")
+        return needy_after, donor_after
+
+    def _guard(self, action: str, sample: Sample) -> str | None:
+        """Why ``action`` is held back by the last conversion, or None: it would undo the last
+        one within ``flip_guard_secs`` while the demand mix moved less than
+        ``flip_mix_change``, or a conversion this way was judged to have made things worse."""
+        c = self.config
+        blocked = self._blocked.get(action)
+        if blocked is not None and sample.at < blocked:
+            return f"backing off: {self.last_judgement} (for {blocked - sample.at:.0f} s more)"
+        last = self._last_move
+        if last is None or last.action == action:
+            return None
+        elapsed = sample.at - last.at
+        mix = self._mix()
+        if elapsed >= c.flip_guard_secs or abs(mix - last.mix) >= c.flip_mix_change:
+            return None
+        return (
+            f"but that would undo the conversion of {elapsed:.0f} s ago: prefill share of the "
+            f"demand {last.mix:.0%} then, {mix:.0%} now (undone only after "
+            f"{c.flip_guard_secs:.0f} s or a change of {c.flip_mix_change:.0%})"
+        )
+
+    def _mix(self) -> float:
+        """The prefill share of what both pools need (their load ratio times their size when
+        their capacity is unknown)."""
+        if self.needs is not None:
+            return self.needs.mix()
+        prefill, decode = self.loads[PREFILL], self.loads[DECODE]
+        total = prefill.ratio * prefill.size + decode.ratio * decode.size
+        return prefill.ratio * prefill.size / total if total > 0 else 0.5
+
+    def _judge(self, sample: Sample) -> None:
+        """Once the split after the last conversion settled (a full window after it ended),
+        compare the SLO attainment with the one before it; a conversion that made it worse
+        by more than ``judge_tolerance`` holds its direction back for ``flip_guard_secs``,
+        doubled each time that direction is judged worse again."""
+        last = self._last_move
+        settled = self._last_conversion is not None and (
+            sample.at - self._last_conversion >= self.config.window_secs
+        )
+        if last is None or last.judged or not settled:
+            return
+        before, after = last.attained_before, sample.attained
+        if before is None or after is None:
+            return
+        last.judged = True
+        verb = last.action.replace("_", " ")
+        if after < before - self.config.judge_tolerance:
+            backoff = self._backoff.get(last.action, self.config.flip_guard_secs)
+            self._blocked[last.action] = sample.at + backoff
+            self._backoff[last.action] = 2 * backoff
+            self.last_judgement = f"{verb} made SLO attainment worse: {before:.0%} -> {after:.0%}"
+        else:
+            self._backoff.pop(last.action, None)
+            self.last_judgement = f"{verb} kept SLO attainment: {before:.0%} -> {after:.0%}"
 
     def _persistently_over(self, pool: PoolLoad) -> bool:
         """Over target for ``sustain_secs`` and not already recovering: a pool whose load
@@ -371,13 +546,16 @@ class AutopilotPolicy:
         # Samples of the old split say nothing about the new one. The needy pool's clock keeps
         # running: if it is still over target once the converted server serves, the next step
         # toward it needs no new sustain period, only the cooldown and fresh samples.
+        action = PREFILL_TO_DECODE if donor.role == PREFILL else DECODE_TO_PREFILL
+        if not recommends:
+            self._last_move = Move(action, sample.at, self._mix(), sample.attained)
+        effect = donor.donor_text() if self.needs is None else self._after_text(needy, donor)
         self._window.clear()
         self._over_since[donor.role] = None
-        action = PREFILL_TO_DECODE if donor.role == PREFILL else DECODE_TO_PREFILL
         return Decision(
             at=sample.at,
             action=action,
-            reason=f"{needy.over_text()}; {donor.donor_text()}; convert {worker.url}: {cost}",
+            reason=f"{needy.over_text()}; {effect}; convert {worker.url}: {cost}",
             mode=self.config.mode,
             prefill=len(sample.pool(PREFILL)),
             decode=len(sample.pool(DECODE)),
@@ -385,6 +563,13 @@ class AutopilotPolicy:
             from_role=donor.role,
             to_role=needy.role,
             cost=cost,
+        )
+
+    def _after_text(self, needy: PoolLoad, donor: PoolLoad) -> str:
+        needy_after, donor_after = self._after(needy, donor)
+        return (
+            f"with one server moved {needy.role} at {needy_after:.0%} and {donor.role} at "
+            f"{donor_after:.0%} of their servers (now {needy.ratio:.0%} and {donor.ratio:.0%})"
         )
 
     def _hold(self, sample: Sample, reason: str) -> Decision:

@@ -26,7 +26,13 @@ class WorkerSignals:
     read (``max_running`` also when the worker does not report it). ``waiting`` is every
     request the worker holds but does not run; ``waiting_for_slot`` only those a decode could
     run now (their KV is in) but for a free batch slot, not those still waiting for their
-    prefill."""
+    prefill.
+
+    The capacity counters only grow (SGLang >= 0.5.23; zero, or no moments, where a worker
+    does not report them): ``prefill_tokens``/``prefill_busy_us`` are the uncached prompt
+    tokens prefilled and the time its prefill forwards took; ``decode_moments`` the sums over
+    its decode steps of (1, batch size b, step time t in us, b*b, b*t, tokens generated), from
+    which the step time's growth with the batch is fitted."""
 
     url: str
     role: str
@@ -38,6 +44,9 @@ class WorkerSignals:
     queued_prefill_tokens: int = 0
     max_running: int = 0
     waiting_for_slot: int = 0
+    prefill_tokens: int = 0
+    prefill_busy_us: int = 0
+    decode_moments: tuple[float, ...] = ()
 
     @property
     def active_token_usage(self) -> float:
@@ -62,9 +71,9 @@ class Sample:
     """Everything the policy sees at time ``at`` (monotonic seconds). Latencies are the p90 of
     the streams observed within the controller's window (None: none): the time until the
     prefill answered, the wait from there to the first token, and the time per output token.
-    ``no_worker_503s``
-    counts requests refused for lack of a worker of each role since the previous sample;
-    ``converting`` is true while any conversion runs."""
+    ``ttft_attained``/``tpot_attained`` are the shares of those streams within the SLOs (None:
+    no SLO or no stream). ``no_worker_503s`` counts requests refused for lack of a worker of
+    each role since the previous sample; ``converting`` is true while any conversion runs."""
 
     at: float
     workers: tuple[WorkerSignals, ...]
@@ -73,6 +82,14 @@ class Sample:
     tpot_p90_ms: float | None = None
     no_worker_503s: Mapping[str, int] = field(default_factory=dict)
     converting: bool = False
+    ttft_attained: float | None = None
+    tpot_attained: float | None = None
+
+    @property
+    def attained(self) -> float | None:
+        """The lower of the two SLO attainments (None: neither is known)."""
+        shares = [a for a in (self.ttft_attained, self.tpot_attained) if a is not None]
+        return min(shares) if shares else None
 
     def pool(self, role: str) -> tuple[WorkerSignals, ...]:
         return tuple(w for w in self.workers if w.role == role)
@@ -83,6 +100,8 @@ class Sample:
             "prefill_p90_ms": _round(self.prefill_p90_ms),
             "decode_wait_p90_ms": _round(self.decode_wait_p90_ms),
             "tpot_p90_ms": _round(self.tpot_p90_ms),
+            "ttft_attained": self.ttft_attained,
+            "tpot_attained": self.tpot_attained,
             "no_worker_503s": dict(self.no_worker_503s),
             "converting": self.converting,
             "workers": [
@@ -97,6 +116,9 @@ class Sample:
                     "queued_prefill_tokens": w.queued_prefill_tokens,
                     "max_running": w.max_running,
                     "waiting_for_slot": w.waiting_for_slot,
+                    "prefill_tokens": w.prefill_tokens,
+                    "prefill_busy_us": w.prefill_busy_us,
+                    "decode_moments": list(w.decode_moments),
                 }
                 for w in self.workers
             ],
@@ -119,7 +141,10 @@ def worker_from_loads(url: str, role: str, inflight: int, body: Mapping[str, Any
     first (until the decode's KV destination arrives), where they are counted only in
     ``num_total_tokens`` (KV in use plus every queued request's tokens). The larger of the two
     readings is the backlog; under load on real SGLang 0.5.23 the bootstrap queue holds nearly
-    all of it."""
+    all of it.
+
+    The capacity counters (``total_prefill_uncached_tokens``, ``total_prefill_busy_us``,
+    ``decode_moments``) are summed over ranks like the rest; a rank without moments adds none."""
     ranks = [r for r in body.get("loads", ()) if isinstance(r, Mapping)]
     used = _total(ranks, "num_used_tokens")
     capacity = _total(ranks, "max_total_num_tokens")
@@ -139,7 +164,25 @@ def worker_from_loads(url: str, role: str, inflight: int, body: Mapping[str, Any
         waiting_for_slot=_total(
             (q for r in ranks if isinstance(q := r.get("queues"), Mapping)), "waiting"
         ),
+        prefill_tokens=_total(ranks, "total_prefill_uncached_tokens"),
+        prefill_busy_us=_total(ranks, "total_prefill_busy_us"),
+        decode_moments=_moments(ranks),
     )
+
+
+MOMENTS = 6
+
+
+def _moments(ranks: Iterable[Mapping[str, Any]]) -> tuple[float, ...]:
+    """The ranks' decode moments summed; empty when no rank reports a well-formed six."""
+    total = [0.0] * MOMENTS
+    seen = False
+    for rank in ranks:
+        moments = rank.get("decode_moments")
+        if isinstance(moments, list) and len(moments) == MOMENTS and all(map(is_number, moments)):
+            total = [a + float(b) for a, b in zip(total, moments, strict=True)]
+            seen = True
+    return tuple(total) if seen else ()
 
 
 def _total(ranks: Iterable[Mapping[str, Any]], key: str) -> int:
