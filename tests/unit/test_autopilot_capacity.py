@@ -195,7 +195,7 @@ def test_a_wrong_split_gives_way_to_the_balanced_one():
 
 def test_a_steady_mix_reaches_the_best_split_from_either_wrong_start_and_holds():
     for start in (1, 7):
-        pools = Pools(prompt_rate=40_000.0, wanting=130.0, prefills=start, size=8)
+        pools = Pools(prompt_rate=34_000.0, wanting=110.0, prefills=start, size=8)
         decisions = run(policy(), pools, 120)
         assert pools.prefills == 4, (start, conversions(decisions))
         assert len(conversions(decisions)) == abs(start - 4)
@@ -215,15 +215,15 @@ def test_latencies_measured_under_the_split_before_do_not_decide():
 
 def shifted(autopilot: AutopilotPolicy) -> list[Decision]:
     """A decode moved to the prefills of 2P4D, then the mix moves toward the decodes (the
-    prefill share of the need from 60% to 33%): moving it back would now pay."""
+    prefill share of the demand from 60% to 28%): moving it back would now pay."""
     pools = Pools(prompt_rate=28_000.0, wanting=60.0, size=6)
     assert conversions(run(autopilot, pools, 6)) == [DECODE_TO_PREFILL]
-    pools.prompt_rate, pools.wanting = 20_000.0, 130.0
+    pools.prompt_rate, pools.wanting = 16_000.0, 130.0
     return run(autopilot, pools, 12)
 
 
 def test_a_conversion_is_not_undone_within_the_flip_guard_while_the_mix_moved_less():
-    autopilot = policy(dataclasses.replace(CONFIG, flip_mix_change=0.3))
+    autopilot = policy(dataclasses.replace(CONFIG, flip_mix_change=0.4))
     later = shifted(autopilot)
     assert conversions(later) == []
     assert "would undo the conversion" in later[-1].reason

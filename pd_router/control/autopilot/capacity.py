@@ -88,17 +88,19 @@ class Needs:
         send the decodes more requests at once (Little's law: as many more held)."""
         return self.decode * self._scale(self._flow(prefills))
 
-    def sustained(self, role: str) -> float:
-        """What the traffic asks of ``role`` for as long as it lasts, without the backlogs:
-        the arriving tokens' prefills, the decodes fed at the rate they arrive."""
+    def sustained(self, role: str, prefills: int) -> float:
+        """What the traffic asks of ``role`` at a split of ``prefills`` for as long as it
+        lasts, whatever backlog the split before left: the arriving tokens' prefills; the
+        decodes fed as fast as those prefills pass the arrivals on."""
         if role == PREFILL:
             return self.arriving / self.prefill_rate
-        return self.decode * self._scale(self.arriving)
+        return self.decode * self._scale(min(prefills * self.prefill_rate, self.arriving))
 
     def mix(self) -> float:
-        """The prefill share of the sustained need (0..1): what the traffic asks of each pool,
-        whatever backlog the split before left."""
-        prefill, decode = self.sustained(PREFILL), self.sustained(DECODE)
+        """The prefill share of what the traffic asks of both pools for as long as it lasts
+        (0..1), with every arriving token prefilled."""
+        prefill = self.arriving / self.prefill_rate
+        decode = self.decode * self._scale(self.arriving)
         return prefill / (prefill + decode) if prefill + decode > 0 else 0.5
 
     def _flow(self, prefills: int) -> float:

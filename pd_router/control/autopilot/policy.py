@@ -431,14 +431,13 @@ class AutopilotPolicy:
     def _gain_refusal(self, needy: PoolLoad, donor: PoolLoad) -> str | None:
         """Why moving a server from ``donor`` to ``needy`` is not worth it, or None.
 
-        From capacity: the move must cut the fuller pool's load (need over size) by the
-        hysteresis, counting the prefill queue the decodes receive once more prefills clear
-        it; and it may leave the donor short of what the traffic asks of it only when the
-        needy pool is short of that too (a backlog alone is no reason to starve the other
-        pool). Without: the donor, with one server fewer (utilisation x N/(N-1), latency as
-        measured), must stay under ``margin`` of its target."""
-        needs = self.needs
-        if needs is None:
+        From capacity: what the traffic asks of the donor at the split the move leads to (the
+        decodes fed as fast as the prefills there pass the arrivals on) must stay under
+        ``1 - hysteresis`` of the servers it keeps, and the move must cut the fuller pool's
+        load (need over size, backlogs counted: the decodes get a prefill backlog's requests
+        at once) by the hysteresis. Without: the donor's utilisation x N/(N-1), latency as
+        measured, must stay under ``margin`` of its target."""
+        if self.needs is None:
             if donor.projected_ratio() < self.config.margin:
                 return None
             return f"but {donor.donor_text()}, not under {self.config.margin:.0%} of its target"
@@ -446,18 +445,17 @@ class AutopilotPolicy:
         now = max(needy.ratio, donor.ratio)
         after = max(needy_after, donor_after)
         left = donor.size - 1
+        prefills = self.loads[PREFILL].size + (1 if needy.role == PREFILL else -1)
+        asked = self.needs.sustained(donor.role, prefills)
+        if left == 0 or asked / left > 1.0 - self.config.hysteresis:
+            return (
+                f"but {donor.role} would need {asked:.1f} of {left} for the traffic, not "
+                f"under {1.0 - self.config.hysteresis:.0%} of them"
+            )
         if after > now * (1.0 - self.config.hysteresis):
             return (
-                f"but {donor.role} would need {donor_after * left:.1f} of {left}: the fuller "
-                f"pool at {after:.0%} of its servers, not {self.config.hysteresis:.0%} below "
-                f"{now:.0%} now"
-            )
-        short_after = needs.sustained(donor.role) / left if left else float("inf")
-        if short_after > 1.0 and needs.sustained(needy.role) <= needy.size:
-            return (
-                f"but its own traffic needs {needs.sustained(needy.role):.1f} of its "
-                f"{needy.size} (the rest is backlog), and {donor.role} would be short: "
-                f"{needs.sustained(donor.role):.1f} needed of {left}"
+                f"but the fuller pool would be at {after:.0%} of its servers, not "
+                f"{self.config.hysteresis:.0%} below {now:.0%} now"
             )
         return None
 
