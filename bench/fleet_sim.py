@@ -1,0 +1,275 @@
+"""Fleet simulator: static P:D splits against the autopilot on a real trace, at any fleet size.
+
+The fleet is modeled (``bench/fleet_model.py``: the reference worker's timing model, profile
+``h100-8b``, its queues, least-inflight routing, drains and switch time), and the autopilot is the
+router's own policy code (``pd_router.control.autopilot.policy``) fed the samples its controller
+would take, with the ``[autopilot]`` settings ``bench/rebalance.py`` gives the router. So a trace
+that takes minutes to replay against processes takes seconds here, at 4 workers or 512.
+
+The trace is read as ``bench/rebalance.py --trace`` reads it (merged, cut to ``--trace-window``
+minutes, ``--compress``-ed, thinned to ``--keep``, reported in ``--windows`` windows). A fleet
+larger than the one the trace was thinned for gets ``--load-scale K`` copies of every request
+(``--scale-load``: K = workers / 4), each sent at a seeded random time between the request and
+the trace's next one, so the rate follows the trace's shape K times over.
+
+Configurations: every static split from 1 prefill to N-1 (for N > 16, every N/16th, plus the
+middle), and the autopilot started from the middle split. Reported per configuration: goodput
+(requests per second meeting both SLOs over the trace), SLO attainment per window, conversions
+(and the modeled seconds their drains and switches took), CPU seconds the simulation took; for
+the autopilot its ratio to the best static split and the conversions it decided, with reasons.
+
+    .venv/bin/python bench/fleet_sim.py --trace azure_code,azure_conv --trace-window 18:54 \\
+        --compress 6 --keep 0.45 --workers 32 --decode-batch-cap 32 --scale-load
+
+Exit status 2 on bad arguments or a trace that cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+import tomllib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import orjson
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from fleet_model import Fleet, FleetResult  # noqa: E402
+from rebalance import (  # noqa: E402
+    Outcome,
+    Slo,
+    Workload,
+    attainment_by_phase,
+    default_autopilot,
+    goodput,
+    minute_range,
+    trace_workload,
+)
+from traces import TraceError, TraceRequest, in_windows  # noqa: E402
+
+from pd_router.config import build_autopilot  # noqa: E402
+from pd_router.control.autopilot.policy import AutopilotConfig, AutopilotPolicy  # noqa: E402
+from pd_worker.timing import TimingModel, profile  # noqa: E402
+
+PROFILE = "h100-8b"
+# The trace's thinning (--keep 0.45 of Azure merged) was chosen for 4 workers.
+BASE_WORKERS = 4
+# Above this many workers the static sweep takes every N/16th split.
+FULL_SWEEP = 16
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration: its name, starting split, and whether the autopilot runs."""
+
+    name: str
+    prefill: int
+    decode: int
+    autopilot: bool = False
+
+
+@dataclass
+class SimRun:
+    setup: Setup
+    result: FleetResult
+    outcomes: list[Outcome]
+    cpu_secs: float
+
+
+def scale_load(trace: Sequence[TraceRequest], factor: int, seed: int) -> list[TraceRequest]:
+    """Each request ``factor`` times: the original and copies sent at seeded random times
+    between it and the trace's next request (the last one's copies within a second), so the
+    rate is ``factor`` times the trace's with its shape kept."""
+    if factor <= 1:
+        return list(trace)
+    rng = random.Random(seed)
+    scaled = []
+    for i, request in enumerate(trace):
+        gap = trace[i + 1].at - request.at if i + 1 < len(trace) else 1.0
+        scaled.append(request)
+        scaled += [replace(request, at=request.at + rng.random() * gap) for _ in range(factor - 1)]
+    return sorted(scaled, key=lambda r: r.at)
+
+
+def splits(workers: int) -> list[int]:
+    """The prefill counts of the static sweep: all of 1..N-1, or every N/16th and the middle."""
+    if workers <= FULL_SWEEP:
+        return list(range(1, workers))
+    step = workers // FULL_SWEEP
+    return sorted({*range(step, workers, step), workers // 2})
+
+
+def setups(workers: int, only: str | None) -> list[Setup]:
+    static = [Setup(f"static {p}P{workers - p}D", p, workers - p) for p in splits(workers)]
+    middle = workers // 2
+    auto = [Setup("autopilot", middle, workers - middle, autopilot=True)]
+    if only == "static":
+        return static
+    if only == "autopilot":
+        return auto
+    return static + auto
+
+
+def autopilot_config(slo: Slo) -> AutopilotConfig:
+    """The ``[autopilot]`` section bench/rebalance.py gives the router (modeled seconds)."""
+    return build_autopilot(tomllib.loads(default_autopilot(1.0, slo))["autopilot"])
+
+
+def simulate(
+    setup: Setup,
+    trace: list[TraceRequest],
+    timing: TimingModel,
+    slo: Slo,
+    seed: int,
+    *,
+    keep_samples: bool = False,
+) -> SimRun:
+    policy = None
+    if setup.autopilot:
+        policy = AutopilotPolicy(autopilot_config(slo), min_prefill=1, min_decode=1)
+    began = time.process_time()
+    fleet = Fleet(
+        timing, setup.prefill, setup.decode, seed=seed, policy=policy, keep_samples=keep_samples
+    )
+    result = fleet.run(trace)
+    cpu = time.process_time() - began
+    outcomes = [
+        Outcome(r.trace, error=r.error) if r.error else Outcome(r.trace, r.ttft, r.tpot)
+        for r in result.requests
+    ]
+    return SimRun(setup, result, outcomes, cpu)
+
+
+# --- report ---------------------------------------------------------------------------------
+
+
+def _pct(value: float) -> str:
+    return "-" if value != value else f"{100 * value:.0f}%"
+
+
+def conversion_text(result: FleetResult) -> str:
+    """How many conversions ended, and the modeled seconds they kept a worker out of service."""
+    ended = [c for c in result.conversions if c.ended is not None]
+    if not result.conversions:
+        return "0"
+    out = sum(c.ended - c.started for c in ended)  # type: ignore[operator]
+    text = f"{len(ended)} ({out:.0f} worker-s out)"
+    unfinished = len(result.conversions) - len(ended)
+    return text + (f" +{unfinished} unfinished" if unfinished else "")
+
+
+def report(runs: list[SimRun], work: Workload, slo: Slo, args: argparse.Namespace) -> str:
+    duration = work.duration
+    static = [goodput(r.outcomes, slo, duration) for r in runs if not r.setup.autopilot]
+    best = max(static, default=0.0)
+    heads = " | ".join(work.heads)
+    lines = [
+        f"# Fleet simulation ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)",
+        "",
+        f"Command: `{' '.join(sys.argv)}`",
+        "",
+        f"- Fleet: {args.workers} modeled reference workers, profile `{PROFILE}`, decode batch "
+        f"cap {args.decode_batch_cap}, least-inflight routing (bench/fleet_model.py).",
+        f"- Trace: {work.description}; load x{args.load_scale} "
+        f"({len(runs[0].outcomes) if runs else 0} requests).",
+        f"- SLOs: TTFT <= {slo.ttft_secs * 1000:.0f} ms, TPOT <= {slo.tpot_secs * 1000:.0f} ms; "
+        "goodput = requests meeting both / trace duration.",
+        "",
+        f"| configuration | goodput (req/s) | vs best static | {heads} | conversions | failed "
+        "| CPU s |",
+        "|---|---|---|" + "---|" * len(work.heads) + "---|---|---|",
+    ]
+    for run in runs:
+        value = goodput(run.outcomes, slo, duration)
+        shares = attainment_by_phase(run.outcomes, slo, len(work.heads))
+        failed = sum(o.error is not None for o in run.outcomes)
+        ratio = f"{value / best:.2f}x" if best > 0 else "-"
+        name = (
+            f"**{run.setup.name}**" if value == best and not run.setup.autopilot else run.setup.name
+        )
+        lines.append(
+            f"| {name} | {value:.2f} | {ratio} | {' | '.join(_pct(s) for s in shares)} | "
+            f"{conversion_text(run.result)} | {failed} | {run.cpu_secs:.2f} |"
+        )
+    for run in runs:
+        if run.result.decisions:
+            lines += ["", f"Decisions of {run.setup.name} (modeled s):", ""]
+            lines += [f"- {d.at:.0f} s: {d.action}: {d.reason}" for d in run.result.decisions]
+    return "\n".join(lines) + "\n"
+
+
+# --- main -----------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", default="azure_code,azure_conv")
+    parser.add_argument("--trace-window", type=minute_range, default=None, metavar="START:END")
+    parser.add_argument("--compress", type=float, default=1.0)
+    parser.add_argument("--keep", type=float, default=1.0)
+    parser.add_argument("--windows", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=10, help="thinning, copies and routing")
+    parser.add_argument("--workers", type=int, default=BASE_WORKERS)
+    parser.add_argument("--decode-batch-cap", type=int, default=32)
+    parser.add_argument("--load-scale", type=int, default=1, help="copies of each request")
+    parser.add_argument(
+        "--scale-load", action="store_true", help=f"--load-scale workers/{BASE_WORKERS}"
+    )
+    parser.add_argument("--ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--tpot-ms", type=float, default=30.0)
+    parser.add_argument("--only", choices=("static", "autopilot"), default=None)
+    parser.add_argument("--out", type=Path, default=None, help="also write the report here")
+    parser.add_argument(
+        "--trail",
+        type=Path,
+        default=None,
+        help="write the autopilot's samples and decisions, every tick, here (JSON)",
+    )
+    args = parser.parse_args(argv)
+    if args.workers < 2 or args.load_scale < 1 or args.decode_batch_cap < 1:
+        parser.error("--workers must be >= 2, --load-scale and --decode-batch-cap >= 1")
+    if args.scale_load:
+        args.load_scale = max(1, args.workers // BASE_WORKERS)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        work = trace_workload(args)
+    except TraceError as exc:
+        print(f"fleet_sim: {exc}", file=sys.stderr)
+        return 2
+    trace = in_windows(
+        scale_load(work.trace, args.load_scale, args.seed), args.windows, work.duration
+    )
+    slo = Slo(args.ttft_ms / 1000, args.tpot_ms / 1000)
+    timing = profile(PROFILE, max_running_requests=args.decode_batch_cap)
+    runs = []
+    for setup in setups(args.workers, args.only):
+        print(f"fleet_sim: {setup.name} ({len(trace)} requests)", file=sys.stderr, flush=True)
+        keep = args.trail is not None and setup.autopilot
+        runs.append(simulate(setup, trace, timing, slo, args.seed, keep_samples=keep))
+    text = report(runs, work, slo, args)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+    if args.trail is not None:
+        ticks = [
+            {"sample": sample.to_json(), "decision": decision.to_json()}
+            for run in runs
+            for sample, decision in run.result.ticks
+        ]
+        args.trail.write_bytes(orjson.dumps(ticks, option=orjson.OPT_INDENT_2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

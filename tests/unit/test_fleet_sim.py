@@ -1,0 +1,97 @@
+"""The fleet simulator (bench/fleet_model.py): its durations are the timing model's arithmetic,
+its pools saturate at the timing model's capacity, its samples drive the router's own autopilot
+policy, and the capacity counters it reports grow as the timing model says. Pure and fast: no
+processes, a few hundred modeled requests at most."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from pd_router.control.autopilot.policy import AutopilotConfig, AutopilotPolicy
+from pd_worker.timing import profile
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def sim(monkeypatch: pytest.MonkeyPatch):
+    """bench/ is a folder of scripts, not a package: import fleet_model.py from it."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    import fleet_model
+
+    yield fleet_model
+    sys.modules.pop("fleet_model", None)
+
+
+def requests(sim, count: int, every: float, prompt: int, output: int) -> list:
+    from traces import TraceRequest
+
+    return [TraceRequest(i * every, 0, prompt, output) for i in range(count)]
+
+
+def test_a_request_through_an_idle_fleet_takes_the_timing_models_time(sim) -> None:
+    timing = profile("h100-8b", max_running_requests=32)
+    prompt, output = 3000, 50
+    [req] = sim.Fleet(timing, 1, 1).run(requests(sim, 1, 1.0, prompt, output)).requests
+    first_step = timing.decode_step_secs(1, prompt)
+    assert req.ttft == pytest.approx(
+        timing.prefill_secs(prompt) + timing.transfer_secs(prompt) + first_step
+    )
+    later_steps = sum(timing.decode_step_secs(1, prompt + i) for i in range(1, output))
+    assert req.tpot == pytest.approx(later_steps / (output - 1))
+
+
+def test_a_saturated_prefill_serves_requests_at_its_capacity(sim) -> None:
+    timing = profile("h100-8b", max_running_requests=32)
+    prompt = 4096  # four prompts fill a forward's 16,384-token budget
+    capacity = 4 / timing.prefill_secs(4 * prompt)  # requests per second
+    trace = requests(sim, 240, 1 / (2 * capacity), prompt, 8)  # twice what it can take
+    result = sim.Fleet(timing, 1, 3).run(trace)
+    prefilled = sorted(r.prefilled_at for r in result.requests)
+    since = prefilled[40]  # a forward's end, once the queue stands
+    served = sum(t > since for t in prefilled) / (prefilled[-1] - since)
+    assert served == pytest.approx(capacity, rel=0.01)
+
+
+def test_a_conversion_the_policy_applies_moves_the_worker_after_drain_and_switch(sim) -> None:
+    timing = profile("h100-8b", max_running_requests=32)
+    config = AutopilotConfig(
+        mode="auto", interval_secs=1.0, window_secs=3.0, sustain_secs=1.5, cooldown_secs=2.0,
+        backlog_secs=10.0, flip_guard_secs=60.0, ttft_slo_ms=2000.0, tpot_slo_ms=30.0,
+    )  # fmt: skip
+    policy = AutopilotPolicy(config, min_prefill=1, min_decode=1)
+    trace = requests(sim, 400, 0.05, 6000, 20)  # prompts for two prefills, on one
+    result = sim.Fleet(timing, 1, 3, policy=policy).run(trace)
+    first = result.conversions[0]
+    assert (first.from_role, first.to_role) == ("decode", "prefill")
+    assert result.decisions[0].worker == first.url and result.decisions[0].applied
+    assert first.started <= first.drained
+    assert first.ended == pytest.approx(first.drained + timing.switch_secs)
+    during = [(p, d) for at, p, d in result.pools if first.started <= at < first.ended]
+    after = [(p, d) for at, p, d in result.pools if at >= first.ended]
+    assert during and set(during) == {(1, 2)}
+    assert after[0] == (2, 2)
+
+
+def test_the_prefill_counters_ratio_is_the_per_token_speed(sim) -> None:
+    timing = profile("h100-8b", max_running_requests=32, prefill_batch_overhead_secs=0.0)
+    fleet = sim.Fleet(timing, 1, 1)
+    fleet.run(requests(sim, 30, 0.01, 1500, 4))
+    signals = fleet.signals(fleet.by_url["sim://p0"])
+    assert signals.prefill_tokens == 30 * 1500
+    speed = signals.prefill_tokens / (signals.prefill_busy_us / 1e6)
+    assert speed == pytest.approx(1 / timing.prefill_secs_per_token, rel=1e-4)
+
+
+def test_the_decode_moments_sum_steps_of_the_timing_models_length(sim) -> None:
+    timing = profile("h100-8b", max_running_requests=8, decode_step_per_ctx_token_secs=0.0)
+    fleet = sim.Fleet(timing, 1, 1)
+    fleet.run(requests(sim, 20, 0.02, 200, 30))
+    n, sum_b, sum_us, _, _, generated = fleet.signals(fleet.by_url["sim://d0"]).decode_moments
+    base_us = timing.decode_step_base_secs * 1e6
+    assert generated == 20 * 30
+    assert sum_b == generated
+    assert sum_us == pytest.approx(n * base_us + sum_b * timing.decode_step_per_req_secs * 1e6)
