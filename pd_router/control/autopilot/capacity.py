@@ -81,35 +81,32 @@ class Needs:
         """The prefills' need: the arrivals' plus what clears the queue in ``backlog_secs``."""
         return (self.arriving + self.queued / self.backlog_secs) / self.prefill_rate
 
-    def decode_at(self, prefills: int) -> float:
-        """The decodes' need once ``prefills`` prefill. Requests reach the decodes as fast as
-        the prefills prefill them: as fast as they come, plus the queue cleared within
-        ``backlog_secs``, up to what that many prefills prefill. More prefills on a backlog
-        send the decodes more requests at once (Little's law: as many more held)."""
-        return self.decode * self._scale(self._flow(prefills))
+    @property
+    def prefills_short(self) -> bool:
+        """Whether the prefills there were cannot keep up with the arriving prompt tokens."""
+        return self.arriving > self.prefills * self.prefill_rate
 
-    def sustained(self, role: str, prefills: int) -> float:
-        """What the traffic asks of ``role`` at a split of ``prefills`` for as long as it
-        lasts, whatever backlog the split before left: the arriving tokens' prefills; the
-        decodes fed as fast as those prefills pass the arrivals on."""
-        if role == PREFILL:
-            return self.arriving / self.prefill_rate
-        return self.decode * self._scale(min(prefills * self.prefill_rate, self.arriving))
+    def decode_at(self, prefills: int) -> float:
+        """The decodes' need once ``prefills`` prefill: their load follows the prompt tokens
+        the prefills pass on (as many more requests held, by Little's law). Prefills short of
+        the arrivals pass on what they can of them; prefills that keep up but have a queue
+        standing run flat out until it cleared, and send the decodes its requests at once."""
+        rate = self.prefill_rate
+        flow = min(prefills * rate, self.arriving)
+        if self.queued > 0 and not self.prefills_short:
+            flow = prefills * rate
+        return self.decode * self._scale(flow)
 
     def mix(self) -> float:
         """The prefill share of what the traffic asks of both pools for as long as it lasts
-        (0..1), with every arriving token prefilled."""
+        (0..1), with every arriving token prefilled; a backlog counts in neither."""
         prefill = self.arriving / self.prefill_rate
         decode = self.decode * self._scale(self.arriving)
         return prefill / (prefill + decode) if prefill + decode > 0 else 0.5
 
-    def _flow(self, prefills: int) -> float:
-        offered = self.arriving + self.queued / self.backlog_secs
-        return min(prefills * self.prefill_rate, offered)
-
     def _scale(self, flow: float) -> float:
         """The decodes' load at a prompt-token ``flow`` against the one they were fed."""
-        fed = self.prefilled if self.prefilled > 0 else self._flow(self.prefills)
+        fed = self.prefilled if self.prefilled > 0 else min(self.arriving, self.prefill_rate)
         return flow / fed if fed > 0 else 1.0
 
 

@@ -431,12 +431,11 @@ class AutopilotPolicy:
     def _gain_refusal(self, needy: PoolLoad, donor: PoolLoad) -> str | None:
         """Why moving a server from ``donor`` to ``needy`` is not worth it, or None.
 
-        From capacity: what the traffic asks of the donor at the split the move leads to (the
-        decodes fed as fast as the prefills there pass the arrivals on) must stay under
+        From capacity: the donor's need at the split the move leads to (the decodes' fed as
+        the prefills there would feed them, :meth:`Needs.decode_at`) must stay under
         ``1 - hysteresis`` of the servers it keeps, and the move must cut the fuller pool's
-        load (need over size, backlogs counted: the decodes get a prefill backlog's requests
-        at once) by the hysteresis. Without: the donor's utilisation x N/(N-1), latency as
-        measured, must stay under ``margin`` of its target."""
+        load (need over size) by the hysteresis. Without: the donor's utilisation x
+        N/(N-1), latency as measured, must stay under ``margin`` of its target."""
         if self.needs is None:
             if donor.projected_ratio() < self.config.margin:
                 return None
@@ -445,12 +444,10 @@ class AutopilotPolicy:
         now = max(needy.ratio, donor.ratio)
         after = max(needy_after, donor_after)
         left = donor.size - 1
-        prefills = self.loads[PREFILL].size + (1 if needy.role == PREFILL else -1)
-        asked = self.needs.sustained(donor.role, prefills)
-        if left == 0 or asked / left > 1.0 - self.config.hysteresis:
+        if donor_after > 1.0 - self.config.hysteresis:
             return (
-                f"but {donor.role} would need {asked:.1f} of {left} for the traffic, not "
-                f"under {1.0 - self.config.hysteresis:.0%} of them"
+                f"but {donor.role} would need {donor_after * left:.1f} of {left}, not under "
+                f"{1.0 - self.config.hysteresis:.0%} of them"
             )
         if after > now * (1.0 - self.config.hysteresis):
             return (
