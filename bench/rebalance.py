@@ -518,6 +518,16 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
+def latency_columns(outcomes: Sequence[Outcome]) -> str:
+    """The report's TTFT and TPOT p50/p90 columns, in ms."""
+    ttft = [o.ttft for o in outcomes if o.ttft is not None]
+    tpot = [o.tpot for o in outcomes if o.tpot is not None]
+    return (
+        f"{_ms(percentile(ttft, 50))}/{_ms(percentile(ttft, 90))} | "
+        f"{_ms(percentile(tpot, 50))}/{_ms(percentile(tpot, 90))}"
+    )
+
+
 def _ms(value: float) -> str:
     return "-" if math.isnan(value) else f"{value * 1000:.0f}"
 
@@ -558,12 +568,7 @@ def report(
         value = goodput(run.outcomes, slo, duration)
         shares = attainment_by_phase(run.outcomes, slo, len(work.heads))
         failed = sum(o.error is not None for o in run.outcomes)
-        ttft = [o.ttft for o in run.outcomes if o.ttft is not None]
-        tpot = [o.tpot for o in run.outcomes if o.tpot is not None]
-        latency = (
-            f"{_ms(percentile(ttft, 50))}/{_ms(percentile(ttft, 90))} | "
-            f"{_ms(percentile(tpot, 50))}/{_ms(percentile(tpot, 90))}"
-        )
+        latency = latency_columns(run.outcomes)
         conversions = f"{run.conversions}"
         if run.failed_conversions:
             conversions += f" (+{run.failed_conversions} failed)"
