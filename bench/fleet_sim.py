@@ -49,6 +49,7 @@ from rebalance import (  # noqa: E402
     attainment_by_phase,
     default_autopilot,
     goodput,
+    latency_columns,
     minute_range,
     trace_workload,
 )
@@ -77,10 +78,16 @@ class Setup:
 
 @dataclass
 class SimRun:
+    """One configuration's figures; the requests themselves are not kept (a fleet of 512
+    replays a million of them per configuration)."""
+
     setup: Setup
     result: FleetResult
-    outcomes: list[Outcome]
+    goodput: float
+    attainment: list[float]
+    failed: int
     cpu_secs: float
+    latencies: str
 
 
 def scale_load(trace: Sequence[TraceRequest], factor: int, seed: int) -> list[TraceRequest]:
@@ -126,6 +133,7 @@ def simulate(
     setup: Setup,
     trace: list[TraceRequest],
     timing: TimingModel,
+    work: Workload,
     slo: Slo,
     seed: int,
     *,
@@ -144,7 +152,16 @@ def simulate(
         Outcome(r.trace, error=r.error) if r.error else Outcome(r.trace, r.ttft, r.tpot)
         for r in result.requests
     ]
-    return SimRun(setup, result, outcomes, cpu)
+    result.requests = []
+    return SimRun(
+        setup,
+        result,
+        goodput(outcomes, slo, work.duration),
+        attainment_by_phase(outcomes, slo, len(work.heads)),
+        sum(o.error is not None for o in outcomes),
+        cpu,
+        latency_columns(outcomes),
+    )
 
 
 # --- report ---------------------------------------------------------------------------------
@@ -165,9 +182,10 @@ def conversion_text(result: FleetResult) -> str:
     return text + (f" +{unfinished} unfinished" if unfinished else "")
 
 
-def report(runs: list[SimRun], work: Workload, slo: Slo, args: argparse.Namespace) -> str:
-    duration = work.duration
-    static = [goodput(r.outcomes, slo, duration) for r in runs if not r.setup.autopilot]
+def report(
+    runs: list[SimRun], work: Workload, slo: Slo, requests: int, args: argparse.Namespace
+) -> str:
+    static = [r.goodput for r in runs if not r.setup.autopilot]
     best = max(static, default=0.0)
     heads = " | ".join(work.heads)
     lines = [
@@ -177,26 +195,25 @@ def report(runs: list[SimRun], work: Workload, slo: Slo, args: argparse.Namespac
         "",
         f"- Fleet: {args.workers} modeled reference workers, profile `{PROFILE}`, decode batch "
         f"cap {args.decode_batch_cap}, least-inflight routing (bench/fleet_model.py).",
-        f"- Trace: {work.description}; load x{args.load_scale} "
-        f"({len(runs[0].outcomes) if runs else 0} requests).",
+        f"- Trace: {work.description}; load x{args.load_scale} ({requests} requests).",
         f"- SLOs: TTFT <= {slo.ttft_secs * 1000:.0f} ms, TPOT <= {slo.tpot_secs * 1000:.0f} ms; "
         "goodput = requests meeting both / trace duration.",
         "",
-        f"| configuration | goodput (req/s) | vs best static | {heads} | conversions | failed "
+        f"| configuration | goodput (req/s) | vs best static | {heads} | TTFT p50/p90 ms "
+        "| TPOT p50/p90 ms | conversions | failed "
         "| CPU s |",
-        "|---|---|---|" + "---|" * len(work.heads) + "---|---|---|",
+        "|---|---|---|" + "---|" * len(work.heads) + "---|---|---|---|---|",
     ]
     for run in runs:
-        value = goodput(run.outcomes, slo, duration)
-        shares = attainment_by_phase(run.outcomes, slo, len(work.heads))
-        failed = sum(o.error is not None for o in run.outcomes)
+        value = run.goodput
         ratio = f"{value / best:.2f}x" if best > 0 else "-"
         name = (
             f"**{run.setup.name}**" if value == best and not run.setup.autopilot else run.setup.name
         )
         lines.append(
-            f"| {name} | {value:.2f} | {ratio} | {' | '.join(_pct(s) for s in shares)} | "
-            f"{conversion_text(run.result)} | {failed} | {run.cpu_secs:.2f} |"
+            f"| {name} | {value:.2f} | {ratio} | {' | '.join(_pct(s) for s in run.attainment)} | "
+            f"{run.latencies} | "
+            f"{conversion_text(run.result)} | {run.failed} | {run.cpu_secs:.2f} |"
         )
     for run in runs:
         if run.result.decisions:
@@ -256,8 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for setup in setups(args.workers, args.only):
         print(f"fleet_sim: {setup.name} ({len(trace)} requests)", file=sys.stderr, flush=True)
         keep = args.trail is not None and setup.autopilot
-        runs.append(simulate(setup, trace, timing, slo, args.seed, keep_samples=keep))
-    text = report(runs, work, slo, args)
+        runs.append(simulate(setup, trace, timing, work, slo, args.seed, keep_samples=keep))
+    text = report(runs, work, slo, len(trace), args)
     print(text)
     if args.out is not None:
         args.out.write_text(text)
