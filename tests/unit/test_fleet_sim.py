@@ -1,16 +1,17 @@
 """The fleet simulator (bench/fleet_model.py): its durations are the timing model's arithmetic,
 its pools saturate at the timing model's capacity, its samples drive the router's own autopilot
-policy, and the capacity counters it reports grow as the timing model says. Pure and fast: no
-processes, a few hundred modeled requests at most."""
+policy, the capacity counters it reports grow as the timing model says, and a scaled load keeps
+the trace's shape. Pure and fast: no processes, a few hundred modeled requests at most."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
 import pytest
 
-from pd_router.control.autopilot.policy import AutopilotConfig, AutopilotPolicy
+from pd_router.control.autopilot.policy import AutopilotPolicy
 from pd_worker.timing import profile
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -58,10 +59,9 @@ def test_a_saturated_prefill_serves_requests_at_its_capacity(sim) -> None:
 
 def test_a_conversion_the_policy_applies_moves_the_worker_after_drain_and_switch(sim) -> None:
     timing = profile("h100-8b", max_running_requests=32)
-    config = AutopilotConfig(
-        mode="auto", interval_secs=1.0, window_secs=3.0, sustain_secs=1.5, cooldown_secs=2.0,
-        backlog_secs=10.0, flip_guard_secs=60.0, ttft_slo_ms=2000.0, tpot_slo_ms=30.0,
-    )  # fmt: skip
+    import fleet_sim
+
+    config = fleet_sim.autopilot_config(fleet_sim.Slo())  # bench/rebalance.py's [autopilot]
     policy = AutopilotPolicy(config, min_prefill=1, min_decode=1)
     trace = requests(sim, 400, 0.05, 6000, 20)  # prompts for two prefills, on one
     result = sim.Fleet(timing, 1, 3, policy=policy).run(trace)
@@ -95,3 +95,16 @@ def test_the_decode_moments_sum_steps_of_the_timing_models_length(sim) -> None:
     assert generated == 20 * 30
     assert sum_b == generated
     assert sum_us == pytest.approx(n * base_us + sum_b * timing.decode_step_per_req_secs * 1e6)
+
+
+def test_a_scaled_load_sends_each_request_k_times_before_the_next_one(sim) -> None:
+    import fleet_sim
+
+    trace = requests(sim, 10, 0.5, 100, 10)
+    scaled = fleet_sim.scale_load(trace, 4, seed=1)
+    assert len(scaled) == 40
+    for original, following in itertools.pairwise(trace):
+        copies = [r for r in scaled if original.at <= r.at < following.at]
+        assert len(copies) == 4
+        assert all(r.prompt_tokens == original.prompt_tokens for r in copies)
+    assert scaled == fleet_sim.scale_load(trace, 4, seed=1)
