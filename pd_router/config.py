@@ -509,7 +509,7 @@ def validate_autopilot(a: AutopilotConfig) -> None:
     if a.mode not in MODES:
         raise ConfigError("autopilot.mode", f"must be one of {', '.join(MODES)}, got {a.mode!r}")
     positive = ("interval_secs", "window_secs", "prefill_queue_tokens", "margin", "history")
-    for key in (*positive, "backlog_secs"):
+    for key in positive:
         check_positive(f"autopilot.{key}", getattr(a, key))
     for key in ("sustain_secs", "cooldown_secs", "hysteresis", "flip_guard_secs"):
         check_positive(f"autopilot.{key}", getattr(a, key), allow_zero=True)

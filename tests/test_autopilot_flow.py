@@ -1,6 +1,6 @@
 """The autopilot in a real router over reference workers: prompt traffic arriving on a 1P2D
-cluster makes it convert a decode into a prefill while checked clients keep sending (no failed
-request); recommend mode decides the same and changes nothing; ``GET``/``PUT /autopilot``."""
+cluster makes it convert a decode into a prefill while an open-loop load keeps coming (no
+failed request); recommend mode decides the same and changes nothing; ``GET``/``PUT /autopilot``."""
 
 from __future__ import annotations
 
@@ -10,21 +10,23 @@ import io
 import pytest
 
 from pd_router.cli.admin_client import autopilot
-from tests.conversion_helpers import CheckedLoad, pools, sample
+from tests.conversion_helpers import pools, sample
+from tests.open_load import OpenLoad
 from tests.router_helpers import running_router, wait_until
 
-# A prompt token takes 4 ms to prefill (about 60 ms for a prompt of the load), so six clients
-# keep more prompt tokens queued than one prefill clears within backlog_secs, while the decodes
-# hold a few requests of their batch slots: from the workers' counters the prefill pool needs a
-# second server and the decode pool can give one.
-TIMING = {"speed": 1.0, "prefill_secs_per_token": 0.004}
+# 14 prompts a second of about 200 tokens each, a token taking 0.5 ms to prefill: the one
+# prefill, which prefills about 1,900 tokens a second, is short by half, while the decodes hold
+# a few 8-token answers in their batch slots. From the workers' counters the prefill pool needs
+# a second server and the decode pool can give one.
+TIMING = {"speed": 1.0, "prefill_secs_per_token": 0.0005}
+RATE = 14.0
+TOKENS = 8
 AUTOPILOT = {
     "mode": "auto",
     "interval_secs": 0.2,
     "window_secs": 1.0,
     "sustain_secs": 0.6,
     "cooldown_secs": 60.0,
-    "backlog_secs": 0.5,
     "tpot_slo_ms": 200.0,
     "decode_kv_usage": 0.9,
 }
@@ -51,12 +53,12 @@ async def test_prompt_traffic_makes_the_autopilot_convert_a_decode_with_no_faile
 ):
     async with running_router(cluster, autopilot=AUTOPILOT) as router, router.client() as http:
         assert (await pools(http))["decode"] == cluster.decode_urls
-        async with CheckedLoad(router.url, concurrency=6) as load:
+        async with OpenLoad(router.url, RATE, TOKENS) as load:
             await wait_until(
                 lambda: has_split(http, (2, 1)), within=20.0, what="a decode became a prefill"
             )
-            await load.wait_for_requests(load.result.ok + 20)
-        assert load.result.failed == 0, load.result.errors[:3]
+            await asyncio.sleep(20 / RATE)
+        assert load.failed == []
         state = (await http.get("/autopilot")).json()
         converted = [d for d in state["decisions"] if d["action"] != "hold"]
         assert [(d["action"], d["applied"]) for d in converted] == [("decode_to_prefill", True)]
@@ -75,14 +77,14 @@ async def test_prompt_traffic_makes_the_autopilot_convert_a_decode_with_no_faile
 async def test_recommend_mode_decides_and_changes_nothing(cluster):
     config = {**AUTOPILOT, "mode": "recommend"}
     async with running_router(cluster, autopilot=config) as router, router.client() as http:
-        async with CheckedLoad(router.url, concurrency=6) as load:
+        async with OpenLoad(router.url, RATE, TOKENS) as load:
             await wait_until(
                 lambda: any(d.converts for d in router.state.autopilot.decisions),
                 within=20.0,
                 what="a recommendation",
             )
-        assert load.result.failed == 0, load.result.errors[:3]
-        state = (await http.get("/autopilot")).json()
+            state = (await http.get("/autopilot")).json()
+        assert load.failed == []
         recommended = next(d for d in state["decisions"] if d["action"] != "hold")
         assert (recommended["action"], recommended["applied"]) == ("decode_to_prefill", False)
         seen = state["last_sample"]
@@ -101,14 +103,14 @@ async def test_the_autopilot_command_sets_the_mode_and_prints_loads_and_decision
     async with running_router(cluster, autopilot={**AUTOPILOT, "mode": "off"}) as router:
         out = io.StringIO()
         argv = ["--router", router.url, "--mode", "recommend"]
-        async with CheckedLoad(router.url, concurrency=6) as load:
+        async with OpenLoad(router.url, RATE, TOKENS) as load:
             assert await asyncio.to_thread(autopilot, argv, out) == 0
             await wait_until(
                 lambda: any(d.converts for d in router.state.autopilot.decisions),
                 within=20.0,
                 what="a recommendation",
             )
-        assert load.result.failed == 0, load.result.errors[:3]
+        assert load.failed == []
         assert out.getvalue().startswith("autopilot: recommend  (prefill_queue_tokens=8192.0, ")
         out = io.StringIO()
         assert await asyncio.to_thread(autopilot, ["--router", router.url], out) == 0

@@ -130,38 +130,36 @@ def test_a_prefills_speed_is_its_prompt_tokens_per_second_of_forward_time():
     pools = Pools(prompt_rate=15_000.0, wanting=20.0, prefill_speed=12_000.0)
     model = CapacityModel()
     first, last = pools.sample(), pools.sample()
-    needs = model.needs([first, last], backlog_secs=30.0, kv_target=0.85, tpot_slo_ms=None)
+    needs = model.needs([first, last], kv_target=0.85, tpot_slo_ms=None)
     assert model.prefill_rate is not None and abs(model.prefill_rate - 12_000.0) < 1.0
     assert needs is not None and abs(needs.prefill - 15_000.0 / 12_000.0) < 0.01
 
 
-def test_a_queue_that_stands_adds_the_servers_that_clear_it_within_the_backlog_time():
+def test_a_standing_queue_is_shown_but_needs_no_server_while_the_arrivals_fit():
     pools = Pools(prompt_rate=10_000.0, wanting=20.0, queued=300_000.0, prefills=1)
     first, last = pools.sample(), pools.sample()
-    needs = CapacityModel().needs([first, last], backlog_secs=30.0, kv_target=1.0, tpot_slo_ms=None)
-    assert needs is not None
-    assert abs(needs.prefill - (10_000.0 / 10_000.0 + 300_000.0 / (10_000.0 * 30.0))) < 0.05
+    needs = CapacityModel().needs([first, last], kv_target=1.0, tpot_slo_ms=None)
+    assert needs is not None and abs(needs.prefill - 1.0) < 0.01
+    assert "300000 queued" in needs.basis["prefill"]
 
 
 def test_the_decode_step_is_fitted_from_the_moments_and_the_tpot_slo_bounds_the_batch():
     pools = Pools(prompt_rate=1000.0, wanting=40.0, step=StepTime(9000.0, 500.0))
     model = CapacityModel()
     first, last = pools.sample(), pools.sample()
-    needs = model.needs([first, last], backlog_secs=30.0, kv_target=1.0, tpot_slo_ms=30.0)
+    needs = model.needs([first, last], kv_target=1.0, tpot_slo_ms=30.0)
     assert model.step is not None
     assert abs(model.step.base_us - 9000.0) < 1.0 and abs(model.step.per_request_us - 500.0) < 0.1
     # (30 ms - 9 ms) / 0.5 ms = 42 requests within the SLO, but the cap is 32: 40 want a slot.
     assert needs is not None and abs(needs.decode - 40.0 / 32.0) < 0.01
-    tighter = model.needs([first, last], backlog_secs=30.0, kv_target=1.0, tpot_slo_ms=19.0)
+    tighter = model.needs([first, last], kv_target=1.0, tpot_slo_ms=19.0)
     assert tighter is not None and abs(tighter.decode - 40.0 / 20.0) < 0.01
 
 
 def test_without_capacity_counters_no_need_is_reckoned():
     plain = Sample(at=0.0, workers=(WorkerSignals("http://p", "prefill"),))
     later = dataclasses.replace(plain, at=5.0)
-    needs = CapacityModel().needs(
-        [plain, later], backlog_secs=30.0, kv_target=1.0, tpot_slo_ms=None
-    )
+    needs = CapacityModel().needs([plain, later], kv_target=1.0, tpot_slo_ms=None)
     assert needs is None
 
 

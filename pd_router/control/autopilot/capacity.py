@@ -4,8 +4,11 @@ demand rather than from the last symptom.
 A pool's *need* is the number of its servers that would carry the demand at target:
 
 - prefill: the prompt tokens arriving per second (those prefilled in the window plus the
-  queue's growth) over what one prefill prefills per second of forward time, plus the servers
-  that would clear the queue standing now within ``backlog_secs``;
+  queue's growth) over what one prefill prefills per second of forward time. A queue standing
+  is a symptom, not a demand: it is shown, and it drains wherever the arrivals fit; a burst's
+  queue does not move a server (on a compressed Azure trace it moved one at a time the move
+  cost more than the burst). A closed-loop load (a fixed number of clients) never asks more
+  than the pools serve, so it moves nothing either;
 - decode: the requests that want a batch slot (running, or waiting with their KV in) over the
   batch one decode runs within the TPOT SLO, and the KV they hold over ``decode_kv_usage``.
 
@@ -18,7 +21,7 @@ would bring its fullest measure back to target (:class:`pd_router.control.autopi
 
 Moving a decode to the prefills also sends the decodes more requests at once when the prefills
 have a backlog: the decodes' need at a split follows the rate the prefills there would feed
-them (:meth:`Needs.decode_at`), so a prefill backlog cannot talk the pools into starving the
+them (:meth:`Needs.decode_at`), so a prefill queue cannot talk the pools into starving the
 decodes.
 """
 
@@ -71,15 +74,14 @@ class Needs:
     arriving: float
     prefilled: float
     queued: float
-    backlog_secs: float
     decode: float
     prefills: int
     basis: dict[str, str]
 
     @property
     def prefill(self) -> float:
-        """The prefills' need: the arrivals' plus what clears the queue in ``backlog_secs``."""
-        return (self.arriving + self.queued / self.backlog_secs) / self.prefill_rate
+        """The prefills' need: the arriving prompt tokens over one prefill's speed."""
+        return self.arriving / self.prefill_rate
 
     @property
     def prefills_short(self) -> bool:
@@ -98,9 +100,9 @@ class Needs:
         return self.decode * self._scale(flow)
 
     def mix(self) -> float:
-        """The prefill share of what the traffic asks of both pools for as long as it lasts
-        (0..1), with every arriving token prefilled; a backlog counts in neither."""
-        prefill = self.arriving / self.prefill_rate
+        """The prefill share of what the traffic asks of both pools (0..1), with every arriving
+        token prefilled."""
+        prefill = self.prefill
         decode = self.decode * self._scale(self.arriving)
         return prefill / (prefill + decode) if prefill + decode > 0 else 0.5
 
@@ -121,7 +123,6 @@ class CapacityModel:
         self,
         window: Sequence[Sample],
         *,
-        backlog_secs: float,
         kv_target: float,
         tpot_slo_ms: float | None,
     ) -> Needs | None:
@@ -154,7 +155,6 @@ class CapacityModel:
             arriving=arriving,
             prefilled=tokens / elapsed,
             queued=queued,
-            backlog_secs=backlog_secs,
             decode=max(slots / batch, kv / kv_target),
             prefills=len(last.pool(PREFILL)),
             basis=basis,

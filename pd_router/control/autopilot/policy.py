@@ -81,7 +81,6 @@ class AutopilotConfig:
     margin: float = 0.8
     hysteresis: float = 0.1
     history: int = 50
-    backlog_secs: float = 30.0
     flip_guard_secs: float = 600.0
     flip_mix_change: float = 0.15
     judge_tolerance: float = 0.1
@@ -296,7 +295,6 @@ class AutopilotPolicy:
         c = self.config
         return self.capacity.needs(
             list(self._window),
-            backlog_secs=c.backlog_secs,
             kv_target=c.decode_kv_usage,
             tpot_slo_ms=c.tpot_slo_ms,
         )
