@@ -317,7 +317,7 @@ class Configuration:
 
 def default_autopilot(speed: float, slo: Slo) -> str:
     """``[autopilot]`` in mode auto with the benchmark's SLOs, its sampling, window, sustain,
-    cooldown and flip guard scaled like the trace (1, 3, 1.5, 2 and 60 modeled
+    cooldown, peak horizon and flip guard scaled like the trace (1, 3, 1.5, 2, 10 and 60 modeled
     seconds: a phase of a minute must be met within seconds; production phases last longer and
     take the defaults): the router measures wall time, so every duration it is given is a
     modeled one times ``speed``."""
@@ -326,6 +326,7 @@ def default_autopilot(speed: float, slo: Slo) -> str:
         "window_secs": 3 * speed,
         "sustain_secs": 1.5 * speed,
         "cooldown_secs": 2 * speed,
+        "peak_secs": 10 * speed,
         "flip_guard_secs": 60 * speed,
         "ttft_slo_ms": slo.ttft_secs * 1000 * speed,
         "tpot_slo_ms": slo.tpot_secs * 1000 * speed,

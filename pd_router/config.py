@@ -511,7 +511,7 @@ def validate_autopilot(a: AutopilotConfig) -> None:
     positive = ("interval_secs", "window_secs", "prefill_queue_tokens", "margin", "history")
     for key in positive:
         check_positive(f"autopilot.{key}", getattr(a, key))
-    for key in ("sustain_secs", "cooldown_secs", "hysteresis", "flip_guard_secs"):
+    for key in ("sustain_secs", "cooldown_secs", "hysteresis", "flip_guard_secs", "peak_secs"):
         check_positive(f"autopilot.{key}", getattr(a, key), allow_zero=True)
     for key in ("flip_mix_change", "judge_tolerance"):
         check_positive(f"autopilot.{key}", getattr(a, key), allow_zero=True)

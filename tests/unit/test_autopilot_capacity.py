@@ -30,6 +30,7 @@ CONFIG = AutopilotConfig(
     tpot_slo_ms=30.0,
     hysteresis=0.1,
     flip_guard_secs=300.0,
+    peak_secs=30.0,
 )
 STEP = 5.0
 STEP_TIME = StepTime(9000.0, 20.0)
@@ -180,6 +181,20 @@ def test_a_prefill_backlog_the_remaining_decode_could_not_take_holds():
     decisions = run(policy(), pools, 8)
     assert conversions(decisions) == []
     assert "but decode would need" in decisions[-1].reason
+
+
+def test_a_donor_whose_need_peaked_lately_keeps_its_server():
+    """The decodes needed 1.8 servers a little earlier: with one of two gone they could not
+    carry that again, whatever the window shows now; once the peak is older than peak_secs,
+    the move is made."""
+    autopilot = policy()
+    pools = Pools(prompt_rate=12_000.0, wanting=56.0)
+    run(autopilot, pools, 3)
+    pools.prompt_rate, pools.wanting = 28_000.0, 20.0
+    decisions = run(autopilot, pools, 6)
+    assert conversions(decisions) == []
+    assert "but decode would need 1.8 of 1" in decisions[-1].reason
+    assert conversions(run(autopilot, pools, 6)) == [DECODE_TO_PREFILL]
 
 
 def test_a_wrong_split_gives_way_to_the_balanced_one():

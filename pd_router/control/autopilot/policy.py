@@ -82,6 +82,7 @@ class AutopilotConfig:
     hysteresis: float = 0.1
     history: int = 50
     flip_guard_secs: float = 600.0
+    peak_secs: float = 300.0
     flip_mix_change: float = 0.15
     judge_tolerance: float = 0.1
 
@@ -258,6 +259,9 @@ class AutopilotPolicy:
         self.loads: dict[str, PoolLoad] = {}
         self.capacity = CapacityModel()
         self.needs: Needs | None = None
+        # (time, prefill need, decode need) of the last ``peak_secs``: a donor must carry the
+        # peak of its own demand with one server fewer, not only the window's mean.
+        self._peaks: deque[tuple[float, float, float]] = deque()
         self._last_move: Move | None = None
         # Directions that made the SLO attainment worse: held until (monotonic), and the next
         # back-off (doubled by each conversion judged worse, reset by one that was not).
@@ -282,11 +286,24 @@ class AutopilotPolicy:
             return self._hold(sample, "a conversion is running")
         self._remember(sample)
         self.needs = self._needs()
+        self._remember_peak(sample.at)
         self.loads = {
             role: self._pool_load(role, sample, self._window, clock=True, needs=self.needs)
             for role in ROLES
         }
         return self._decide(sample)
+
+    def _remember_peak(self, now: float) -> None:
+        needs = self.needs
+        if needs is not None:
+            self._peaks.append((now, needs.prefill, needs.decode))
+        while self._peaks and self._peaks[0][0] < now - self.config.peak_secs:
+            self._peaks.popleft()
+
+    def _peak(self, role: str) -> float:
+        """The highest need of ``role`` in the last ``peak_secs`` (0 when none was reckoned)."""
+        column = 1 if role == PREFILL else 2
+        return max((entry[column] for entry in self._peaks), default=0.0)
 
     def _needs(self) -> Needs | None:
         """Both pools' needs from capacity over the window (None: a speed is unknown)."""
@@ -430,7 +447,8 @@ class AutopilotPolicy:
         """Why moving a server from ``donor`` to ``needy`` is not worth it, or None.
 
         From capacity: the donor's need at the split the move leads to (the decodes' fed as
-        the prefills there would feed them, :meth:`Needs.decode_at`) must stay under
+        the prefills there would feed them, :meth:`Needs.decode_at`), or its peak need of the
+        last ``peak_secs`` if that was higher (a real trace comes in bursts), must stay under
         ``1 - hysteresis`` of the servers it keeps, and the move must cut the fuller pool's
         load (need over size) by the hysteresis. Without: the donor's utilisation x
         N/(N-1), latency as measured, must stay under ``margin`` of its target."""
@@ -461,7 +479,8 @@ class AutopilotPolicy:
         prefills = self.loads[PREFILL].size + (1 if needy.role == PREFILL else -1)
         need = {PREFILL: needs.prefill, DECODE: needs.decode_at(prefills)}
         needy_after = need[needy.role] / (needy.size + 1)
-        donor_after = need[donor.role] / (donor.size - 1) if donor.size > 1 else float("inf")
+        donor_need = max(need[donor.role], self._peak(donor.role))
+        donor_after = donor_need / (donor.size - 1) if donor.size > 1 else float("inf")
         return needy_after, donor_after
 
     def _guard(self, action: str, sample: Sample) -> str | None:
