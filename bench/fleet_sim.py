@@ -13,10 +13,11 @@ larger than the one the trace was thinned for gets ``--load-scale K`` copies of 
 the trace's next one, so the rate follows the trace's shape K times over.
 
 Configurations: every static split from 1 prefill to N-1 (for N > 16, every N/16th, plus the
-middle), and the autopilot started from the middle split. Reported per configuration: goodput
-(requests per second meeting both SLOs over the trace), SLO attainment per window, conversions
-(and the modeled seconds their drains and switches took), CPU seconds the simulation took; for
-the autopilot its ratio to the best static split and the conversions it decided, with reasons.
+middle), and the autopilot started from the middle split (``--start P``: from P prefills).
+Reported per configuration: goodput (requests per second meeting both SLOs over the trace), SLO
+attainment per window, TTFT and TPOT p50/p90, conversions (and the worker-seconds their drains
+and switches kept out of service), CPU seconds the simulation took; for the autopilot its ratio
+to the best static split and the conversions it decided, with reasons.
 
     .venv/bin/python bench/fleet_sim.py --trace azure_code,azure_conv --trace-window 18:54 \\
         --compress 6 --keep 0.45 --workers 32 --decode-batch-cap 32 --scale-load
@@ -113,10 +114,12 @@ def splits(workers: int) -> list[int]:
     return sorted({*range(step, workers, step), workers // 2})
 
 
-def setups(workers: int, only: str | None) -> list[Setup]:
+def setups(workers: int, only: str | None, start: int | None = None) -> list[Setup]:
+    """The static sweep and the autopilot from ``start`` prefills (default: half)."""
     static = [Setup(f"static {p}P{workers - p}D", p, workers - p) for p in splits(workers)]
-    middle = workers // 2
-    auto = [Setup("autopilot", middle, workers - middle, autopilot=True)]
+    first = workers // 2 if start is None else start
+    name = f"autopilot from {first}P{workers - first}D"
+    auto = [Setup(name, first, workers - first, autopilot=True)]
     if only == "static":
         return static
     if only == "autopilot":
@@ -242,6 +245,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--ttft-ms", type=float, default=2000.0)
     parser.add_argument("--tpot-ms", type=float, default=30.0)
     parser.add_argument("--only", choices=("static", "autopilot"), default=None)
+    parser.add_argument(
+        "--start", type=int, default=None, help="prefills the autopilot starts with (N/2)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     parser.add_argument(
         "--trail",
@@ -252,6 +258,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.workers < 2 or args.load_scale < 1 or args.decode_batch_cap < 1:
         parser.error("--workers must be >= 2, --load-scale and --decode-batch-cap >= 1")
+    if args.start is not None and not 0 < args.start < args.workers:
+        parser.error("--start must leave at least one prefill and one decode")
     if args.scale_load:
         args.load_scale = max(1, args.workers // BASE_WORKERS)
     return args
@@ -270,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     slo = Slo(args.ttft_ms / 1000, args.tpot_ms / 1000)
     timing = profile(PROFILE, max_running_requests=args.decode_batch_cap)
     runs = []
-    for setup in setups(args.workers, args.only):
+    for setup in setups(args.workers, args.only, args.start):
         print(f"fleet_sim: {setup.name} ({len(trace)} requests)", file=sys.stderr, flush=True)
         keep = args.trail is not None and setup.autopilot
         runs.append(simulate(setup, trace, timing, work, slo, args.seed, keep_samples=keep))
