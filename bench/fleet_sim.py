@@ -13,7 +13,8 @@ larger than the one the trace was thinned for gets ``--load-scale K`` copies of 
 the trace's next one, so the rate follows the trace's shape K times over.
 
 Configurations: every static split from 1 prefill to N-1 (for N > 16, every N/16th, plus the
-middle), and the autopilot started from the middle split (``--start P``: from P prefills).
+middle; ``--sweep-step S``: every S-th), and the autopilot started from the middle split
+(``--start P``: from P prefills).
 Reported per configuration: goodput (requests per second meeting both SLOs over the trace), SLO
 attainment per window, TTFT and TPOT p50/p90, conversions (and the worker-seconds their drains
 and switches kept out of service), CPU seconds the simulation took; for the autopilot its ratio
@@ -106,17 +107,20 @@ def scale_load(trace: Sequence[TraceRequest], factor: int, seed: int) -> list[Tr
     return sorted(scaled, key=lambda r: r.at)
 
 
-def splits(workers: int) -> list[int]:
-    """The prefill counts of the static sweep: all of 1..N-1, or every N/16th and the middle."""
-    if workers <= FULL_SWEEP:
-        return list(range(1, workers))
-    step = workers // FULL_SWEEP
+def splits(workers: int, step: int | None = None) -> list[int]:
+    """The prefill counts of the static sweep: every ``step``-th of 1..N-1 and the middle;
+    by default all of them up to 16 workers, every N/16th above."""
+    if step is None:
+        step = 1 if workers <= FULL_SWEEP else workers // FULL_SWEEP
     return sorted({*range(step, workers, step), workers // 2})
 
 
-def setups(workers: int, only: str | None, start: int | None = None) -> list[Setup]:
-    """The static sweep and the autopilot from ``start`` prefills (default: half)."""
-    static = [Setup(f"static {p}P{workers - p}D", p, workers - p) for p in splits(workers)]
+def setups(
+    workers: int, only: str | None, start: int | None = None, step: int | None = None
+) -> list[Setup]:
+    """The static sweep (every ``step``-th split) and the autopilot from ``start`` prefills
+    (default: half)."""
+    static = [Setup(f"static {p}P{workers - p}D", p, workers - p) for p in splits(workers, step)]
     first = workers // 2 if start is None else start
     name = f"autopilot from {first}P{workers - first}D"
     auto = [Setup(name, first, workers - first, autopilot=True)]
@@ -248,6 +252,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--start", type=int, default=None, help="prefills the autopilot starts with (N/2)"
     )
+    parser.add_argument(
+        "--sweep-step",
+        type=int,
+        default=None,
+        help=f"static splits every this many prefills (1 up to {FULL_SWEEP} workers, N/16 above)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     parser.add_argument(
         "--trail",
@@ -260,6 +270,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--workers must be >= 2, --load-scale and --decode-batch-cap >= 1")
     if args.start is not None and not 0 < args.start < args.workers:
         parser.error("--start must leave at least one prefill and one decode")
+    if args.sweep_step is not None and args.sweep_step < 1:
+        parser.error("--sweep-step must be >= 1")
     if args.scale_load:
         args.load_scale = max(1, args.workers // BASE_WORKERS)
     return args
@@ -278,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     slo = Slo(args.ttft_ms / 1000, args.tpot_ms / 1000)
     timing = profile(PROFILE, max_running_requests=args.decode_batch_cap)
     runs = []
-    for setup in setups(args.workers, args.only, args.start):
+    for setup in setups(args.workers, args.only, args.start, args.sweep_step):
         print(f"fleet_sim: {setup.name} ({len(trace)} requests)", file=sys.stderr, flush=True)
         keep = args.trail is not None and setup.autopilot
         runs.append(simulate(setup, trace, timing, work, slo, args.seed, keep_samples=keep))
