@@ -495,8 +495,9 @@ class Fleet:
             self.result.ticks.append((sample, decision))
         if decision.converts:
             self.result.decisions.append(decision)
-        if decision.applied and decision.worker is not None and decision.to_role is not None:
-            self.convert(decision.worker, decision.to_role)
+        if decision.applied and decision.to_role is not None:
+            for worker in decision.workers:
+                self.convert(worker, decision.to_role)
         self.result.pools.append((self.now, len(self.active[PREFILL]), len(self.active[DECODE])))
         if self._open > 0 or self.converting():
             self.at(self.now + policy.config.interval_secs, self._tick)

@@ -70,12 +70,14 @@ FULL_SWEEP = 16
 
 @dataclass(frozen=True)
 class Setup:
-    """One configuration: its name, starting split, and whether the autopilot runs."""
+    """One configuration: its name, starting split, whether the autopilot runs, and how many
+    servers it may convert at once (``[conversion] max_concurrent``)."""
 
     name: str
     prefill: int
     decode: int
     autopilot: bool = False
+    moves: int = 1
 
 
 @dataclass
@@ -116,14 +118,20 @@ def splits(workers: int, step: int | None = None) -> list[int]:
 
 
 def setups(
-    workers: int, only: str | None, start: int | None = None, step: int | None = None
+    workers: int,
+    only: str | None,
+    start: int | None = None,
+    step: int | None = None,
+    moves: int = 1,
 ) -> list[Setup]:
     """The static sweep (every ``step``-th split) and the autopilot from ``start`` prefills
-    (default: half)."""
+    (default: half), converting up to ``moves`` servers at once."""
     static = [Setup(f"static {p}P{workers - p}D", p, workers - p) for p in splits(workers, step)]
     first = workers // 2 if start is None else start
     name = f"autopilot from {first}P{workers - first}D"
-    auto = [Setup(name, first, workers - first, autopilot=True)]
+    if moves > 1:
+        name += f", {moves} at once"
+    auto = [Setup(name, first, workers - first, autopilot=True, moves=moves)]
     if only == "static":
         return static
     if only == "autopilot":
@@ -148,7 +156,9 @@ def simulate(
 ) -> SimRun:
     policy = None
     if setup.autopilot:
-        policy = AutopilotPolicy(autopilot_config(slo), min_prefill=1, min_decode=1)
+        policy = AutopilotPolicy(
+            autopilot_config(slo), min_prefill=1, min_decode=1, max_moves=setup.moves
+        )
     began = time.process_time()
     fleet = Fleet(
         timing, setup.prefill, setup.decode, seed=seed, policy=policy, keep_samples=keep_samples
@@ -253,6 +263,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--start", type=int, default=None, help="prefills the autopilot starts with (N/2)"
     )
     parser.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=1,
+        help="servers the autopilot may convert at once ([conversion] max_concurrent)",
+    )
+    parser.add_argument(
         "--sweep-step",
         type=int,
         default=None,
@@ -290,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     slo = Slo(args.ttft_ms / 1000, args.tpot_ms / 1000)
     timing = profile(PROFILE, max_running_requests=args.decode_batch_cap)
     runs = []
-    for setup in setups(args.workers, args.only, args.start, args.sweep_step):
+    for setup in setups(args.workers, args.only, args.start, args.sweep_step, args.max_concurrent):
         print(f"fleet_sim: {setup.name} ({len(trace)} requests)", file=sys.stderr, flush=True)
         keep = args.trail is not None and setup.autopilot
         runs.append(simulate(setup, trace, timing, work, slo, args.seed, keep_samples=keep))

@@ -101,7 +101,8 @@ class Pools:
         waiting = max(0.0, wanting - running)
         return WorkerSignals(
             url, "decode", running=round(running), waiting=round(waiting),
-            waiting_for_slot=round(waiting), max_running=self.batch, token_usage=0.2,
+            waiting_for_slot=round(waiting), max_running=self.batch,
+            token_usage=0.2 * running / self.batch,
             decode_moments=tuple(moments),
         )  # fmt: skip
 
@@ -180,7 +181,7 @@ def test_a_prefill_backlog_the_remaining_decode_could_not_take_holds():
     pools = Pools(prompt_rate=22_000.0, wanting=48.0, queued=600_000.0)
     decisions = run(policy(), pools, 8)
     assert conversions(decisions) == []
-    assert "but decode would need" in decisions[-1].reason
+    assert "but the split that serves both best is 2P2D" in decisions[-1].reason
 
 
 def test_a_donor_whose_need_peaked_lately_keeps_its_server():
@@ -248,11 +249,37 @@ def test_a_mix_that_moved_enough_may_undo_a_conversion_within_the_flip_guard():
 
 def test_a_conversion_that_made_attainment_worse_holds_its_direction_back():
     autopilot = policy()
-    pools = Pools(prompt_rate=28_000.0, wanting=20.0, size=6, attained=0.9)
+    pools = Pools(prompt_rate=40_000.0, wanting=20.0, size=6, attained=0.9)
     assert conversions(run(autopilot, pools, 6)) == [DECODE_TO_PREFILL]
-    pools.attained = 0.5
-    pools.prompt_rate = 40_000.0  # still short of prefills
+    pools.attained = 0.5  # the same traffic, served worse
     later = run(autopilot, pools, 12)
     assert conversions(later) == []
     assert autopilot.last_judgement == "decode to prefill made SLO attainment worse: 90% -> 50%"
     assert "backing off" in later[-1].reason
+
+
+def test_a_conversion_is_not_judged_on_attainment_when_the_demand_moved():
+    autopilot = policy()
+    pools = Pools(prompt_rate=40_000.0, wanting=20.0, size=6, attained=0.9)
+    assert conversions(run(autopilot, pools, 6)) == [DECODE_TO_PREFILL]
+    pools.attained, pools.prompt_rate = 0.5, 48_000.0  # a surge, served worse
+    judgements = []
+    later = []
+    for _ in range(12):
+        later += run(autopilot, pools, 1)
+        judgements.append(autopilot.last_judgement)
+    assert any(
+        j and j.startswith("decode to prefill not judged: the demand moved") for j in judgements
+    )
+    assert DECODE_TO_PREFILL in conversions(later)
+    assert not any("backing off" in d.reason for d in later)
+
+
+def test_a_large_fleet_moves_several_servers_at_once_up_to_max_moves():
+    autopilot = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1, max_moves=4)
+    pools = Pools(prompt_rate=200_000.0, wanting=200.0, prefills=16, size=32)
+    decisions = run(autopilot, pools, 6)
+    moved = [d for d in decisions if d.action != HOLD]
+    assert [len(d.workers) for d in moved][:1] == [4]
+    assert moved[0].desired == {"prefill": 20, "decode": 12}
+    assert len(set(moved[0].workers)) == 4

@@ -48,14 +48,15 @@ log = logging.getLogger("pd_router.autopilot")
 LOADS_PATH = "/v1/loads"
 
 
-def conversion_for(decision: Decision) -> ConversionRequest | None:
-    """The conversion a decision asks for, or None when it holds or its mode only
-    recommends."""
-    if not decision.applied or decision.worker is None or decision.to_role is None:
-        return None
-    return ConversionRequest(
-        worker=decision.worker, new_role=Role(decision.to_role), started_by="autopilot"
-    )
+def conversions_for(decision: Decision) -> list[ConversionRequest]:
+    """The conversions a decision asks for: none when it holds or its mode only recommends."""
+    if not decision.applied or decision.to_role is None:
+        return []
+    role = Role(decision.to_role)
+    return [
+        ConversionRequest(worker=url, new_role=role, started_by="autopilot")
+        for url in decision.workers
+    ]
 
 
 class Autopilot:
@@ -84,7 +85,10 @@ class Autopilot:
         self._probe_timeout = aiohttp.ClientTimeout(total=config.health.timeout_secs)
         conversion = config.conversion
         self.policy = AutopilotPolicy(
-            config.autopilot, conversion.min_prefill, conversion.min_decode
+            config.autopilot,
+            conversion.min_prefill,
+            conversion.min_decode,
+            max_moves=conversion.max_concurrent,
         )
         # Conversions decided (applied or recommended), oldest first; holds are only kept as
         # the latest decision, or the history would be a column of "within target".
@@ -141,8 +145,7 @@ class Autopilot:
         decision = self.policy.step(sample)
         self.last_sample = sample
         self._record(decision)
-        request = conversion_for(decision)
-        if request is not None:
+        for request in conversions_for(decision):
             await self._start(request)
         return decision
 

@@ -196,6 +196,9 @@ class Decision:
     prefill: int
     decode: int
     worker: str | None = None
+    # Every worker the decision converts (the first is ``worker``): several where a large fleet
+    # wants several servers moved at once.
+    workers: tuple[str, ...] = ()
     from_role: str | None = None
     to_role: str | None = None
     cost: str | None = None
@@ -211,7 +214,8 @@ class Decision:
     @property
     def desired(self) -> dict[str, int]:
         """The split this decision aims for."""
-        shift = {HOLD: 0, PREFILL_TO_DECODE: -1, DECODE_TO_PREFILL: 1}[self.action]
+        moved = max(1, len(self.workers))
+        shift = {HOLD: 0, PREFILL_TO_DECODE: -moved, DECODE_TO_PREFILL: moved}[self.action]
         return {PREFILL: self.prefill + shift, DECODE: self.decode - shift}
 
     def to_json(self) -> dict[str, Any]:
@@ -222,6 +226,7 @@ class Decision:
             "mode": self.mode,
             "applied": self.applied,
             "worker": self.worker,
+            "workers": list(self.workers),
             "from_role": self.from_role,
             "to_role": self.to_role,
             "cost": self.cost,
@@ -234,12 +239,13 @@ class Decision:
 @dataclass
 class Move:
     """A conversion the policy decided: its direction, when, the demand mix then (the prefill
-    share of the need) and the SLO attainment before it, judged once the split after it
-    settled."""
+    share of the need), the whole need in servers (None: capacity unknown) and the SLO
+    attainment before it, judged once the split after it settled."""
 
     action: str
     at: float
     mix: float
+    demand: float | None
     attained_before: float | None
     judged: bool = False
 
@@ -247,9 +253,16 @@ class Move:
 class AutopilotPolicy:
     """Feeds on samples (:meth:`step`) and returns one decision per sample."""
 
-    def __init__(self, config: AutopilotConfig, min_prefill: int, min_decode: int) -> None:
+    def __init__(
+        self, config: AutopilotConfig, min_prefill: int, min_decode: int, max_moves: int = 1
+    ) -> None:
+        """``max_moves``: the most servers one decision converts (the conversion manager's
+        ``max_concurrent``)."""
         self.config = config
         self.minimum = {PREFILL: min_prefill, DECODE: min_decode}
+        self.max_moves = max_moves
+        # Servers the last capacity check found worth moving at once.
+        self._moves = 1
         self._window: deque[Sample] = deque()
         self._over_since: dict[str, float | None] = dict.fromkeys(ROLES)
         self._last_conversion: float | None = None
@@ -446,42 +459,67 @@ class AutopilotPolicy:
     def _gain_refusal(self, needy: PoolLoad, donor: PoolLoad) -> str | None:
         """Why moving a server from ``donor`` to ``needy`` is not worth it, or None.
 
-        From capacity: the donor's need at the split the move leads to (the decodes' fed as
-        the prefills there would feed them, :meth:`Needs.decode_at`), or its peak need of the
-        last ``peak_secs`` if that was higher (a real trace comes in bursts), must stay under
-        ``1 - hysteresis`` of the servers it keeps, and the move must cut the fuller pool's
-        load (need over size) by the hysteresis. Without: the donor's utilisation x
-        N/(N-1), latency as measured, must stay under ``margin`` of its target."""
+        From capacity: the split whose fuller pool is least loaded (:meth:`_best_split`) must
+        lie the needy pool's way and cut the fuller pool's load by the hysteresis. With the
+        servers moved toward it gone, the donor's need (the decodes' fed as the prefills would
+        then feed them, :meth:`Needs.decode_at`), or its peak need of the last ``peak_secs`` if
+        that was higher (a real trace comes in bursts), must stay under ``1 - hysteresis`` of
+        the servers it keeps, or under the best split's fuller pool's load where that is
+        higher. As many move at once as keep that true (``_moves``), up to the way to the best
+        split and ``max_moves``. Without: one server, and the donor's utilisation x N/(N-1),
+        latency as measured, must stay under ``margin`` of its target."""
         if self.needs is None:
             if donor.projected_ratio() < self.config.margin:
                 return None
             return f"but {donor.donor_text()}, not under {self.config.margin:.0%} of its target"
-        needy_after, donor_after = self._after(needy, donor)
+        prefills, total = self.loads[PREFILL].size, self._fleet()
+        target = self._best_split()
+        name = f"{target}P{total - target}D"
+        if (target > prefills) != (needy.role == PREFILL) or target == prefills:
+            return f"but the split that serves both best is {name}"
         now = max(needy.ratio, donor.ratio)
-        after = max(needy_after, donor_after)
-        left = donor.size - 1
-        if donor_after > 1.0 - self.config.hysteresis:
+        best = max(self._loads_at(target))
+        if best > now * (1.0 - self.config.hysteresis):
             return (
-                f"but {donor.role} would need {donor_after * left:.1f} of {left}, not under "
-                f"{1.0 - self.config.hysteresis:.0%} of them"
+                f"but the best split, {name}, would leave the fuller pool at {best:.0%} of its "
+                f"servers, not {self.config.hysteresis:.0%} below {now:.0%} now"
             )
-        if after > now * (1.0 - self.config.hysteresis):
+        bound = max(1.0 - self.config.hysteresis, best)
+        sign = 1 if needy.role == PREFILL else -1
+        self._moves = 0
+        for moves in range(1, min(abs(target - prefills), self.max_moves) + 1):
+            kept = donor.size - moves
+            at = self._loads_at(prefills + sign * moves)[donor.role == DECODE]
+            need = max(at * kept, self._peak(donor.role))
+            if need > kept * bound:
+                break
+            self._moves = moves
+        if self._moves == 0:
+            kept = donor.size - 1
             return (
-                f"but the fuller pool would be at {after:.0%} of its servers, not "
-                f"{self.config.hysteresis:.0%} below {now:.0%} now"
+                f"but {donor.role} would need {need:.1f} of {kept} with one server moved, not "
+                f"under {bound:.0%} of them"
             )
         return None
 
-    def _after(self, needy: PoolLoad, donor: PoolLoad) -> tuple[float, float]:
-        """The two pools' loads (need over size) once one server moved from donor to needy."""
+    def _fleet(self) -> int:
+        return self.loads[PREFILL].size + self.loads[DECODE].size
+
+    def _loads_at(self, prefills: int) -> tuple[float, float]:
+        """The prefill and decode pools' loads (need over size) at a split of ``prefills``."""
         needs = self.needs
         assert needs is not None
-        prefills = self.loads[PREFILL].size + (1 if needy.role == PREFILL else -1)
-        need = {PREFILL: needs.prefill, DECODE: needs.decode_at(prefills)}
-        needy_after = need[needy.role] / (needy.size + 1)
-        donor_need = max(need[donor.role], self._peak(donor.role))
-        donor_after = donor_need / (donor.size - 1) if donor.size > 1 else float("inf")
-        return needy_after, donor_after
+        decodes = self._fleet() - prefills
+        return needs.prefill / prefills, needs.decode_at(prefills) / decodes
+
+    def _best_split(self) -> int:
+        """The number of prefills, within the minimum pools, at which the fuller pool is least
+        loaded (the nearest to today's of equals)."""
+        now, total = self.loads[PREFILL].size, self._fleet()
+        low = max(1, self.minimum[PREFILL])
+        high = total - max(1, self.minimum[DECODE])
+        splits = range(low, high + 1) if low <= high else range(now, now + 1)
+        return min(splits, key=lambda p: (max(self._loads_at(p)), abs(p - now)))
 
     def _guard(self, action: str, sample: Sample) -> str | None:
         """Why ``action`` is held back by the last conversion, or None: it would undo the last
@@ -513,11 +551,17 @@ class AutopilotPolicy:
         total = prefill.ratio * prefill.size + decode.ratio * decode.size
         return prefill.ratio * prefill.size / total if total > 0 else 0.5
 
+    def _demand(self) -> float | None:
+        """Both pools' need in servers (None: capacity unknown)."""
+        return None if self.needs is None else self.needs.prefill + self.needs.decode
+
     def _judge(self, sample: Sample) -> None:
         """Once the split after the last conversion settled (a full window after it ended),
         compare the SLO attainment with the one before it; a conversion that made it worse
         by more than ``judge_tolerance`` holds its direction back for ``flip_guard_secs``,
-        doubled each time that direction is judged worse again."""
+        doubled each time that direction is judged worse again. Where the demand itself
+        moved by more than ``judge_tolerance`` meanwhile, the attainment says nothing about
+        the conversion: it is not judged."""
         last = self._last_move
         settled = self._last_conversion is not None and (
             sample.at - self._last_conversion >= self.config.window_secs
@@ -529,6 +573,12 @@ class AutopilotPolicy:
             return
         last.judged = True
         verb = last.action.replace("_", " ")
+        then, now = last.demand, self._demand()
+        if then and now is not None and abs(now - then) > self.config.judge_tolerance * then:
+            self.last_judgement = (
+                f"{verb} not judged: the demand moved from {then:.1f} to {now:.1f} servers"
+            )
+            return
         if after < before - self.config.judge_tolerance:
             backoff = self._backoff.get(last.action, self.config.flip_guard_secs)
             self._blocked[last.action] = sample.at + backoff
@@ -549,7 +599,9 @@ class AutopilotPolicy:
         )
 
     def _convert(self, sample: Sample, needy: PoolLoad, donor: PoolLoad) -> Decision:
-        worker, cost = pick_donor(sample.pool(donor.role), donor.role)
+        moves = 1 if self.needs is None else self._moves
+        chosen = pick_donors(sample.pool(donor.role), donor.role, moves)
+        worker, cost = chosen[0]
         self._last_conversion = sample.at
         # Recommendations are spaced as the conversions they stand for would be: one per
         # cooldown, not the same one at every tick.
@@ -560,28 +612,33 @@ class AutopilotPolicy:
         # toward it needs no new sustain period, only the cooldown and fresh samples.
         action = PREFILL_TO_DECODE if donor.role == PREFILL else DECODE_TO_PREFILL
         if not recommends:
-            self._last_move = Move(action, sample.at, self._mix(), sample.attained)
-        effect = donor.donor_text() if self.needs is None else self._after_text(needy, donor)
+            self._last_move = Move(action, sample.at, self._mix(), self._demand(), sample.attained)
+        effect = donor.donor_text() if self.needs is None else self._after_text()
         self._window.clear()
         self._over_since[donor.role] = None
         return Decision(
             at=sample.at,
             action=action,
-            reason=f"{needy.over_text()}; {effect}; convert {worker.url}: {cost}",
+            reason=f"{needy.over_text()}; {effect}; convert {worker.url}: {cost}"
+            + "".join(f"; and {w.url}: {c}" for w, c in chosen[1:]),
             mode=self.config.mode,
             prefill=len(sample.pool(PREFILL)),
             decode=len(sample.pool(DECODE)),
             worker=worker.url,
+            workers=tuple(w.url for w, _ in chosen),
             from_role=donor.role,
             to_role=needy.role,
             cost=cost,
         )
 
-    def _after_text(self, needy: PoolLoad, donor: PoolLoad) -> str:
-        needy_after, donor_after = self._after(needy, donor)
+    def _after_text(self) -> str:
+        target, total = self._best_split(), self._fleet()
+        prefill, decode = self._loads_at(target)
+        now = self.loads[PREFILL].ratio, self.loads[DECODE].ratio
         return (
-            f"with one server moved {needy.role} at {needy_after:.0%} and {donor.role} at "
-            f"{donor_after:.0%} of their servers (now {needy.ratio:.0%} and {donor.ratio:.0%})"
+            f"at {target}P{total - target}D prefill would be at {prefill:.0%} and decode at "
+            f"{decode:.0%} of their servers (now {now[0]:.0%} and {now[1]:.0%}); "
+            f"{self._moves} server{'s' if self._moves > 1 else ''} toward it"
         )
 
     def _hold(self, sample: Sample, reason: str) -> Decision:
@@ -645,6 +702,20 @@ def _decode_slots_percent(sample: Sample) -> float | None:
         return None
     demand = sum(w.running + w.waiting_for_slot for w in pool)
     return 100 * demand / sum(w.max_running for w in pool)
+
+
+def pick_donors(
+    pool: tuple[WorkerSignals, ...], role: str, count: int
+) -> list[tuple[WorkerSignals, str]]:
+    """The ``count`` workers of ``pool`` cheapest to take out (:func:`pick_donor`), cheapest
+    first, each with what its drain waits for."""
+    chosen: list[tuple[WorkerSignals, str]] = []
+    left = list(pool)
+    for _ in range(count):
+        worker, cost = pick_donor(tuple(left), role)
+        chosen.append((worker, cost))
+        left.remove(worker)
+    return chosen
 
 
 def pick_donor(pool: tuple[WorkerSignals, ...], role: str) -> tuple[WorkerSignals, str]:
