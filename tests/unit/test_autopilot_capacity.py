@@ -184,6 +184,15 @@ def test_a_prefill_backlog_the_remaining_decode_could_not_take_holds():
     assert "but the split that serves both best is 2P2D" in decisions[-1].reason
 
 
+def test_a_fleet_short_everywhere_does_not_move_its_shortage_around():
+    """The prefills need twice their servers and the decodes more than one of two: any split
+    leaves a pool short, so nothing moves (on the Azure trace such moves flapped nine times)."""
+    pools = Pools(prompt_rate=44_000.0, wanting=66.0)
+    decisions = run(policy(), pools, 8)
+    assert conversions(decisions) == []
+    assert "but decode would need" in decisions[-1].reason
+
+
 def test_a_donor_whose_need_peaked_lately_keeps_its_server():
     """The decodes needed 1.8 servers a little earlier: with one of two gone they could not
     carry that again, whatever the window shows now; once the peak is older than peak_secs,
