@@ -466,8 +466,9 @@ class AutopilotPolicy:
         that was higher (a real trace comes in bursts), must stay within the servers it keeps:
         a move serves both pools or is not made (a fleet short everywhere only moves its
         shortage around, and each move's drain costs it more). As many move at once as keep
-        that true (``_moves``), up to the way to the best split and ``max_moves``. Without: one server, and the donor's utilisation x N/(N-1),
-        latency as measured, must stay under ``margin`` of its target."""
+        that true (``_moves``), up to the way to the best split and ``max_moves``. Without:
+        one server, and the donor's utilisation x N/(N-1), latency as measured, must stay
+        under ``margin`` of its target."""
         if self.needs is None:
             if donor.projected_ratio() < self.config.margin:
                 return None
