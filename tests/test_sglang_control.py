@@ -120,30 +120,46 @@ def test_extension_endpoints_answered_by_real_sglang(sglang_fleet: Fleet) -> Non
     assert forgot.status_code == 200, forgot.text
 
 
-# Long prompts (about 750 tokens each) at once: a backlog for two prefills (the threshold is
-# 400 tokens each), and no more than the one decode left after the conversion holds in its
-# 4096 KV tokens. More kept the two cores so busy in clean-clone runs that a decode missed a
-# prefill's heartbeats and failed every room it sent (502 after three attempts).
-IN_FLIGHT = 3
+# Prompts of about 400 tokens, sent open-loop at 1.4 times what the two prefills prefill (read
+# from SGLang's own counters after a warm-up): the prefills fall short of the arrivals, while
+# the decodes (8-token answers) hold little; the one decode left after the conversion holds a
+# few of these in its 4096 KV tokens. No more than OUTSTANDING at once, so that a slow machine
+# is not buried (a decode that misses a CPU-starved prefill's heartbeats fails its rooms).
+OVERLOAD = 1.4
+OUTSTANDING = 6
+
+
+def prefill_speed(servers: list[SGLangServer]) -> float:
+    """Prompt tokens per second of forward time, from SGLang's /v1/loads counters."""
+    tokens = busy_us = 0
+    for server in servers:
+        for rank in httpx.get(server.url + "/v1/loads", timeout=10).json()["loads"]:
+            tokens += rank.get("total_prefill_uncached_tokens", 0)
+            busy_us += rank.get("total_prefill_busy_us", 0)
+    assert busy_us > 0, "SGLang reported no prefill forward time"
+    return tokens / (busy_us / 1e6)
 
 
 def test_the_autopilot_converts_a_real_server_when_prompts_grow(
     sglang_fleet: Fleet, tmp_path: Path
 ) -> None:
-    """Long prompts at a rate two prefills cannot keep up with: the autopilot in auto mode moves
-    a decode to the prefill pool, through a real drain and switch."""
+    """Long prompts at a rate two prefills cannot keep up with: the autopilot in auto mode, by
+    the capacity SGLang's counters report, moves a decode to the prefill pool, through a real
+    drain and switch."""
     config = tmp_path / "router.toml"
     config.write_text(
         "[autopilot]\n"
         'mode = "auto"\n'
         "interval_secs = 0.5\nwindow_secs = 3.0\nsustain_secs = 2.0\ncooldown_secs = 600.0\n"
-        "prefill_queue_tokens = 400.0\n"
     )
     args = [*sglang_fleet.router_args(), "--host", "127.0.0.1", "--config", str(config)]
     args += ["--health-check-interval-secs", "1"]
-    long_prompt = " ".join(f"word{i} of a long prompt" for i in range(120))
+    long_prompt = " ".join(f"word{i} of a prompt" for i in range(80))
     with serving(*args) as router:
         router_ready(router.url, prefill=2, decode=2)
+        warm = [generate(router.url, f"warm {i} {long_prompt}") for i in range(4)]
+        prompt_tokens = warm[-1].json()["meta_info"]["prompt_tokens"]
+        rate = OVERLOAD * 2 * prefill_speed(sglang_fleet.prefill) / prompt_tokens
 
         def converted() -> bool:
             records = httpx.get(router.url + "/conversions", timeout=10).json()["conversions"]
@@ -152,24 +168,26 @@ def test_the_autopilot_converts_a_real_server_when_prompts_grow(
         failures: list[str] = []
         answered = 0
         deadline = time.monotonic() + 150
-        with concurrent.futures.ThreadPoolExecutor(IN_FLIGHT) as pool:
-            # IN_FLIGHT requests all the time (a new one as each ends), so the backlog the
-            # autopilot samples stays up across its window.
-            running = {
-                pool.submit(generate, router.url, f"{i} {long_prompt}") for i in range(IN_FLIGHT)
-            }
-            sent = len(running)
-            while running:
-                done, running = concurrent.futures.wait(running, return_when="FIRST_COMPLETED")
+        with concurrent.futures.ThreadPoolExecutor(OUTSTANDING) as pool:
+            running: set[concurrent.futures.Future[httpx.Response]] = set()
+            started, sent = time.monotonic(), 0
+            while time.monotonic() < deadline and not converted():
+                if len(running) < OUTSTANDING and time.monotonic() >= started + sent / rate:
+                    running.add(pool.submit(generate, router.url, f"{sent} {long_prompt}"))
+                    sent += 1
+                done = {f for f in running if f.done()}
+                running -= done
                 for future in done:
-                    reply = future.result()
                     answered += 1
+                    reply = future.result()
                     if reply.status_code != 200:
                         failures.append(f"{reply.status_code}: {reply.text[:300]}")
-                if not converted() and time.monotonic() < deadline:
-                    for _ in done:
-                        sent += 1
-                        running.add(pool.submit(generate, router.url, f"{sent} {long_prompt}"))
+                time.sleep(0.02)
+            for future in concurrent.futures.as_completed(running):
+                answered += 1
+                reply = future.result()
+                if reply.status_code != 200:
+                    failures.append(f"{reply.status_code}: {reply.text[:300]}")
         httpx.put(router.url + "/autopilot", json={"mode": "off"}, timeout=10)
         records = httpx.get(router.url + "/conversions", timeout=10).json()["conversions"]
         moved = next((r for r in records if r["status"] == "succeeded"), None)
@@ -185,6 +203,8 @@ def test_the_autopilot_converts_a_real_server_when_prompts_grow(
         seen = {k: autopilot[k] for k in ("last_decision", "last_error", "loads", "last_sample")}
         assert moved is not None, json.dumps(seen)
         assert (moved["from_role"], moved["to_role"]) == ("decode", "prefill"), moved
+        decided = [d for d in autopilot["decisions"] if d["action"] != "hold"]
+        assert decided[-1]["reason"].startswith("prefill needs "), decided[-1]["reason"]
         legs = [line for line in router.log().splitlines() if "leg failed" in line]
         assert failures == [], (answered, failures[:5], legs[-10:])
         assert back is not None and back.status_code == 200, back and back.text

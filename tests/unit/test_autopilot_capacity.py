@@ -218,7 +218,7 @@ def test_a_wrong_split_gives_way_to_the_balanced_one():
 
 def test_a_steady_mix_reaches_the_best_split_from_either_wrong_start_and_holds():
     for start in (1, 7):
-        pools = Pools(prompt_rate=34_000.0, wanting=110.0, prefills=start, size=8)
+        pools = Pools(prompt_rate=32_000.0, wanting=100.0, prefills=start, size=8)
         decisions = run(policy(), pools, 120)
         assert pools.prefills == 4, (start, conversions(decisions))
         assert len(conversions(decisions)) == abs(start - 4)

@@ -463,9 +463,10 @@ class AutopilotPolicy:
         lie the needy pool's way and cut the fuller pool's load by the hysteresis. With the
         servers moved toward it gone, the donor's need (the decodes' fed as the prefills would
         then feed them, :meth:`Needs.decode_at`), or its peak need of the last ``peak_secs`` if
-        that was higher (a real trace comes in bursts), must stay within the servers it keeps:
-        a move serves both pools or is not made (a fleet short everywhere only moves its
-        shortage around, and each move's drain costs it more). As many move at once as keep
+        that was higher (a real trace comes in bursts), must stay under ``1 - hysteresis`` of
+        the servers it keeps: a move serves both pools with margin or is not made (a fleet
+        short everywhere only moves its shortage around, and each move's drain costs it
+        more). As many move at once as keep
         that true (``_moves``), up to the way to the best split and ``max_moves``. Without:
         one server, and the donor's utilisation x N/(N-1), latency as measured, must stay
         under ``margin`` of its target."""
@@ -485,7 +486,7 @@ class AutopilotPolicy:
                 f"but the best split, {name}, would leave the fuller pool at {best:.0%} of its "
                 f"servers, not {self.config.hysteresis:.0%} below {now:.0%} now"
             )
-        bound = 1.0
+        bound = 1.0 - self.config.hysteresis
         sign = 1 if needy.role == PREFILL else -1
         self._moves = 0
         for moves in range(1, min(abs(target - prefills), self.max_moves) + 1):
