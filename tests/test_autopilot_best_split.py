@@ -30,6 +30,7 @@ AUTOPILOT = {
     "sustain_secs": 0.6,
     "cooldown_secs": 1.0,
     "flip_guard_secs": 60.0,
+    "peak_secs": 3.0,
 }
 HOLD_SECS = 6.0
 
@@ -51,7 +52,11 @@ async def test_a_steady_mix_reaches_the_best_split_and_holds_it(cluster_factory,
         async def balanced() -> bool:
             return await split(http) == (2, 2)
 
-        await wait_until(balanced, within=20.0, what="the autopilot reached 2P2D")
+        try:
+            await wait_until(balanced, within=45.0, what="the autopilot reached 2P2D")
+        except AssertionError:
+            state = (await http.get("/autopilot")).json()
+            raise AssertionError((state["last_decision"]["reason"], state["loads"])) from None
         held_until = time.monotonic() + HOLD_SECS
         while time.monotonic() < held_until:
             assert await split(http) == (2, 2)

@@ -83,6 +83,12 @@ async def test_recommend_mode_decides_and_changes_nothing(cluster):
                 within=20.0,
                 what="a recommendation",
             )
+
+            async def sampled_latencies() -> bool:
+                sample = (await http.get("/autopilot")).json()["last_sample"]
+                return sample["prefill_p90_ms"] is not None and sample["tpot_p90_ms"] is not None
+
+            await wait_until(sampled_latencies, within=10.0, what="a sample with latencies")
             state = (await http.get("/autopilot")).json()
         assert load.failed == []
         recommended = next(d for d in state["decisions"] if d["action"] != "hold")

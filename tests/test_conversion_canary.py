@@ -4,7 +4,8 @@ old role, or left FAILED when that does not work either (pd_router/control/conve
 
 The failing canary is the reference worker's ``stale_bootstrap`` fault: the only decode never
 receives KV from the newly converted prefill's bootstrap address (as SGLang 0.5.23's decodes do
-after a prefill's round trip, docs/sglang-bugs.md)."""
+after a prefill's round trip, docs/sglang-bugs.md), and runs without server_patch
+(``native_only``), so the router cannot make it forget."""
 
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ async def test_a_failed_canary_switches_the_worker_back_to_its_old_pool(cluster)
     """The switch back to decode carries a decode peer's graph parameters: SGLang run without
     CUDA graphs asks for them on every switch to decode (the no_decode_graphs fault)."""
     decode, peer = cluster.decode_urls[1], cluster.decode_urls[0]
-    await fault(peer, stale_bootstrap=f"127.0.0.1:{cluster.bootstrap_port(decode)}")
+    await fault(
+        peer, stale_bootstrap=f"127.0.0.1:{cluster.bootstrap_port(decode)}", native_only=True
+    )
     await fault(decode, no_decode_graphs=True)
     async with running_router(cluster, **CANARY) as router, router.client() as http:
         response = await convert(http, server_url=decode, new_role="prefill")
@@ -50,9 +53,9 @@ async def test_a_failed_canary_switches_the_worker_back_to_its_old_pool(cluster)
         assert record["message"].endswith("switched back to decode"), record
         assert decode in (await pools(http))["decode"]
         assert (await worker_entry(http, decode))["state"] == "active"
-        assert decode in (await live_roles(cluster))[1]
         await fault(peer, clear=True)
         await fault(decode, clear=True)
+        assert decode in (await live_roles(cluster))[1]
         ok = await http.post("/generate", json=generate_body("after the canary", 4))
         assert ok.status_code == 200, ok.text
 
@@ -74,7 +77,9 @@ async def test_a_canary_that_meets_one_peer_passes_when_another_pair_is_stale(cl
     forget) is that pair's fault, not the converted worker's: another decode meets it."""
     cluster = cluster_factory(prefill=1, decode=3, speed=0.0)
     converted, stale, good = cluster.decode_urls[2], cluster.decode_urls[0], cluster.decode_urls[1]
-    await fault(stale, stale_bootstrap=f"127.0.0.1:{cluster.bootstrap_port(converted)}")
+    await fault(
+        stale, stale_bootstrap=f"127.0.0.1:{cluster.bootstrap_port(converted)}", native_only=True
+    )
     async with running_router(cluster, **CANARY) as router, router.client() as http:
         response = await convert(http, server_url=converted, new_role="prefill")
         assert response.status_code == 200, response.text
