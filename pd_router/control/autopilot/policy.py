@@ -261,8 +261,6 @@ class AutopilotPolicy:
         self.config = config
         self.minimum = {PREFILL: min_prefill, DECODE: min_decode}
         self.max_moves = max_moves
-        # Servers the last capacity check found worth moving at once.
-        self._moves = 1
         self._window: deque[Sample] = deque()
         self._over_since: dict[str, float | None] = dict.fromkeys(ROLES)
         self._last_conversion: float | None = None
@@ -451,13 +449,15 @@ class AutopilotPolicy:
                 f"({donor.size}, min {self.minimum[donor.role]})",
             )
         action = PREFILL_TO_DECODE if donor.role == PREFILL else DECODE_TO_PREFILL
-        refusal = self._gain_refusal(needy, donor) or self._guard(action, sample)
+        moves, refusal = self._movable(needy, donor)
+        refusal = refusal or self._guard(action, sample)
         if refusal is not None:
             return self._hold(sample, f"{needy.over_text()}; {refusal}")
-        return self._convert(sample, needy, donor)
+        return self._convert(sample, needy, donor, moves)
 
-    def _gain_refusal(self, needy: PoolLoad, donor: PoolLoad) -> str | None:
-        """Why moving a server from ``donor`` to ``needy`` is not worth it, or None.
+    def _movable(self, needy: PoolLoad, donor: PoolLoad) -> tuple[int, str | None]:
+        """How many servers to move from ``donor`` to ``needy`` at once, or 0 and why moving
+        one is not worth it.
 
         From capacity: the split whose fuller pool is least loaded (:meth:`_best_split`) must
         lie the needy pool's way and cut the fuller pool's load by the hysteresis. With the
@@ -467,42 +467,43 @@ class AutopilotPolicy:
         the servers it keeps: a move serves both pools with margin or is not made (a fleet
         short everywhere only moves its shortage around, and each move's drain costs it
         more). As many move at once as keep
-        that true (``_moves``), up to the way to the best split and ``max_moves``. Without:
+        that true, up to the way to the best split and ``max_moves``. Without:
         one server, and the donor's utilisation x N/(N-1), latency as measured, must stay
         under ``margin`` of its target."""
         if self.needs is None:
             if donor.projected_ratio() < self.config.margin:
-                return None
-            return f"but {donor.donor_text()}, not under {self.config.margin:.0%} of its target"
+                return 1, None
+            margin = self.config.margin
+            return 0, f"but {donor.donor_text()}, not under {margin:.0%} of its target"
         prefills, total = self.loads[PREFILL].size, self._fleet()
         target = self._best_split()
         name = f"{target}P{total - target}D"
         if (target > prefills) != (needy.role == PREFILL) or target == prefills:
-            return f"but the split that serves both best is {name}"
+            return 0, f"but the split that serves both best is {name}"
         now = max(needy.ratio, donor.ratio)
         best = max(self._loads_at(target))
         if best > now * (1.0 - self.config.hysteresis):
-            return (
+            return 0, (
                 f"but the best split, {name}, would leave the fuller pool at {best:.0%} of its "
                 f"servers, not {self.config.hysteresis:.0%} below {now:.0%} now"
             )
         bound = 1.0 - self.config.hysteresis
         sign = 1 if needy.role == PREFILL else -1
-        self._moves = 0
+        movable = 0
         for moves in range(1, min(abs(target - prefills), self.max_moves) + 1):
             kept = donor.size - moves
             at = self._loads_at(prefills + sign * moves)[donor.role == DECODE]
             need = max(at * kept, self._peak(donor.role))
             if need > kept * bound:
                 break
-            self._moves = moves
-        if self._moves == 0:
+            movable = moves
+        if movable == 0:
             kept = donor.size - 1
-            return (
+            return 0, (
                 f"but {donor.role} would need {need:.1f} of {kept} with one server moved, not "
                 f"under {bound:.0%} of them"
             )
-        return None
+        return movable, None
 
     def _fleet(self) -> int:
         return self.loads[PREFILL].size + self.loads[DECODE].size
@@ -600,8 +601,7 @@ class AutopilotPolicy:
             and not pool.falling
         )
 
-    def _convert(self, sample: Sample, needy: PoolLoad, donor: PoolLoad) -> Decision:
-        moves = 1 if self.needs is None else self._moves
+    def _convert(self, sample: Sample, needy: PoolLoad, donor: PoolLoad, moves: int) -> Decision:
         chosen = pick_donors(sample.pool(donor.role), donor.role, moves)
         worker, cost = chosen[0]
         self._last_conversion = sample.at
@@ -615,7 +615,7 @@ class AutopilotPolicy:
         action = PREFILL_TO_DECODE if donor.role == PREFILL else DECODE_TO_PREFILL
         if not recommends:
             self._last_move = Move(action, sample.at, self._mix(), self._demand(), sample.attained)
-        effect = donor.donor_text() if self.needs is None else self._after_text()
+        effect = donor.donor_text() if self.needs is None else self._after_text(moves)
         self._window.clear()
         self._over_since[donor.role] = None
         return Decision(
@@ -633,14 +633,14 @@ class AutopilotPolicy:
             cost=cost,
         )
 
-    def _after_text(self) -> str:
+    def _after_text(self, moves: int) -> str:
         target, total = self._best_split(), self._fleet()
         prefill, decode = self._loads_at(target)
         now = self.loads[PREFILL].ratio, self.loads[DECODE].ratio
         return (
             f"at {target}P{total - target}D prefill would be at {prefill:.0%} and decode at "
             f"{decode:.0%} of their servers (now {now[0]:.0%} and {now[1]:.0%}); "
-            f"{self._moves} server{'s' if self._moves > 1 else ''} toward it"
+            f"{moves} server{'s' if moves > 1 else ''} toward it"
         )
 
     def _hold(self, sample: Sample, reason: str) -> Decision:
