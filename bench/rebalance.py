@@ -1,22 +1,28 @@
 """Rebalancing benchmark: static P:D splits against the autopilot on a trace that shifts phase.
 
-A 4-worker reference cluster (pd_worker processes, timing profile ``h100-8b``: Llama-3.1-8B on one
-H100, see docs/PERFORMANCE.md "Timing model") sits behind pd-router (its own process). This
+A reference cluster of ``--workers`` pd_worker processes (4 by default; timing profile
+``h100-8b``: Llama-3.1-8B on one H100, see docs/PERFORMANCE.md "Timing model") sits behind
+pd-router (its own process). This
 process replays one seeded trace against it per configuration: Poisson arrivals, prompt-heavy
 phases (long prompts, short answers) alternating with answer-heavy phases (short prompts, long
 answers), every request streamed so that its time to first token (TTFT) and time per output
 token (TPOT) are measured at the client. Times are reported in modeled seconds (wall / speed).
 
-Configurations: static 1P3D, 2P2D and 3P1D (nothing converts); ``autopilot`` (2P2D start, the
-router's ``[autopilot]`` section with mode "auto"); ``autopilot-restart`` (the same, but every
-role switch takes ``--restart-secs`` modeled seconds, the cost of a restart and weight reload).
+Configurations: static 1P3D, 2P2D and 3P1D (nothing converts; for N workers a quarter, half and
+three quarters of them prefills, or the prefill counts of ``--splits``); ``autopilot`` (from the
+middle split, the router's ``[autopilot]`` section with mode "auto"); ``autopilot-restart`` (the
+same, but every role switch takes ``--restart-secs`` modeled seconds, the cost of a restart and
+weight reload).
 The autopilot configurations are skipped with a message when the router refuses the section.
 
 With ``--trace`` the configurations replay real traces instead (``bench/traces.py``: the Azure
 LLM inference 2023 code and conversation services in ``bench/traces/``, or CSV files of the same
 format), merged by time, cut to ``--trace-window`` minutes, played ``--compress`` times faster
 and thinned to ``--keep`` of the requests with ``--seed``; a real trace has no phases, so it is
-reported in ``--windows`` equal windows.
+reported in ``--windows`` equal windows. ``--scale-load`` sends each request workers/4 times
+(``--load-scale K``: K times), the copies bench/fleet_sim.py sends, so that a fleet larger than
+four gets the trace's mix at the rate the thinning chose for four, and ``--simulate`` runs the
+fleet simulator on the same requests and reports its goodput beside the real one.
 
 Reported per configuration: goodput (requests per second meeting both the TTFT and the TPOT SLO,
 over the trace), SLO attainment per phase (per window, with goodput per window, for a real
@@ -44,7 +50,7 @@ import sys
 import time
 import tomllib
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -55,11 +61,21 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from router_process import router_toml, running_router  # noqa: E402
-from traces import KNOWN, TraceError, TraceRequest, merge, prepare, read_trace, resolve  # noqa: E402
+from traces import (  # noqa: E402
+    KNOWN,
+    TraceError,
+    TraceRequest,
+    in_windows,
+    merge,
+    prepare,
+    read_trace,
+    resolve,
+)
 
 from pd_router.config import ConfigError, build_config  # noqa: E402
 from pd_router.control.conversion.history import FINAL  # noqa: E402
 from pd_worker.cluster import WorkerCluster  # noqa: E402
+from pd_worker.timing import profile  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 PLOT = REPO / "docs" / "img" / "rebalance.png"
@@ -230,6 +246,22 @@ def trace_workload(args: argparse.Namespace) -> Workload:
     )
 
 
+def scaled_workload(work: Workload, factor: int, seed: int) -> Workload:
+    """``work`` with every request sent ``factor`` times, as bench/fleet_sim.py's
+    ``--load-scale`` sends it (the same copies for the same seed), counted in its windows
+    again: a fleet of N workers gets the load the trace was thinned for at four, N/4 times."""
+    if factor <= 1:
+        return work
+    from fleet_sim import scale_load  # fleet_sim imports this module, so not at its top
+
+    trace = in_windows(scale_load(work.trace, factor, seed), len(work.heads), work.duration)
+    return replace(
+        work,
+        trace=trace,
+        description=f"{work.description}; each request {factor} times ({len(trace)} requests)",
+    )
+
+
 # --- outcomes and goodput -------------------------------------------------------------------
 
 
@@ -334,13 +366,25 @@ def default_autopilot(speed: float, slo: Slo) -> str:
     return '[autopilot]\nmode = "auto"\n' + "".join(f"{k} = {v:g}\n" for k, v in keys.items())
 
 
-def configurations(autopilot_toml: str, restart_secs: float) -> list[Configuration]:
+def default_splits(workers: int) -> list[int]:
+    """The prefill counts of the static splits: a quarter, half and three quarters of the
+    fleet (1P3D, 2P2D, 3P1D at four workers)."""
+    return sorted({max(1, workers // 4), workers // 2, min(workers - 1, 3 * workers // 4)})
+
+
+def configurations(
+    autopilot_toml: str, restart_secs: float, workers: int = 4, splits: Sequence[int] = ()
+) -> list[Configuration]:
+    """A static configuration per prefill count of ``splits`` (default_splits when empty),
+    then the autopilot and autopilot-restart, both from the middle split."""
+    middle = workers // 2
     return [
-        Configuration("static 1P3D", 1, 3),
-        Configuration("static 2P2D", 2, 2),
-        Configuration("static 3P1D", 3, 1),
-        Configuration("autopilot", 2, 2, autopilot_toml),
-        Configuration("autopilot-restart", 2, 2, autopilot_toml, restart_secs),
+        *(
+            Configuration(f"static {p}P{workers - p}D", p, workers - p)
+            for p in splits or default_splits(workers)
+        ),
+        Configuration("autopilot", middle, workers - middle, autopilot_toml),
+        Configuration("autopilot-restart", middle, workers - middle, autopilot_toml, restart_secs),
     ]
 
 
@@ -553,7 +597,7 @@ def report(
         "",
         f"Command: `{' '.join(sys.argv)}`",
         "",
-        f"- Cluster: 4 pd_worker processes, profile `{PROFILE}`, speed {args.speed} "
+        f"- Cluster: {args.workers} pd_worker processes, profile `{PROFILE}`, speed {args.speed} "
         f"(1 modeled s = {args.speed} s wall), decode batch cap {args.decode_batch_cap} "
         "running requests per worker.",
         f"- Trace: {work.description}",
@@ -582,6 +626,8 @@ def report(
     if work.goodput_per_window:
         lines += window_goodput_lines(runs, work, slo)
     lines += goal_lines(runs, work, slo)
+    if args.simulate:
+        lines += simulated_lines(runs, work, slo, args)
     lines += ["", *(f"Skipped: {reason}" for reason in skipped)]
     errors = [o.error for r in runs for o in r.outcomes if o.error][:5]
     if errors:
@@ -602,6 +648,42 @@ def window_goodput_lines(runs: list[Run], work: Workload, slo: Slo) -> list[str]
     for run in runs:
         values = goodput_by_phase(run.outcomes, slo, count, work.duration / count)
         lines.append(f"| {run.config.name} | " + " | ".join(f"{v:.2f}" for v in values) + " |")
+    return lines
+
+
+def simulated_lines(
+    runs: list[Run], work: Workload, slo: Slo, args: argparse.Namespace
+) -> list[str]:
+    """The fleet simulator (bench/fleet_sim.py) on each configuration that ran, on the same
+    requests, split, decode batch cap and switch time, with the autopilot converting one
+    server at a time as the router here does: a table of real against simulated goodput
+    (issue 30 asks them within 10% at 4-16 workers). The simulated autopilot takes the
+    default ``[autopilot]`` section, whatever --autopilot-config says."""
+    import fleet_sim  # it imports this module, so not at its top
+
+    lines = [
+        "",
+        "Real against simulated (bench/fleet_sim.py on the same requests):",
+        "",
+        "| configuration | real goodput | simulated | difference | real conversions "
+        "| simulated conversions | failed real / simulated | simulation CPU s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        config = run.config
+        knobs: dict[str, float] = {"max_running_requests": args.decode_batch_cap}
+        if config.switch_secs is not None:
+            knobs["switch_secs"] = config.switch_secs
+        setup = fleet_sim.Setup(config.name, config.prefill, config.decode, config.autopilot)
+        sim = fleet_sim.simulate(setup, work.trace, profile(PROFILE, **knobs), work, slo, args.seed)
+        real = goodput(run.outcomes, slo, work.duration)
+        difference = f"{sim.goodput / real - 1:+.1%}" if real > 0 else "-"
+        failed = sum(o.error is not None for o in run.outcomes)
+        lines.append(
+            f"| {config.name} | {real:.2f} | {sim.goodput:.2f} | {difference} | "
+            f"{run.conversions} | {fleet_sim.conversion_text(sim.result)} | "
+            f"{failed} / {sim.failed} | {sim.cpu_secs:.1f} |"
+        )
     return lines
 
 
@@ -641,7 +723,9 @@ def goal_lines(runs: list[Run], work: Workload, slo: Slo) -> list[str]:
     ]
 
 
-def plot(runs: list[Run], work: Workload, slo: Slo, path: Path, bin_secs: float) -> None:
+def plot(
+    runs: list[Run], work: Workload, slo: Slo, path: Path, bin_secs: float, workers: int
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -660,9 +744,9 @@ def plot(runs: list[Run], work: Workload, slo: Slo, path: Path, bin_secs: float)
     top.set_ylabel("goodput (req/s)")
     top.set_title(f"Goodput and prefill pool size (grey: {work.shading})")
     top.legend(fontsize="small", ncol=3)
-    bottom.set_ylabel("ACTIVE prefills (of 4)")
+    bottom.set_ylabel(f"ACTIVE prefills (of {workers})")
     bottom.set_xlabel("modeled time (s)")
-    bottom.set_ylim(0, 4.2)
+    bottom.set_ylim(0, workers + 0.2)
     bottom.set_xlim(0, work.duration)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -720,6 +804,28 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--windows", type=int, default=None, help="equal windows the trace is reported in (6)"
     )
+    parser.add_argument("--workers", type=int, default=4, help="pd_worker processes (>= 2)")
+    parser.add_argument(
+        "--splits",
+        type=prefill_counts,
+        default=(),
+        metavar="P,P,...",
+        help="prefill counts of the static splits (default: N/4, N/2, 3N/4)",
+    )
+    parser.add_argument(
+        "--load-scale",
+        type=int,
+        default=None,
+        help="send each request of the trace this many times (bench/fleet_sim.py's copies)",
+    )
+    parser.add_argument(
+        "--scale-load", action="store_true", help="--load-scale workers/4 (with --trace)"
+    )
+    parser.add_argument(
+        "--simulate",
+        action="store_true",
+        help="also run the fleet simulator on each configuration and report real vs simulated",
+    )
     parser.add_argument("--bin-secs", type=float, default=10.0, help="plot bin, modeled s")
     parser.add_argument(
         "--plot",
@@ -732,13 +838,29 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.speed <= 0 or args.phases < 1 or args.phase_secs <= 0 or args.load <= 0:
         parser.error("--speed, --phases, --phase-secs and --load must be > 0")
-    trace_options = (args.trace_window, args.compress, args.keep, args.windows)
-    if args.trace is None and any(option is not None for option in trace_options):
-        parser.error("--trace-window, --compress, --keep and --windows apply to --trace only")
+    trace_options = (args.trace_window, args.compress, args.keep, args.windows, args.load_scale)
+    if args.trace is None and (args.scale_load or any(o is not None for o in trace_options)):
+        parser.error(
+            "--trace-window, --compress, --keep, --windows, --load-scale and --scale-load "
+            "apply to --trace only"
+        )
+    if args.workers < 2 or not all(0 < p < args.workers for p in args.splits):
+        parser.error("--workers must be >= 2 and every split leave a prefill and a decode")
+    if args.load_scale is not None and args.load_scale < 1:
+        parser.error("--load-scale must be >= 1")
+    args.load_scale = max(1, args.workers // 4) if args.scale_load else (args.load_scale or 1)
     args.compress = 1.0 if args.compress is None else args.compress
     args.keep = 1.0 if args.keep is None else args.keep
     args.windows = 6 if args.windows is None else args.windows
     return args
+
+
+def prefill_counts(text: str) -> tuple[int, ...]:
+    """``P,P,...`` prefill counts (argparse's type for --splits)."""
+    try:
+        return tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not prefill counts P,P,...") from None
 
 
 def minute_range(text: str) -> tuple[float, float]:
@@ -782,7 +904,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         work = (
-            trace_workload(args)
+            scaled_workload(trace_workload(args), args.load_scale, args.seed)
             if args.trace
             else synthetic_workload(TraceSpec(args.seed, args.phases, args.phase_secs, args.load))
         )
@@ -801,7 +923,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []
     skipped: list[str] = []
-    for config in configurations(autopilot_toml, args.restart_secs):
+    for config in configurations(autopilot_toml, args.restart_secs, args.workers, args.splits):
         if not selected(config, args.only):
             continue
         reason = refusal(config.router_toml) if config.autopilot else None
@@ -818,7 +940,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"rebalance: report written to {written}", file=sys.stderr)
     if not args.no_plot and runs:
         path = args.plot or (written.with_suffix(".png") if args.trace else PLOT)
-        plot(runs, work, slo, path, args.bin_secs)
+        plot(runs, work, slo, path, args.bin_secs, args.workers)
         print(f"rebalance: plot written to {path}", file=sys.stderr)
     return 0
 

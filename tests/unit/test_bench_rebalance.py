@@ -87,3 +87,33 @@ def test_no_two_prompts_of_the_trace_share_a_prefix(rb) -> None:
     heads = {tuple(rb.prompt_ids(r)[:16]) for r in trace}
     assert len(heads) == len(trace)
     assert rb.prompt_ids(trace[0]) == rb.prompt_ids(trace[0])
+
+
+def test_a_fleet_of_eight_runs_a_quarter_half_and_three_quarters_prefills(rb) -> None:
+    names = [c.name for c in rb.configurations("[autopilot]\n", 60.0, workers=8)]
+    assert names == [
+        "static 2P6D",
+        "static 4P4D",
+        "static 6P2D",
+        "autopilot",
+        "autopilot-restart",
+    ]
+    pilot = rb.configurations("[autopilot]\n", 60.0, workers=8, splits=(5,))[1]
+    assert (pilot.prefill, pilot.decode) == (4, 4)
+
+
+def test_scale_load_sends_the_requests_the_fleet_simulator_sends(rb) -> None:
+    import fleet_sim
+
+    args = rb.parse_args(
+        ["--trace", "azure_code,azure_conv", "--trace-window", "18:19", "--compress", "6",
+         "--keep", "0.45", "--workers", "16", "--scale-load"]
+    )  # fmt: skip
+    work = rb.trace_workload(args)
+    scaled = rb.scaled_workload(work, args.load_scale, args.seed)
+    simulated = fleet_sim.in_windows(
+        fleet_sim.scale_load(work.trace, 4, args.seed), len(work.heads), work.duration
+    )
+    assert args.load_scale == 4
+    assert len(scaled.trace) == 4 * len(work.trace)
+    assert scaled.trace == simulated
