@@ -13,12 +13,18 @@ larger than the one the trace was thinned for gets ``--load-scale K`` copies of 
 the trace's next one, so the rate follows the trace's shape K times over.
 
 Configurations: every static split from 1 prefill to N-1 (for N > 16, every N/16th, plus the
-middle; ``--sweep-step S``: every S-th), and the autopilot started from the middle split
-(``--start P``: from P prefills).
+middle; ``--sweep-step S``: every S-th), the autopilot started from the middle split
+(``--start P``: from P prefills) and ``autopilot-restart``, the restart-based planner
+(Dynamo's way, as ``bench/rebalance.py`` builds it): the same policy, but every role switch
+takes ``--restart-secs`` modeled seconds, a restart and weight reload (0: not run).
 Reported per configuration: goodput (requests per second meeting both SLOs over the trace), SLO
 attainment per window, TTFT and TPOT p50/p90, conversions (and the worker-seconds their drains
-and switches kept out of service), CPU seconds the simulation took; for the autopilot its ratio
-to the best static split and the conversions it decided, with reasons.
+and switches kept out of service), CPU seconds the simulation took. Then two references found
+in hindsight from the static sweep: the best static split (the one-off offline search for the
+whole run, what DistServe-style placement gives) and the best split per window (each window's
+best static goodput, summed: the ceiling a policy that moves servers at no cost could reach);
+each autopilot's ratio to both, its conversions per hour and the time its drains lost; and the
+conversions it decided, with reasons.
 
     .venv/bin/python bench/fleet_sim.py --trace azure_code,azure_conv --trace-window 18:54 \\
         --compress 6 --keep 0.45 --workers 32 --decode-batch-cap 32 --scale-load
@@ -51,6 +57,7 @@ from rebalance import (  # noqa: E402
     attainment_by_phase,
     default_autopilot,
     goodput,
+    goodput_by_phase,
     latency_columns,
     minute_range,
     trace_workload,
@@ -78,6 +85,9 @@ class Setup:
     decode: int
     autopilot: bool = False
     moves: int = 1
+    # A role switch's modeled seconds (None: the timing model's); a restart's for
+    # autopilot-restart.
+    switch_secs: float | None = None
 
 
 @dataclass
@@ -89,6 +99,8 @@ class SimRun:
     result: FleetResult
     goodput: float
     attainment: list[float]
+    # Goodput of the requests sent in each window, per second of the window.
+    by_window: list[float]
     failed: int
     cpu_secs: float
     latencies: str
@@ -123,15 +135,20 @@ def setups(
     start: int | None = None,
     step: int | None = None,
     moves: int = 1,
+    restart_secs: float = 0.0,
 ) -> list[Setup]:
-    """The static sweep (every ``step``-th split) and the autopilot from ``start`` prefills
-    (default: half), converting up to ``moves`` servers at once."""
+    """The static sweep (every ``step``-th split), the autopilot from ``start`` prefills
+    (default: half), converting up to ``moves`` servers at once, and with ``restart_secs``
+    the same autopilot paying a restart of that long for each switch."""
     static = [Setup(f"static {p}P{workers - p}D", p, workers - p) for p in splits(workers, step)]
     first = workers // 2 if start is None else start
-    name = f"autopilot from {first}P{workers - first}D"
+    name = f"from {first}P{workers - first}D"
     if moves > 1:
         name += f", {moves} at once"
-    auto = [Setup(name, first, workers - first, autopilot=True, moves=moves)]
+    auto = [Setup(f"autopilot {name}", first, workers - first, autopilot=True, moves=moves)]
+    if restart_secs > 0:
+        restart = f"autopilot-restart {name}, {restart_secs:g} s restarts"
+        auto.append(replace(auto[0], name=restart, switch_secs=restart_secs))
     if only == "static":
         return static
     if only == "autopilot":
@@ -159,6 +176,8 @@ def simulate(
         policy = AutopilotPolicy(
             autopilot_config(slo), min_prefill=1, min_decode=1, max_moves=setup.moves
         )
+    if setup.switch_secs is not None:
+        timing = replace(timing, switch_secs=setup.switch_secs)
     began = time.process_time()
     fleet = Fleet(
         timing, setup.prefill, setup.decode, seed=seed, policy=policy, keep_samples=keep_samples
@@ -175,6 +194,7 @@ def simulate(
         result,
         goodput(outcomes, slo, work.duration),
         attainment_by_phase(outcomes, slo, len(work.heads)),
+        goodput_by_phase(outcomes, slo, len(work.heads), work.duration / len(work.heads)),
         sum(o.error is not None for o in outcomes),
         cpu,
         latency_columns(outcomes),
@@ -188,15 +208,68 @@ def _pct(value: float) -> str:
     return "-" if value != value else f"{100 * value:.0f}%"
 
 
+def out_of_service(result: FleetResult) -> tuple[float, float]:
+    """The modeled worker-seconds the ended conversions spent draining and switching."""
+    ended = [c for c in result.conversions if c.ended is not None and c.drained is not None]
+    drain = sum(c.drained - c.started for c in ended)  # type: ignore[operator]
+    switch = sum(c.ended - c.drained for c in ended)  # type: ignore[operator]
+    return drain, switch
+
+
 def conversion_text(result: FleetResult) -> str:
     """How many conversions ended, and the modeled seconds they kept a worker out of service."""
     ended = [c for c in result.conversions if c.ended is not None]
     if not result.conversions:
         return "0"
-    out = sum(c.ended - c.started for c in ended)  # type: ignore[operator]
-    text = f"{len(ended)} ({out:.0f} worker-s out)"
+    text = f"{len(ended)} ({sum(out_of_service(result)):.0f} worker-s out)"
     unfinished = len(result.conversions) - len(ended)
     return text + (f" +{unfinished} unfinished" if unfinished else "")
+
+
+def per_window_best(runs: list[SimRun]) -> tuple[list[SimRun], float]:
+    """Each window's best static run and the goodput of taking each window's best: the
+    ceiling of a policy that could move servers at no cost between windows."""
+    static = [r for r in runs if not r.setup.autopilot]
+    count = len(static[0].by_window)
+    best = [max(static, key=lambda r, w=w: r.by_window[w]) for w in range(count)]
+    return best, sum(r.by_window[w] for w, r in enumerate(best)) / count
+
+
+def hindsight_text(runs: list[SimRun], work: Workload, compress: float) -> list[str]:
+    """The autopilot runs against the best static split in hindsight (the one-off offline
+    search for the whole run) and the best split per window in hindsight (the ceiling), with
+    their conversions per hour of the trace and the worker-seconds their drains lost."""
+    static = [r for r in runs if not r.setup.autopilot]
+    auto = [r for r in runs if r.setup.autopilot]
+    if not static or not auto:
+        return []
+    best = max(static, key=lambda r: r.goodput)
+    windows, ceiling = per_window_best(runs)
+    hours = work.duration * compress / 3600
+    splits = ", ".join(
+        f"{head} {r.setup.prefill}P{r.setup.decode}D"
+        for head, r in zip(work.heads, windows, strict=True)
+    )
+    lines = [
+        "",
+        f"- Best static split in hindsight (the one-off offline search for the whole run): "
+        f"{best.setup.prefill}P{best.setup.decode}D, {best.goodput:.2f} req/s.",
+        f"- Best split per window in hindsight (the ceiling; {splits}): {ceiling:.2f} req/s, "
+        f"{ceiling / best.goodput:.2f}x the best static split.",
+        "",
+        "| configuration | goodput | vs best static split | vs best split per window "
+        "| conversions | per trace hour | drain worker-s | switch worker-s | failed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for run in auto:
+        drain, switch = out_of_service(run.result)
+        count = len(run.result.conversions)
+        lines.append(
+            f"| {run.setup.name} | {run.goodput:.2f} | {run.goodput / best.goodput:.2f}x "
+            f"| {run.goodput / ceiling:.2f}x | {count} | {count / hours:.0f} | {drain:.0f} "
+            f"| {switch:.0f} | {run.failed} |"
+        )
+    return lines
 
 
 def report(
@@ -232,6 +305,7 @@ def report(
             f"{run.latencies} | "
             f"{conversion_text(run.result)} | {run.failed} | {run.cpu_secs:.2f} |"
         )
+    lines += hindsight_text(runs, work, args.compress)
     for run in runs:
         if run.result.decisions:
             lines += ["", f"Decisions of {run.setup.name} (modeled s):", ""]
@@ -269,6 +343,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="servers the autopilot may convert at once ([conversion] max_concurrent)",
     )
     parser.add_argument(
+        "--restart-secs",
+        type=float,
+        default=60.0,
+        help="modeled restart of autopilot-restart's switches (0: not run)",
+    )
+    parser.add_argument(
         "--sweep-step",
         type=int,
         default=None,
@@ -286,6 +366,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--workers must be >= 2, --load-scale and --decode-batch-cap >= 1")
     if args.start is not None and not 0 < args.start < args.workers:
         parser.error("--start must leave at least one prefill and one decode")
+    if args.restart_secs < 0:
+        parser.error("--restart-secs must be >= 0")
     if args.sweep_step is not None and args.sweep_step < 1:
         parser.error("--sweep-step must be >= 1")
     if args.scale_load:
@@ -306,7 +388,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     slo = Slo(args.ttft_ms / 1000, args.tpot_ms / 1000)
     timing = profile(PROFILE, max_running_requests=args.decode_batch_cap)
     runs = []
-    for setup in setups(args.workers, args.only, args.start, args.sweep_step, args.max_concurrent):
+    configurations = setups(
+        args.workers, args.only, args.start, args.sweep_step, args.max_concurrent, args.restart_secs
+    )
+    for setup in configurations:
         print(f"fleet_sim: {setup.name} ({len(trace)} requests)", file=sys.stderr, flush=True)
         keep = args.trail is not None and setup.autopilot
         runs.append(simulate(setup, trace, timing, work, slo, args.seed, keep_samples=keep))

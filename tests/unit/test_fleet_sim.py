@@ -108,3 +108,32 @@ def test_a_scaled_load_sends_each_request_k_times_before_the_next_one(sim) -> No
         assert len(copies) == 4
         assert all(r.prompt_tokens == original.prompt_tokens for r in copies)
     assert scaled == fleet_sim.scale_load(trace, 4, seed=1)
+
+
+def test_autopilot_restart_pays_a_restart_for_each_switch(sim) -> None:
+    """The restart-based planner (bench/rebalance.py's autopilot-restart): the same decisions,
+    each switch taking --restart-secs instead of the timing model's switch time."""
+    import fleet_sim
+
+    timing = profile("h100-8b", max_running_requests=32)
+    trace = requests(sim, 400, 0.05, 6000, 20)  # prompts for two prefills, on one
+    work = fleet_sim.Workload(trace, 20.0, ["W1"], "steady", [], "", 1.0)
+    [_, restart] = fleet_sim.setups(4, "autopilot", start=1, restart_secs=60.0)
+    assert restart.name.startswith("autopilot-restart") and restart.switch_secs == 60.0
+    run = fleet_sim.simulate(restart, trace, timing, work, fleet_sim.Slo(), seed=0)
+    first = run.result.conversions[0]
+    assert first.ended == pytest.approx(first.drained + 60.0)
+
+
+def test_the_best_split_per_window_takes_each_windows_best_static_goodput(sim) -> None:
+    import fleet_sim
+
+    def static(prefill: int, by_window: list[float]) -> fleet_sim.SimRun:
+        setup = fleet_sim.Setup(f"static {prefill}P", prefill, 4 - prefill)
+        result = sim.FleetResult([])
+        return fleet_sim.SimRun(setup, result, sum(by_window) / 2, [], by_window, 0, 0.0, "")
+
+    runs = [static(1, [10.0, 2.0]), static(2, [6.0, 6.0]), static(3, [1.0, 9.0])]
+    best, ceiling = fleet_sim.per_window_best(runs)
+    assert [r.setup.prefill for r in best] == [1, 3]
+    assert ceiling == pytest.approx((10.0 + 9.0) / 2)
