@@ -350,6 +350,16 @@ class Fleet:
                 moved.append(s.name)
         return moved
 
+    def refresh_decodes(self) -> None:
+        """Takes every decode around a round trip of its own (decode -> prefill -> decode), the
+        one thing that clears the prefill endpoints SGLang 0.5.23 caches (bug b): after a test
+        took a prefill around a round trip, the decodes that talked to it before keep its old
+        endpoint, and the tests after it would meet that stale pair."""
+        for s in self.decode:
+            for role in ("prefill", "decode"):
+                reply = s.switch(role)
+                assert reply.get("success"), (s.name, reply)
+
 
 @pytest.fixture(scope="session")
 def sglang_fleet() -> Iterator[Fleet]:

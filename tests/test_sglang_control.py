@@ -1,6 +1,7 @@
 """The router's control side against real SGLang 0.5.23 servers: a switch made on a server behind
 the router's back is followed, the autopilot reckons each pool's need from SGLang's own capacity
-counters, and server_patch's extension endpoints are answered by a real SGLang process."""
+counters (holding while the pools keep up, converting a real prefill when the decodes fall
+short), and server_patch's extension endpoints are answered by a real SGLang process."""
 
 from __future__ import annotations
 
@@ -168,3 +169,73 @@ def test_the_autopilot_reads_real_sglangs_capacity_and_holds_while_the_pools_kee
     assert "within target" in decode["basis"], decode["basis"]
     assert autopilot["last_decision"]["action"] == "hold", autopilot["last_decision"]
     assert records == [] and failures == []
+
+
+# Prompts of about 190 tokens and answers of ANSWER_TOKENS (ignore_eos), ANSWERING clients each
+# sending its next request when the last is answered: the decodes' KV fills while the prefills
+# idle (measured here: the decodes held 60-70% of one decode's 4096 KV tokens, the prefills
+# needed 0.1-0.3 of one). SGLang's KV pool on the CPU is small, so the autopilot's KV target is
+# set low (decode_kv_usage 0.25): a dozen answers make the decodes short of it long before the
+# pool itself fills (a full pool on two CPU cores retracts and starves the servers).
+ANSWERING = 12
+ANSWER_TOKENS = 400
+
+
+def test_the_autopilot_converts_a_real_prefill_when_the_decodes_fall_short(
+    sglang_fleet: Fleet, tmp_path: Path
+) -> None:
+    """With answers holding more KV than two decodes carry at target, the autopilot, reading
+    SGLang's own counters, moves a prefill to the decode pool (2P2D -> 1P3D) through a real
+    role switch; no request fails, and SGLang reports the new role."""
+    config = tmp_path / "router.toml"
+    config.write_text(
+        "[autopilot]\n"
+        'mode = "auto"\n'
+        "interval_secs = 0.5\nwindow_secs = 3.0\nsustain_secs = 2.0\ncooldown_secs = 600.0\n"
+        "peak_secs = 3.0\ndecode_kv_usage = 0.25\n"
+    )
+    args = [*sglang_fleet.router_args(), "--host", "127.0.0.1", "--config", str(config)]
+    args += ["--health-check-interval-secs", "1"]
+    sampling = {"temperature": 0, "max_new_tokens": ANSWER_TOKENS, "ignore_eos": True}
+    story = " ".join(f"word{i} of a story" for i in range(25))
+    with serving(*args) as router:
+        router_ready(router.url, prefill=2, decode=2)
+        failures: list[str] = []
+
+        def answer(i: int) -> None:
+            body = {"text": f"{i} {story}", "sampling_params": sampling}
+            reply = httpx.post(router.url + "/generate", json=body, timeout=TIMEOUT)
+            if reply.status_code != 200:
+                failures.append(f"{reply.status_code} {reply.text[:300]}")
+
+        def converted() -> list[dict[str, Any]]:
+            records = httpx.get(router.url + "/conversions", timeout=10).json()["conversions"]
+            return [r for r in records if r["status"] == "succeeded"]
+
+        with concurrent.futures.ThreadPoolExecutor(ANSWERING) as pool:
+            sent = [pool.submit(answer, i) for i in range(ANSWERING)]
+            deadline = time.monotonic() + 90.0
+            i = ANSWERING
+            while time.monotonic() < deadline and not converted():
+                done = [f for f in sent if f.done()]
+                for finished in done:
+                    sent.remove(finished)
+                    sent.append(pool.submit(answer, i))
+                    i += 1
+                time.sleep(0.2)
+            autopilot = httpx.get(router.url + "/autopilot", timeout=10).json()
+            records = converted()
+        roles = {s.url: s.role() for s in sglang_fleet.pd}
+    # The fleet goes back to 2P2D before anything is asserted: the tests after this one share it.
+    # The moved prefill's way back is a round trip, so the decodes forget its old endpoint.
+    sglang_fleet.restore_roles()
+    sglang_fleet.refresh_decodes()
+    assert failures == []
+    assert records, (autopilot["last_decision"], autopilot["loads"])
+    (record,) = records
+    assert (record["from_role"], record["to_role"]) == ("prefill", "decode")
+    assert record["started_by"] == "autopilot"
+    decision = autopilot["decisions"][0]
+    assert decision["action"] == "prefill_to_decode", decision
+    assert "KV" in decision["reason"], decision["reason"]
+    assert roles[record["worker_url"]] == "decode"
