@@ -292,3 +292,14 @@ def test_a_large_fleet_moves_several_servers_at_once_up_to_max_moves():
     assert [len(d.workers) for d in moved][:1] == [4]
     assert moved[0].desired == {"prefill": 20, "decode": 12}
     assert len(set(moved[0].workers)) == 4
+
+
+def test_a_move_short_of_its_target_takes_the_next_step_a_window_later_not_a_cooldown():
+    """A fleet of 32 that wants four decodes moved, two at once: the second pair follows once
+    a window of samples confirms the need, not after the full cooldown."""
+    config = dataclasses.replace(CONFIG, cooldown_secs=120.0)
+    autopilot = AutopilotPolicy(config, min_prefill=1, min_decode=1, max_moves=2)
+    pools = Pools(prompt_rate=200_000.0, wanting=200.0, prefills=16, size=32)
+    moved = [d for d in run(autopilot, pools, 16) if d.action != HOLD]
+    assert [len(d.workers) for d in moved][:2] == [2, 2]
+    assert moved[1].at - moved[0].at <= config.window_secs + 2 * STEP

@@ -240,7 +240,9 @@ class Decision:
 class Move:
     """A conversion the policy decided: its direction, when, the demand mix then (the prefill
     share of the need), the whole need in servers (None: capacity unknown) and the SLO
-    attainment before it, judged once the split after it settled."""
+    attainment before it, judged once the split after it settled. ``further``: the servers
+    still between the split it leads to and the split it aimed for (a move bounded by
+    ``max_moves`` on a large fleet)."""
 
     action: str
     at: float
@@ -248,6 +250,7 @@ class Move:
     demand: float | None
     attained_before: float | None
     judged: bool = False
+    further: int = 0
 
 
 class AutopilotPolicy:
@@ -420,14 +423,9 @@ class AutopilotPolicy:
 
     def _decide(self, sample: Sample) -> Decision:
         prefill, decode = self.loads[PREFILL], self.loads[DECODE]
-        if self._last_conversion is not None:
-            elapsed = sample.at - self._last_conversion
-            if elapsed < self.config.cooldown_secs:
-                return self._hold(
-                    sample,
-                    f"cooldown: last {self._last_event} {elapsed:.0f} s ago "
-                    f"(cooldown {self.config.cooldown_secs:.0f} s)",
-                )
+        cooling = self._cooldown(sample, None)
+        if cooling is not None:
+            return self._hold(sample, cooling)
         self._judge(sample)
         if len(self._window) < 2 and self.capacity.prefill_rate is not None:
             # The workers report their capacity: a window too short to measure the demand
@@ -449,11 +447,35 @@ class AutopilotPolicy:
                 f"({donor.size}, min {self.minimum[donor.role]})",
             )
         action = PREFILL_TO_DECODE if donor.role == PREFILL else DECODE_TO_PREFILL
+        cooling = self._cooldown(sample, action)
+        if cooling is not None:
+            return self._hold(sample, cooling)
         moves, refusal = self._movable(needy, donor)
         refusal = refusal or self._guard(action, sample)
         if refusal is not None:
             return self._hold(sample, f"{needy.over_text()}; {refusal}")
         return self._convert(sample, needy, donor, moves)
+
+    def _cooldown(self, sample: Sample, action: str | None) -> str | None:
+        """Why the cooldown holds a decision now (``action``: the one it would be; None: not
+        reckoned yet), or None. A move that stopped short of its target (``max_moves``) lets
+        the next step the same way come a window after its conversions ended, the cooldown
+        at most: a large fleet whose mix shifted gets its servers in steps at the pace the
+        samples confirm the shift, not one step per cooldown."""
+        if self._last_conversion is None:
+            return None
+        c = self.config
+        elapsed = sample.at - self._last_conversion
+        if elapsed >= c.cooldown_secs:
+            return None
+        last = self._last_move
+        onward = last is not None and last.further > 0 and action in (None, last.action)
+        if onward and elapsed >= min(c.window_secs, c.cooldown_secs):
+            return None
+        return (
+            f"cooldown: last {self._last_event} {elapsed:.0f} s ago "
+            f"(cooldown {c.cooldown_secs:.0f} s)"
+        )
 
     def _movable(self, needy: PoolLoad, donor: PoolLoad) -> tuple[int, str | None]:
         """How many servers to move from ``donor`` to ``needy`` at once, or 0 and why moving
@@ -614,7 +636,12 @@ class AutopilotPolicy:
         # toward it needs no new sustain period, only the cooldown and fresh samples.
         action = PREFILL_TO_DECODE if donor.role == PREFILL else DECODE_TO_PREFILL
         if not recommends:
-            self._last_move = Move(action, sample.at, self._mix(), self._demand(), sample.attained)
+            further = (
+                0 if self.needs is None else abs(self._best_split() - self._moved(action, moves))
+            )
+            self._last_move = Move(
+                action, sample.at, self._mix(), self._demand(), sample.attained, further=further
+            )
         effect = donor.donor_text() if self.needs is None else self._after_text(moves)
         self._window.clear()
         self._over_since[donor.role] = None
@@ -632,6 +659,11 @@ class AutopilotPolicy:
             to_role=needy.role,
             cost=cost,
         )
+
+    def _moved(self, action: str, moves: int) -> int:
+        """The prefills after ``moves`` servers converted by ``action``."""
+        sign = 1 if action == DECODE_TO_PREFILL else -1
+        return self.loads[PREFILL].size + sign * moves
 
     def _after_text(self, moves: int) -> str:
         target, total = self._best_split(), self._fleet()
