@@ -64,7 +64,7 @@ sglang-venv: browser
 	@tests/sglang_cpu/build_venv.sh >/dev/null || echo "no SGLang venv: the real-SGLang tests will be skipped"
 
 test: $(TORCH_STAMP) browser kube-apiserver sglang-venv
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=25
 
 # The unit lane (tests/unit/): decisions tested with no process and no socket, in seconds;
 # make test runs them too.
