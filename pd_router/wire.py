@@ -27,7 +27,7 @@ import orjson
 from pd_router.circuit_state import CircuitState
 from pd_router.roles import Role
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 # Each end sends something at least this often, even with nothing to say (the data plane a
 # report, the control side the in-flight totals), so that either can take a long silence of the
 # other for a hang.
@@ -89,6 +89,17 @@ class InflightTotals:
     TAG: ClassVar[str] = "inflight"
     totals: Mapping[str, int]
     share: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoads:
+    """What the workers last reported about their own load, for a policy that routes by it
+    (``least_load``): per worker, its requests (running + waiting over its DP ranks) and when
+    the control side read the report (monotonic), which tells one report from the next. A
+    worker absent has no report. Sent only while some worker has one, whenever one changes."""
+
+    TAG: ClassVar[str] = "loads"
+    loads: Mapping[str, tuple[int, float]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +185,7 @@ Message = (
     Hello
     | Snapshot
     | InflightTotals
+    | WorkerLoads
     | MetricsAsk
     | Report
     | Suspect
@@ -283,6 +295,25 @@ def mapping(values: frozenset[type]) -> Field:
     return decode_mapping
 
 
+def pairs(first: frozenset[type], second: frozenset[type]) -> Field:
+    """An object whose values are arrays of two, the first of ``first``, the second of
+    ``second``; read as tuples."""
+
+    def decode_pairs(value: Any) -> dict:
+        if type(value) is not dict:
+            raise WireError("not an object")
+        decoded = {}
+        for key, pair in value.items():
+            if not (type(pair) is list and len(pair) == 2):
+                raise WireError(f"{key}: not an array of two")
+            if type(pair[0]) not in first or type(pair[1]) not in second:
+                raise WireError(f"{key}: not [{kinds(first)}, {kinds(second)}]")
+            decoded[key] = (pair[0], pair[1])
+        return decoded
+
+    return decode_pairs
+
+
 def rows(*columns: frozenset[type]) -> Field:
     """An array of arrays of ``len(columns)``, column i of the types ``columns[i]`` (checked a
     column at a time: a report carries thousands of samples)."""
@@ -344,6 +375,7 @@ DECODERS: dict[str, Callable[[Any], Any]] = {
     Hello.TAG: record(Hello, version=INT),
     Snapshot.TAG: record(Snapshot, version=INT, workers=sequence(WORKER_ENTRY)),
     InflightTotals.TAG: record(InflightTotals, totals=mapping(INT), share=maybe(INT)),
+    WorkerLoads.TAG: record(WorkerLoads, loads=pairs(INT, NUMBER)),
     MetricsAsk.TAG: record(MetricsAsk, request=INT),
     Report.TAG: record(
         Report,

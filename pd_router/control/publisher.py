@@ -30,6 +30,12 @@ Half-open trials. Every snapshot names, for each worker whose circuit is not clo
 data plane that may send its trial (:mod:`pd_router.control.trials`); a trial that should move
 is looked at every :data:`INFLIGHT_PUSH_SECS`.
 
+Load reports. What the workers report about their own load (the registry keeps it, for the
+pools whose policy routes by it) goes to every data plane in a
+:class:`~pd_router.wire.WorkerLoads` when one changed, at most every :data:`INFLIGHT_PUSH_SECS`
+(a round of reads changes many at once), and to a data plane as it attaches; a router that
+reads none sends none.
+
 Client connections. Each report counts the data plane's open client connections; while they are
 uneven (:func:`connection_share`), the in-flight push carries the share each should keep, and
 a data plane above it closes its surplus between answers
@@ -70,6 +76,7 @@ from pd_router.wire import (
     VersionMismatch,
     WireError,
     WorkerEntry,
+    WorkerLoads,
     check_hello,
 )
 
@@ -148,7 +155,10 @@ class DataPlanes:
         self._pushing = False
         self._again = False
         self._trials = HalfOpenTrials()
+        # Whether a load report changed since the data planes were last sent them.
+        self._loads_changed = False
         registry.on_change(self.push)
+        registry.on_load_report(self._load_report_changed)
 
     # --- links ------------------------------------------------------------------------------
 
@@ -160,6 +170,9 @@ class DataPlanes:
         self._links[index] = link
         channel.send(Hello(PROTOCOL_VERSION))
         channel.send(self._snapshot)
+        loads = self._loads()
+        if loads.loads:
+            channel.send(loads)
         link.reader = asyncio.get_running_loop().create_task(self._read(link))
         if self._pusher is None:
             self._pusher = asyncio.get_running_loop().create_task(self._push_totals())
@@ -236,6 +249,21 @@ class DataPlanes:
 
     def _known(self) -> set[str]:
         return {worker.url for worker in self._registry}
+
+    # --- load reports ---------------------------------------------------------------------
+
+    def _load_report_changed(self) -> None:
+        self._loads_changed = True
+
+    def _loads(self) -> WorkerLoads:
+        """Every worker's last load report, as the data planes route by it."""
+        return WorkerLoads(
+            {
+                worker.url: (report.requests, report.read_at)
+                for worker in self._registry
+                if (report := worker.load_report) is not None
+            }
+        )
 
     # --- reports ----------------------------------------------------------------------------
 
@@ -341,13 +369,19 @@ class DataPlanes:
 
     async def _push_totals(self) -> None:
         """Send the router-wide in-flight counts and the connection share to the data planes
-        when they changed, and at least every :data:`HEARTBEAT_SECS`; move a half-open trial
-        whose data plane cannot send it (a new snapshot)."""
+        when they changed, and at least every :data:`HEARTBEAT_SECS`; the load reports when
+        one changed; move a half-open trial whose data plane cannot send it (a new
+        snapshot)."""
         sent_at = time.monotonic()
         while True:
             await asyncio.sleep(INFLIGHT_PUSH_SECS)
             if self._trials.unsettled(self._links):
                 self.push()
+            if self._loads_changed:
+                self._loads_changed = False
+                loads = self._loads()
+                for link in self._links.values():
+                    link.channel.send(loads)
             now = time.monotonic()
             share = connection_share([link.connections for link in self._links.values()])
             message = InflightTotals(self._totals, share)

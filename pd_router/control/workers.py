@@ -26,6 +26,7 @@ from pd_router.control.circuit import (
     CircuitConfig,
     CircuitState,
 )
+from pd_router.control.load_report import LoadReport
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role, bootstrap_host
 
@@ -183,6 +184,9 @@ class Worker:
     # Set when discovery found the worker (its pod or manifest entry).
     origin: Origin | None = None
     bootstrap_host: str = ""
+    # The worker's last report of its own load (None: none, or it stopped answering); kept
+    # only while a policy needs it (:mod:`pd_router.control.load_poller`).
+    load_report: LoadReport | None = None
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     # Set while no data plane of this router may pick the worker unless it is selectable
     # here: cleared from its leaving selection until every data plane acked the snapshot that
@@ -236,6 +240,7 @@ class Worker:
             "last_error": self.last_error,
             "conversion": self.conversion_id,
             "origin": self.origin.as_dict() if self.origin is not None else None,
+            "reported_load": (self.load_report.as_dict() if self.load_report is not None else None),
         }
 
 
@@ -262,6 +267,7 @@ class WorkerRegistry:
         self._adopted_callbacks: list[Callable[[Worker], None]] = []
         self._left_pool_callbacks: list[Callable[[Worker, Role], None]] = []
         self._changed_callbacks: list[Callable[[], None]] = []
+        self._load_callbacks: list[Callable[[], None]] = []
         for role in Role:
             self._metrics.pool_size.labels(role.value).set(0)
 
@@ -618,6 +624,23 @@ class WorkerRegistry:
             worker._idle.set()
         else:
             worker._idle.clear()
+
+    # --- what the workers report about their own load --------------------------------------
+
+    def set_load_report(self, worker: Worker, report: LoadReport | None) -> None:
+        """The worker's latest report of its own load (None: it has none now), whoever read
+        it: the poller, or a feed the engine pushes. A report for a worker forgotten meanwhile
+        is dropped."""
+        if not self.registered(worker) or worker.load_report is report:
+            return
+        worker.load_report = report
+        for callback in self._load_callbacks:
+            callback()
+
+    def on_load_report(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` after a worker's load report changed (not a snapshot change:
+        reports come far more often than the pools change). It must not block."""
+        self._load_callbacks.append(callback)
 
     # --- unavailability listeners -----------------------------------------------------------
 

@@ -75,6 +75,7 @@ from pd_router.wire import (
     Snapshot,
     VersionMismatch,
     WireError,
+    WorkerLoads,
     check_hello,
 )
 
@@ -209,6 +210,8 @@ class DataPlane:
             case InflightTotals():
                 self.pools.apply_inflight(message.totals)
                 self.connections.share = message.share
+            case WorkerLoads():
+                self.pools.apply_loads(message)
             case MetricsAsk():
                 self.reports.send_metrics(message.request)
             case _:

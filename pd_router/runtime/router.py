@@ -5,7 +5,8 @@ and the application that serves them.
 before it: the metrics, the registry (with the configured workers), the health monitor, the
 data planes' links, the two client sessions (the shared one for probes, fan-outs and aborts; the
 control one, a connection per call, for role switches), the cluster (etcd, or alone), the
-conversion manager, the autopilot. Nothing looks another part up later: a part that needs one
+conversion manager, the autopilot, the load-report poller (for the pools whose policy routes by
+what the workers report). Nothing looks another part up later: a part that needs one
 gets it when it is built. :attr:`Router.parts` is the one start/stop list: started in order,
 stopped in reverse. :func:`build_app` puts the parts each handler needs under their keys
 (:mod:`pd_router.api.keys`).
@@ -36,6 +37,7 @@ from pd_router.control.discovery.config import DiscoveryUnavailable
 from pd_router.control.discovery.start import Started, start_discovery
 from pd_router.control.health import HealthMonitor, WorkersUnreachable
 from pd_router.control.latency import LatencyRecorder
+from pd_router.control.load_poller import LoadPoller
 from pd_router.control.publisher import DataPlanes
 from pd_router.control.worker_control import (
     ControlError,
@@ -46,6 +48,7 @@ from pd_router.control.worker_control import (
 from pd_router.control.workers import Worker, WorkerRegistry
 from pd_router.dataplane.legs.setup import LegSetup, leg_setup
 from pd_router.dataplane.path.collaborators import RequestMetrics
+from pd_router.dataplane.routing.policies import canonical_policy_name
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
 
@@ -139,6 +142,7 @@ class Router:
             conversions=self.conversions,
             is_leader=self.cluster.is_leader,
         )
+        self.load_poller = LoadPoller(self.registry, self.session, load_reporting_roles(config))
         self.discovery: Started | None = None
         self.parts = (
             Part("client sessions", nothing, self._close_sessions),
@@ -147,6 +151,7 @@ class Router:
             Part("cluster", self.cluster.start, self.cluster.stop),
             Part("first probes", self._probe_workers, nothing),
             Part("health probes", self._run_probes, nothing),
+            Part("load reports", self._run_load_poller, self.load_poller.stop),
             Part("autopilot", self._run_autopilot, self.autopilot.stop),
             Part("discovery", self._start_discovery, self._stop_discovery),
             Part("conversions", nothing, self._close_conversions),
@@ -197,6 +202,10 @@ class Router:
 
     async def _run_probes(self) -> None:
         self.health.run_in_background()
+
+    async def _run_load_poller(self) -> None:
+        if self.load_poller.roles:
+            self.load_poller.run_in_background()
 
     async def _run_autopilot(self) -> None:
         self.autopilot.run_in_background()
@@ -266,6 +275,13 @@ class Router:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
+
+
+def load_reporting_roles(config: RouterConfig) -> frozenset[Role]:
+    """The pools whose policy routes by what the workers report about their own load."""
+    return frozenset(
+        role for role in Role if canonical_policy_name(config.policy_of(role)) == "least_load"
+    )
 
 
 ROUTER = web.AppKey("router", Router)

@@ -120,6 +120,60 @@ class PowerOfTwoPolicy(LeastInflightPolicy):
     name = "power_of_two"
 
 
+class LeastLoadPolicy:
+    """smg's ``least_load`` on what the workers report about themselves: the worker with the
+    fewest requests by its own last report (running + waiting, summed over its DP ranks;
+    :mod:`pd_router.control.load_poller`) plus the requests this policy sent it since that
+    report was read, so a burst between two reports still spreads; on a tie, the one with
+    fewer requests in flight through the router, then one of those at random. A worker with
+    no report (it did not answer, or none came yet) is judged by its in-flight count alone.
+    With several data planes each counts what it sent itself; the in-flight tie-break sees
+    the whole router's."""
+
+    name = "least_load"
+    needs_prompt = False
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+        # Per worker: [when the report counted from was read, requests sent since].
+        self._sent: dict[str, list[Any]] = {}
+
+    def select(self, workers: Sequence[Target], prompt: str = "") -> Target:
+        sent = self._sent
+        best = workers[0]
+        best_key = (self._estimate(best, sent.get(best.url)), best.inflight)
+        ties = 1
+        for worker in workers[1:]:
+            key = (self._estimate(worker, sent.get(worker.url)), worker.inflight)
+            if key < best_key:
+                best, best_key, ties = worker, key, 1
+            elif key == best_key:
+                ties += 1
+                if self._rng.random() * ties < 1:
+                    best = worker
+        if best.load is not None:
+            mark = sent.get(best.url)
+            if mark is None or mark[0] != best.load_at:
+                sent[best.url] = [best.load_at, 1]
+            else:
+                mark[1] += 1
+        return best
+
+    @staticmethod
+    def _estimate(worker: Target, mark: list[Any] | None) -> int:
+        """The worker's requests by its report plus those sent since, else its in-flight
+        count."""
+        load = worker.load
+        if load is None:
+            return worker.inflight
+        if mark is not None and mark[0] == worker.load_at:
+            return load + mark[1]
+        return load
+
+    def forget(self, url: str) -> None:
+        self._sent.pop(url, None)
+
+
 class CacheAwarePolicy:
     """smg's ``cache_aware``. While loads are balanced, the prompt goes to the worker that was
     sent the longest prefix of it, if that prefix is more than ``cache_threshold`` of the
@@ -207,6 +261,7 @@ POLICIES: Mapping[str, Factory] = MappingProxyType(
         "random": lambda _, __: RandomPolicy(),
         "round_robin": lambda _, __: RoundRobinPolicy(),
         "least_inflight": lambda _, __: LeastInflightPolicy(),
+        "least_load": lambda _, __: LeastLoadPolicy(),
         "power_of_two": lambda _, __: PowerOfTwoPolicy(),
         "cache_aware": lambda config, shared: CacheAwarePolicy(config, shared=shared),
     }
@@ -218,7 +273,6 @@ POLICY_ALIASES: Mapping[str, str] = MappingProxyType(
         "manual": "cache_aware",
         "consistent_hashing": "cache_aware",
         "prefix_hash": "cache_aware",
-        "least_load": "least_inflight",
         "bucket": "least_inflight",
         "passthrough": "least_inflight",
     }
@@ -232,8 +286,6 @@ ALIAS_REASONS: Mapping[str, str] = MappingProxyType(
         "requests that share a prefix on one worker instead",
         "prefix_hash": "pd-router hashes no fixed-length prompt head onto a ring; cache_aware "
         "matches the whole prefix in a radix tree to the same end",
-        "least_load": "pd-router estimates no per-worker wait from worker metrics; "
-        "least_inflight compares the requests in flight through the router",
         "bucket": "pd-router does not split prefills into prompt-length buckets; "
         "least_inflight balances them by requests in flight",
         "passthrough": "pd-router always chooses the worker itself; least_inflight balances "

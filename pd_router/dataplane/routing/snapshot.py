@@ -16,6 +16,10 @@ Router-wide in-flight: :attr:`Member.inflight` is this process's own count plus 
 data planes had in flight when the control process last summed their reports (pushed every
 report interval), so ``least_inflight`` and ``power_of_two`` balance the whole router's load.
 
+Load reports: the workers' own counts of their requests (:class:`pd_router.wire.WorkerLoads`,
+sent only when a pool's policy routes by them) are set on the members as they come
+(:attr:`Member.load`, :attr:`Member.load_at`), and on a member that joins later.
+
 Circuits: the control process decides (it sums every data plane's leg outcomes); a member's
 :class:`SharedCircuit` holds its verdict, turns an open one half-open when its cool-down ends,
 lets one trial at a time through a half-open circuit when this process is the data plane the
@@ -33,7 +37,7 @@ from pd_router.circuit_state import CircuitState
 from pd_router.dataplane.routing.policies import Policy
 from pd_router.dataplane.routing.pools import choose
 from pd_router.roles import Role, bootstrap_host
-from pd_router.wire import NO_SNAPSHOT, Snapshot, check_consistent
+from pd_router.wire import NO_SNAPSHOT, Snapshot, WorkerLoads, check_consistent
 
 # The members, bound once: looking one up through its class costs about 70 ns on Python 3.11,
 # and a pick asks every member's circuit.
@@ -124,6 +128,8 @@ class Member:
         "epoch",
         "idle_at",
         "inflight",
+        "load",
+        "load_at",
         "local",
         "pickable",
         "reported",
@@ -150,6 +156,9 @@ class Member:
         self.reported = 0
         self.inflight = 0
         self.idle_at = 0.0
+        # The worker's requests by its last load report (None: none) and when it was read.
+        self.load: int | None = None
+        self.load_at = 0.0
 
 
 UnavailableCallback = Callable[[str], None]
@@ -190,6 +199,8 @@ class SnapshotPools:
         # Members no longer in the snapshot, kept while requests are in flight on them.
         self._gone: set[str] = set()
         self._pools: dict[Role, list[Member]] = {role: [] for role in Role}
+        # The last load reports pushed, for members that join after them.
+        self._loads: Mapping[str, tuple[int, float]] = {}
 
     # --- what the control process pushes ---------------------------------------------------
 
@@ -207,6 +218,8 @@ class SnapshotPools:
             if member is None:
                 member = Member(url, role, SharedCircuit(url, self._recorded, self._wake))
                 self._members[url] = member
+                if self._loads:
+                    set_load(member, self._loads.get(url))
             elif member.role is not role:
                 self.policies[member.role].forget(url)
                 member.role = role
@@ -236,6 +249,12 @@ class SnapshotPools:
             member = self._members.get(url)
             if member is not None:
                 member.inflight = max(member.local, total - member.reported + member.local)
+
+    def apply_loads(self, message: WorkerLoads) -> None:
+        """The workers' load reports; a member absent from them has none."""
+        self._loads = loads = message.loads
+        for url, member in self._members.items():
+            set_load(member, loads.get(url))
 
     def _set_usable(self, member: Member, usable: bool) -> None:
         if member.usable and not usable:
@@ -313,6 +332,14 @@ class SnapshotPools:
         )
         self._recorded.clear()
         return outcomes
+
+
+def set_load(member: Member, report: tuple[int, float] | None) -> None:
+    """Set ``member``'s load report (requests, when read), or none."""
+    if report is None:
+        member.load = None
+    else:
+        member.load, member.load_at = report
 
 
 def without(members: list[Member], avoid: Iterable[Member]) -> list[Member]:

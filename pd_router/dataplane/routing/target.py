@@ -24,3 +24,7 @@ class Target(Protocol):
     bootstrap_port: int | None
     inflight: int
     circuit: Verdicts
+    # The worker's requests (running + waiting) by its own last report (None: no report), and
+    # when the control side read that report: ``least_load`` routes by them.
+    load: int | None
+    load_at: float
