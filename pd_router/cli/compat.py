@@ -237,7 +237,14 @@ NO_OVERLOAD = (
     "pd-router leaves no worker out for its queue or KV usage; bound the load with "
     "--max-concurrent-requests/--queue-size"
 )
-NO_LOAD_POLLING = "pd-router balances on the requests in flight it counts itself; it polls no loads"
+NO_LOAD_POLLING = (
+    "pd-router reads the workers' /v1/loads only for a least_load pool, every 0.1 s while the "
+    "loads move, backing off to 1 s while they hold"
+)
+LEAST_LOAD = (
+    "tunes smg's least_load estimate of each worker's wait; pd-router's least_load picks the "
+    "fewest requests (running + waiting) the worker reports plus those sent it since"
+)
 NO_STALL = (
     "pd-router takes a worker out on failed health probes and an open circuit (--health-*, "
     "--cb-*), not on silence"
@@ -308,10 +315,10 @@ PEER_OPTIONS: Mapping[str, Option] = MappingProxyType({o.names[0]: o for o in (
     warned("--prefix-token-count", SMG, INT, alias_of("prefix_hash")),
     warned("--prefix-hash-load-factor", SMG, FLOAT, alias_of("prefix_hash")),
     warned("--prefix-hash-balance-abs-threshold", SMG, INT, alias_of("prefix_hash")),
-    warned("--least-load-kv-pressure-weight", SMG, FLOAT, alias_of("least_load")),
-    warned("--least-load-default-throughput", SMG, FLOAT, alias_of("least_load")),
-    warned("--least-load-mean-prefill-tokens", SMG, INT, alias_of("least_load")),
-    warned("--least-load-max-waiting-requests", SMG, INT, alias_of("least_load")),
+    warned("--least-load-kv-pressure-weight", SMG, FLOAT, LEAST_LOAD),
+    warned("--least-load-default-throughput", SMG, FLOAT, LEAST_LOAD),
+    warned("--least-load-mean-prefill-tokens", SMG, INT, LEAST_LOAD),
+    warned("--least-load-max-waiting-requests", SMG, INT, LEAST_LOAD),
     warned("--power-of-two-load-metric", SMG, STR,
            "pd-router's power_of_two compares the requests in flight it counts itself"),
     warned("--balance-token-usage-threshold", SMG, FLOAT, NO_KV_USAGE),
@@ -344,7 +351,8 @@ PEER_OPTIONS: Mapping[str, Option] = MappingProxyType({o.names[0]: o for o in (
     warned("--dp-aware", BOTH, SWITCH, NO_DP),
     warned("--dp-minimum-tokens-scheduler", SMG, SWITCH, NO_DP),
     warned("--load-monitor-interval", SMG, INT, NO_LOAD_POLLING),
-    same("--disable-load-monitoring", SMG, SWITCH, "pd-router polls no worker loads"),
+    same("--disable-load-monitoring", SMG, SWITCH,
+         "pd-router polls worker loads only for a least_load pool"),
     # Requests and their limits.
     option("--max-payload-size", BOTH, INT, "max_payload_size"),
     warned("--max-buffered-request-bytes", SMG, INT,
