@@ -140,16 +140,29 @@ class LeastLoadPolicy:
 
     def select(self, workers: Sequence[Target], prompt: str = "") -> Target:
         sent = self._sent
+        draw = self._rng.random
         best = workers[0]
-        best_key = (self._estimate(best, sent.get(best.url)), best.inflight)
-        ties = 1
-        for worker in workers[1:]:
-            key = (self._estimate(worker, sent.get(worker.url)), worker.inflight)
-            if key < best_key:
-                best, best_key, ties = worker, key, 1
-            elif key == best_key:
+        best_estimate = best_inflight = -1
+        ties = 0
+        # One pass, no tuple per worker: a pool is scanned whole at every pick.
+        for worker in workers:
+            inflight = worker.inflight
+            estimate = worker.load
+            if estimate is None:
+                estimate = inflight
+            elif sent:
+                mark = sent.get(worker.url)
+                if mark is not None and mark[0] == worker.load_at:
+                    estimate += mark[1]
+            if (
+                ties == 0
+                or estimate < best_estimate
+                or (estimate == best_estimate and inflight < best_inflight)
+            ):
+                best, best_estimate, best_inflight, ties = worker, estimate, inflight, 1
+            elif estimate == best_estimate and inflight == best_inflight:
                 ties += 1
-                if self._rng.random() * ties < 1:
+                if draw() * ties < 1:
                     best = worker
         if best.load is not None:
             mark = sent.get(best.url)
@@ -158,17 +171,6 @@ class LeastLoadPolicy:
             else:
                 mark[1] += 1
         return best
-
-    @staticmethod
-    def _estimate(worker: Target, mark: list[Any] | None) -> int:
-        """The worker's requests by its report plus those sent since, else its in-flight
-        count."""
-        load = worker.load
-        if load is None:
-            return worker.inflight
-        if mark is not None and mark[0] == worker.load_at:
-            return load + mark[1]
-        return load
 
     def forget(self, url: str) -> None:
         self._sent.pop(url, None)
