@@ -1,6 +1,7 @@
 # One venv for everything. Its stamps re-install when pyproject.toml changes: STAMP is the
 # package with the test tools (what the demo, lint and the benchmarks need), TORCH_STAMP adds the
-# torch extra (torch, tokenizers, mooncake: about 900 MB) for the tests and the torch demo.
+# torch extra (torch, tokenizers, mooncake: about 900 MB) and the otel extra (OpenTelemetry's SDK
+# and OTLP exporter: the tracing tests) for the tests and the torch demo.
 PYTHON ?= python3.11
 VENV := .venv
 STAMP := $(VENV)/.installed
@@ -15,7 +16,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 $(TORCH_STAMP): $(STAMP)
-	$(VENV)/bin/python -m pip install --quiet -e '.[test,torch]'
+	$(VENV)/bin/python -m pip install --quiet -e '.[test,torch,otel]'
 	@touch $(TORCH_STAMP)
 
 install: $(TORCH_STAMP)
