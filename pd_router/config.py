@@ -38,6 +38,7 @@ from pd_router.dataplane.routing.policies import (
 from pd_router.dataplane.routing.retry import RetryConfig
 from pd_router.roles import Role
 from pd_router.tls import TLSConfig, server_context, worker_context
+from pd_router.tracing import TracingConfig, endpoint_problem, otel_installed
 
 LOG_LEVELS = ("debug", "info", "warn", "warning", "error")
 LOG_FORMATS = ("json", "text")
@@ -139,6 +140,7 @@ class RouterConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def policy_of(self, role: Role) -> str:
         return self.prefill_policy if role is Role.PREFILL else self.decode_policy
@@ -158,6 +160,7 @@ SECTIONS: Mapping[str, type] = types.MappingProxyType(
         "cluster": ClusterConfig,
         "discovery": DiscoveryConfig,
         "server": ServerConfig,
+        "tracing": TracingConfig,
     }
 )
 
@@ -368,6 +371,7 @@ def validate(config: RouterConfig) -> None:
     validate_cache_aware(config.cache_aware)
     validate_cluster(config.cluster)
     validate_discovery(config.discovery)
+    validate_tracing(config.tracing)
     for key in ("admin_api_key", "worker_api_key"):
         value = getattr(config, key)
         if value is not None and not (
@@ -395,6 +399,23 @@ def validate_cluster(c: ClusterConfig) -> None:
     if not c.prefix.startswith("/"):
         raise ConfigError("cluster.prefix", f"must start with '/': {c.prefix!r}")
     check_positive("cluster.lease_ttl_secs", c.lease_ttl_secs)
+
+
+def validate_tracing(t: TracingConfig) -> None:
+    """An exportable endpoint and a sampling fraction; tracing on needs the otel extra, said
+    at start-up rather than at the first span."""
+    problem = endpoint_problem(t.endpoint)
+    if problem is not None:
+        raise ConfigError("tracing.endpoint", problem)
+    if not 0.0 <= t.sample_ratio <= 1.0:
+        raise ConfigError("tracing.sample_ratio", f"must be in [0, 1], got {t.sample_ratio}")
+    if not t.service_name:
+        raise ConfigError("tracing.service_name", "must not be empty")
+    if t.enabled and not otel_installed():
+        raise ConfigError(
+            "tracing.enabled",
+            "needs OpenTelemetry's SDK and OTLP exporter: pip install 'pd-router[otel]'",
+        )
 
 
 def validate_discovery(d: DiscoveryConfig) -> None:
