@@ -303,3 +303,13 @@ def test_a_move_short_of_its_target_takes_the_next_step_a_window_later_not_a_coo
     moved = [d for d in run(autopilot, pools, 16) if d.action != HOLD]
     assert [len(d.workers) for d in moved][:2] == [2, 2]
     assert moved[1].at - moved[0].at <= config.window_secs + 2 * STEP
+
+
+def test_a_move_takes_the_servers_the_needy_pool_is_short_of_not_the_balanced_split():
+    """The prefills need 18 of their 16 and the decodes little: the balanced split is far
+    off, but four servers bring the prefills to 90% of theirs (18 of 20), so four move though
+    eight may."""
+    autopilot = AutopilotPolicy(CONFIG, min_prefill=1, min_decode=1, max_moves=8)
+    pools = Pools(prompt_rate=180_000.0, wanting=60.0, prefills=16, size=32)
+    moved = [d for d in run(autopilot, pools, 6) if d.action != HOLD]
+    assert moved[0].desired == {"prefill": 20, "decode": 12}

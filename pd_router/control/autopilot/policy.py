@@ -46,6 +46,7 @@ Each decision carries its reason in words with the numbers it was made on.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -512,7 +513,7 @@ class AutopilotPolicy:
         bound = 1.0 - self.config.hysteresis
         sign = 1 if needy.role == PREFILL else -1
         movable = 0
-        for moves in range(1, min(abs(target - prefills), self.max_moves) + 1):
+        for moves in range(1, min(abs(target - prefills), self.max_moves, self._enough(needy)) + 1):
             kept = donor.size - moves
             at = self._loads_at(prefills + sign * moves)[donor.role == DECODE]
             need = max(at * kept, self._peak(donor.role))
@@ -526,6 +527,15 @@ class AutopilotPolicy:
                 f"under {bound:.0%} of them"
             )
         return movable, None
+
+    def _enough(self, needy: PoolLoad) -> int:
+        """The servers that bring ``needy`` under ``1 - hysteresis`` of its own, at least one:
+        a move follows the measured shortfall rather than going all the way to the balanced
+        split, whose far side a burst's window overstates (on the Azure trace at 128-512
+        simulated workers: the same goodput with a quarter to a third fewer conversions)."""
+        assert needy.need is not None
+        wanted = math.ceil(needy.need / (1.0 - self.config.hysteresis) - 1e-9)
+        return max(1, wanted - needy.size)
 
     def _fleet(self) -> int:
         return self.loads[PREFILL].size + self.loads[DECODE].size
