@@ -13,7 +13,8 @@ larger than the one the trace was thinned for gets ``--load-scale K`` copies of 
 the trace's next one, so the rate follows the trace's shape K times over.
 
 Configurations: every static split from 1 prefill to N-1 (for N > 16, every N/16th, plus the
-middle; ``--sweep-step S``: every S-th), the autopilot started from the middle split
+middle; ``--sweep-step S``: every S-th; ``--static P,Q``: those prefill counts, to refine the
+search around the best), the autopilot started from the middle split
 (``--start P``: from P prefills) and ``autopilot-restart``, the restart-based planner
 (Dynamo's way, as ``bench/rebalance.py`` builds it): the same policy, but every role switch
 takes ``--restart-secs`` modeled seconds, a restart and weight reload (0: not run).
@@ -121,9 +122,11 @@ def scale_load(trace: Sequence[TraceRequest], factor: int, seed: int) -> list[Tr
     return sorted(scaled, key=lambda r: r.at)
 
 
-def splits(workers: int, step: int | None = None) -> list[int]:
-    """The prefill counts of the static sweep: every ``step``-th of 1..N-1 and the middle;
-    by default all of them up to 16 workers, every N/16th above."""
+def splits(workers: int, step: int | None = None, only: Sequence[int] = ()) -> list[int]:
+    """The prefill counts of the static sweep: ``only`` where given, else every ``step``-th
+    of 1..N-1 and the middle; by default all of them up to 16 workers, every N/16th above."""
+    if only:
+        return sorted(set(only))
     if step is None:
         step = 1 if workers <= FULL_SWEEP else workers // FULL_SWEEP
     return sorted({*range(step, workers, step), workers // 2})
@@ -136,11 +139,15 @@ def setups(
     step: int | None = None,
     moves: int = 1,
     restart_secs: float = 0.0,
+    static_splits: Sequence[int] = (),
 ) -> list[Setup]:
     """The static sweep (every ``step``-th split), the autopilot from ``start`` prefills
     (default: half), converting up to ``moves`` servers at once, and with ``restart_secs``
     the same autopilot paying a restart of that long for each switch."""
-    static = [Setup(f"static {p}P{workers - p}D", p, workers - p) for p in splits(workers, step)]
+    static = [
+        Setup(f"static {p}P{workers - p}D", p, workers - p)
+        for p in splits(workers, step, static_splits)
+    ]
     first = workers // 2 if start is None else start
     name = f"from {first}P{workers - first}D"
     if moves > 1:
@@ -354,6 +361,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help=f"static splits every this many prefills (1 up to {FULL_SWEEP} workers, N/16 above)",
     )
+    parser.add_argument(
+        "--static",
+        type=lambda text: [int(p) for p in text.split(",")],
+        default=[],
+        metavar="P,Q",
+        help="run these static splits (prefill counts) instead of the sweep",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the report here")
     parser.add_argument(
         "--trail",
@@ -368,6 +382,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--start must leave at least one prefill and one decode")
     if args.restart_secs < 0:
         parser.error("--restart-secs must be >= 0")
+    if any(not 0 < p < args.workers for p in args.static):
+        parser.error("--static splits must leave at least one prefill and one decode")
     if args.sweep_step is not None and args.sweep_step < 1:
         parser.error("--sweep-step must be >= 1")
     if args.scale_load:
@@ -389,7 +405,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     timing = profile(PROFILE, max_running_requests=args.decode_batch_cap)
     runs = []
     configurations = setups(
-        args.workers, args.only, args.start, args.sweep_step, args.max_concurrent, args.restart_secs
+        args.workers,
+        args.only,
+        args.start,
+        args.sweep_step,
+        args.max_concurrent,
+        args.restart_secs,
+        args.static,
     )
     for setup in configurations:
         print(f"fleet_sim: {setup.name} ({len(trace)} requests)", file=sys.stderr, flush=True)

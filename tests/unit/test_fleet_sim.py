@@ -137,3 +137,10 @@ def test_the_best_split_per_window_takes_each_windows_best_static_goodput(sim) -
     best, ceiling = fleet_sim.per_window_best(runs)
     assert [r.setup.prefill for r in best] == [1, 3]
     assert ceiling == pytest.approx((10.0 + 9.0) / 2)
+
+
+def test_static_splits_given_replace_the_sweep(sim) -> None:
+    import fleet_sim
+
+    static = [s for s in fleet_sim.setups(512, "static", static_splits=[336, 320]) if s]
+    assert [(s.prefill, s.decode) for s in static] == [(320, 192), (336, 176)]
