@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -61,6 +62,9 @@ from pd_worker.validation import (
 log = logging.getLogger(__name__)
 
 EXIT_DELAY_SECS = 0.05
+# How many generation requests' trace headers GET /trace_headers keeps (the latest).
+TRACE_HEADERS_KEPT = 256
+TRACE_HEADERS = ("traceparent", "tracestate", "x-request-id")
 
 
 @dataclass
@@ -75,6 +79,11 @@ class WorkerState:
     started: float = field(default_factory=time.time)
     # Role changes whose caller went away, kept until they end.
     orphaned_calls: set[asyncio.Task] = field(default_factory=set)
+    # The W3C trace context (and request id) of the latest generation requests, oldest first:
+    # what a tracing router propagated, as a worker that continues its trace would read it.
+    trace_headers: deque[dict[str, str]] = field(
+        default_factory=lambda: deque(maxlen=TRACE_HEADERS_KEPT)
+    )
 
 
 WORKER = web.AppKey("worker", WorkerState)
@@ -130,6 +139,7 @@ def _add_routes(app: web.Application) -> None:
     r.add_post(CONVERT_PATH, convert_pd_role)
     r.add_post(FORGET_PREFILL_PATH, pd_forget_prefill)
     r.add_post("/fault", fault)
+    r.add_get("/trace_headers", trace_headers)
 
 
 # ---------------------------------------------------------------------------- errors
@@ -311,9 +321,11 @@ async def abort_request(request: web.Request) -> web.Response:
 
 
 async def _admit(state: WorkerState, request: web.Request) -> None:
-    """Refuse a generation request before any work when the worker cannot take it, in
-    server_patch's order: draining (503), then sent for the other role (421; ignored under the
-    ``native_only`` fault, as SGLang without server_patch ignores the header)."""
+    """Keep the request's trace headers, then refuse a generation request before any work
+    when the worker cannot take it, in server_patch's order: draining (503), then sent for
+    the other role (421; ignored under the ``native_only`` fault, as SGLang without
+    server_patch ignores the header)."""
+    _keep_trace_headers(state, request)
     if not _serving(state):
         raise Unhealthy("server is not healthy")
     if not state.extension.admits():
@@ -327,6 +339,19 @@ async def _admit(state: WorkerState, request: web.Request) -> None:
         raise InjectedFault(status, state.faults.fail_message)
     if state.faults.delay_secs > 0:
         await asyncio.sleep(state.faults.delay_secs)
+
+
+def _keep_trace_headers(state: WorkerState, request: web.Request) -> None:
+    """Keep the trace context a generation request came with (requests without one leave no
+    entry)."""
+    if "traceparent" in request.headers:
+        kept = {name: request.headers[name] for name in TRACE_HEADERS if name in request.headers}
+        state.trace_headers.append({"path": request.path, **kept})
+
+
+async def trace_headers(request: web.Request) -> web.Response:
+    """The trace headers of the latest generation requests that had a ``traceparent``."""
+    return _json({"requests": list(request.app[WORKER].trace_headers)})
 
 
 def _validate(engine: Engine, items: list[GenItem]) -> None:
