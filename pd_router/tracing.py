@@ -1,12 +1,13 @@
-"""OpenTelemetry traces, off by default: the ``[tracing]`` section and how tracing is started.
+"""OpenTelemetry traces, off by default: the ``[tracing]`` section, where spans go, and the
+span trees the control side hands over.
 
 Nothing here imports OpenTelemetry. With tracing off (the default) no module of it is loaded
-and the request path holds ``None`` where a tracer would be: one ``is None`` test per request
-and per attempt is all it costs. With ``[tracing] enabled`` (``--enable-trace``, as smg and
-sglang-router name it) :func:`start_tracing` loads :mod:`pd_router.otel_tracing`, which needs
-the ``otel`` extra (``pip install 'pd-router[otel]'``), and every process that serves or
-converts (the router, and each data-plane process of ``--workers N``) exports its own spans
-over OTLP/HTTP to ``endpoint``.
+and the request path holds ``None`` where a tracer would be: a few ``is None`` tests per
+request are all it costs. With ``[tracing] enabled`` (``--enable-trace``, as smg and
+sglang-router name it) :func:`pd_router.runtime.tracing.start_tracing` loads
+:mod:`pd_router.otel_tracing`, which needs the ``otel`` extra (``pip install
+'pd-router[otel]'``), and every process that serves or converts (the router, and each
+data-plane process of ``--workers N``) exports its own spans over OTLP/HTTP to ``endpoint``.
 
 Spans the control side records after the fact (a conversion, its phases) are handed over as
 :class:`SpanRecord` trees, so the control side builds them without importing OpenTelemetry
@@ -18,11 +19,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
-
-if TYPE_CHECKING:
-    from pd_router.otel_tracing import Tracing
 
 # OTLP/HTTP's path for traces, added to an endpoint given without one (smg's shape: host:port).
 TRACES_PATH = "/v1/traces"
@@ -83,16 +80,6 @@ def otel_installed() -> bool:
         importlib.util.find_spec(name) is not None
         for name in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")
     )
-
-
-def start_tracing(config: TracingConfig, process: str) -> Tracing | None:
-    """This process's tracing (``process`` names it in every span's resource), or None when
-    tracing is off: then OpenTelemetry is not imported at all."""
-    if not config.enabled:
-        return None
-    from pd_router.otel_tracing import Tracing
-
-    return Tracing.start(config, process)
 
 
 @dataclass(frozen=True)

@@ -218,7 +218,6 @@ NO_MESH = (
     "pd-router has no gossip mesh; its replicas share workers and conversions through etcd "
     "instead: start each with --etcd URL --cluster NAME (docs/router.md, 'Several replicas')"
 )
-NO_TRACES = "pd-router exports no OpenTelemetry traces; its JSON logs carry each request's id"
 NO_CONTROL_PLANE_USERS = (
     "pd-router guards its admin API with one bearer key (--admin-api-key); per-user keys, "
     "audit logs and JWT/OIDC are not implemented"
@@ -431,8 +430,10 @@ PEER_OPTIONS: Mapping[str, Option] = MappingProxyType({o.names[0]: o for o in (
     warned("--prometheus-host", BOTH, STR, METRICS_PORT),
     warned("--prometheus-duration-buckets", BOTH, FLOATS1,
            "pd-router's latency histograms have fixed buckets"),
-    warned("--enable-trace", BOTH, SWITCH, NO_TRACES),
-    warned("--otlp-traces-endpoint", BOTH, STR, NO_TRACES),
+    option("--enable-trace", BOTH, SWITCH, "tracing.enabled",
+           note="OpenTelemetry spans of requests, legs and conversions (the otel extra)"),
+    option("--otlp-traces-endpoint", BOTH, STR, "tracing.endpoint",
+           note="exported over OTLP/HTTP (a collector's port 4318), where the peers use gRPC"),
     warned("--jemalloc-prof-dir", SMG, STR, "pd-router is a Python process: no jemalloc"),
     # TLS and keys.
     option("--tls-cert-path", BOTH, STR, "tls.cert_path"),

@@ -32,7 +32,7 @@ import signal
 import socket
 import ssl
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -61,6 +61,7 @@ from pd_router.dataplane.routing.snapshot import SnapshotPools
 from pd_router.dataplane.routing.target import Target
 from pd_router.metrics import RouterMetrics, samples
 from pd_router.roles import Role
+from pd_router.runtime.tracing import start_tracing
 from pd_router.shutdown import SHUTDOWN_GRACE_SECS, stop_signalled
 from pd_router.tls import server_context
 from pd_router.wire import (
@@ -78,6 +79,9 @@ from pd_router.wire import (
     WorkerLoads,
     check_hello,
 )
+
+if TYPE_CHECKING:
+    from pd_router.otel_tracing import Tracing
 
 log = logging.getLogger("pd_router.dataplane")
 
@@ -121,7 +125,8 @@ class DataPlane:
     when ``ssl_context`` is given; ``abort(worker, rids)`` asks a worker to drop requests, in
     the background. ``on_control_silent`` is called when the control side sent nothing for
     :data:`CONTROL_SILENCE_SECS` (None: not watched, as for a data plane in the control side's
-    own event loop, where a silence could only be that loop stalled)."""
+    own event loop, where a silence could only be that loop stalled). ``tracer``: where its
+    requests' spans go (None: tracing off)."""
 
     def __init__(
         self,
@@ -138,6 +143,7 @@ class DataPlane:
         abort: Callable[[Target, list[str]], object],
         samples: Callable[[], list[list]],
         on_control_silent: Callable[[], None] | None = None,
+        tracer: Tracing | None = None,
     ) -> None:
         self.channel = channel
         self.connections = ClientConnections(
@@ -169,6 +175,7 @@ class DataPlane:
             latency=self.reports,
             metrics=request_metrics,
             abort=abort,
+            tracer=tracer,
         )
         self.front = front_server(
             config, self.path, relay, body_admission, ssl_context, self.connections
@@ -313,6 +320,8 @@ async def serve_dataplane(
         abort=lambda worker, rids: background.spawn(abort(session, worker, rids)),
         samples=lambda: samples(metrics),
         on_control_silent=lambda: kill_hung_control(control),
+        # Each data-plane process exports its own spans.
+        tracer=start_tracing(config.tracing, f"dataplane-{index}"),
     )
     unstarted = await start(plane, listen, index)
     if unstarted is not None:

@@ -6,7 +6,8 @@ before it: the metrics, the registry (with the configured workers), the health m
 data planes' links, the two client sessions (the shared one for probes, fan-outs and aborts; the
 control one, a connection per call, for role switches), the cluster (etcd, or alone), the
 conversion manager, the autopilot, the load-report poller (for the pools whose policy routes by
-what the workers report). Nothing looks another part up later: a part that needs one
+what the workers report); its tracing first, when on (its conversions' spans, and those of the
+data plane in its process). Nothing looks another part up later: a part that needs one
 gets it when it is built. :attr:`Router.parts` is the one start/stop list: started in order,
 stopped in reverse. :func:`build_app` puts the parts each handler needs under their keys
 (:mod:`pd_router.api.keys`).
@@ -51,6 +52,7 @@ from pd_router.dataplane.path.collaborators import RequestMetrics
 from pd_router.dataplane.routing.policies import canonical_policy_name
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
+from pd_router.runtime.tracing import start_tracing
 
 log = logging.getLogger("pd_router")
 
@@ -102,6 +104,8 @@ class Router:
         # the same headers and TLS).
         self.request_metrics = RequestMetrics(self.metrics)
         self.leg_setup = leg_setup(config, self.request_metrics.count_upstream_error)
+        # Its spans: conversions, and the requests of the data plane in this process.
+        self.tracing = start_tracing(config.tracing, "router")
         self.registry = WorkerRegistry(self.metrics, config.circuit)
         for spec in config.prefill:
             self.registry.add(spec.url, Role.PREFILL, spec.bootstrap_port, healthy=False)
@@ -130,6 +134,7 @@ class Router:
             drain_timeout_secs=config.conversion.drain_timeout_secs,
             canary_timeout_secs=config.conversion.canary_timeout_secs,
             cluster=self.cluster,
+            record_span=self.tracing.record if self.tracing is not None else None,
         )
         if isinstance(self.cluster, EtcdCluster):
             self.cluster.settle_orphans_with(self.conversions.settle_orphan)
@@ -145,6 +150,7 @@ class Router:
         self.load_poller = LoadPoller(self.registry, self.session, load_reporting_roles(config))
         self.discovery: Started | None = None
         self.parts = (
+            Part("tracing", nothing, self._stop_tracing),
             Part("client sessions", nothing, self._close_sessions),
             Part("background tasks", nothing, self._cancel_background),
             Part("health monitor", self._open_health, self.health.stop),
@@ -189,6 +195,11 @@ class Router:
         last."""
         for part in reversed(self.parts):
             await part.stop()
+
+    async def _stop_tracing(self) -> None:
+        """Export the spans not sent yet (the exporter's HTTP call blocks: off the loop)."""
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def _open_health(self) -> None:
         self.health.start(self.session)

@@ -104,6 +104,7 @@ async def start_server(
         abort=lambda worker, rids: router.spawn(abort(router.session, worker, rids)),
         # Its requests count into the router's own metrics: nothing to add to them.
         samples=list,
+        tracer=router.tracing,
     )
     try:
         host, port = await dataplane.start(host, port, sock=sock)

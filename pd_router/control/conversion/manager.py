@@ -43,6 +43,7 @@ from pd_router.control.conversion.protocols import (
     protocol_for,
     refused_request,
 )
+from pd_router.control.conversion.spans import conversion_span
 from pd_router.control.errors import (
     AlreadyInRole,
     ConversionRefused,
@@ -64,6 +65,7 @@ from pd_router.control.workers import (
     WorkerState,
 )
 from pd_router.metrics import RouterMetrics
+from pd_router.tracing import RecordSpan
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +94,9 @@ __all__ = [
 
 
 class ConversionManager:
-    """Runs conversions: validation, the claim on the worker, the global cap, the steps."""
+    """Runs conversions: validation, the claim on the worker, the global cap, the steps. Each
+    finished conversion goes to ``record_span`` as a span with its phases (None: tracing
+    off)."""
 
     def __init__(
         self,
@@ -109,8 +113,10 @@ class ConversionManager:
         history_size: int = HISTORY_SIZE,
         cluster: Cluster | None = None,
         clock: Callable[[], float] = time.monotonic,
+        record_span: RecordSpan | None = None,
     ) -> None:
         self._registry = registry
+        self._record_span = record_span
         self._cluster = cluster or LocalCluster(registry)
         # Where a worker found not answering is reported (the health monitor's report_down).
         self._report_down = report_down
@@ -668,6 +674,8 @@ class ConversionManager:
                 total - conv.timings["drain_s"] - conv.timings["worker_switch_s"]
             )
         self._history.record_finished(conv, total)
+        if self._record_span is not None:
+            self._record_span(conversion_span(conv))
         self._cluster.finished(conv.worker, conv.id)
         conv._done.set()
         logger.info("conversion %s: %s in %.3fs (%s)", conv.id, conv.status, total, conv.message)

@@ -116,6 +116,12 @@ class Dispatcher:
         if self._cors is not None:
             reply.common.extend(self._cors.answer_headers(request.headers.get("origin")))
         label = endpoint.path if endpoint is not None else "unmatched"
+        tracer = path.tracer
+        span = (
+            None
+            if tracer is None
+            else tracer.request(request.method, label, request.headers, request_id)
+        )
         try:
             if request.rejection is not None:
                 raise request.rejection
@@ -126,10 +132,12 @@ class Dispatcher:
             encoding = request.headers.get("content-encoding")
             if encoding:
                 raw = decoded_body(raw, encoding, self.max_body)
-            await serve(path, endpoint, raw, reply, request_id, upstream_id)
+            await serve(path, endpoint, raw, reply, (request_id, upstream_id), span)
         except asyncio.CancelledError:
             status = reply.delivered or ClientClosedRequest.status
             path.metrics.observe_request(label, status, loop.time() - started)
+            if span is not None:
+                span.finish(status)
             raise
         except RouterError as exc:
             await self._answer_error(reply, exc)
@@ -141,6 +149,8 @@ class Dispatcher:
         finally:
             self.release(request)
         path.metrics.observe_request(label, reply.status, loop.time() - started)
+        if span is not None:
+            span.finish(reply.status)
 
     async def _answer_error(self, reply: Reply, exc: RouterError) -> None:
         """``exc`` as the answer, unless one was started (then the connection just ends)."""

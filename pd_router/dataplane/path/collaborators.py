@@ -4,15 +4,15 @@ The handlers of the generation endpoints reach their collaborators through it: t
 pick from (:class:`~pd_router.dataplane.routing.pools.Pools`: the control side's last snapshot,
 :class:`~pd_router.dataplane.routing.snapshot.SnapshotPools`), the legs, the admission of
 requests, the latency sink the autopilot reads from (the data plane's reports), the request
-metrics and how to tell a worker to abort. Nothing in the data plane sees the router's control
-side.
+metrics, how to tell a worker to abort, and the tracer (None: tracing off). Nothing in the data
+plane sees the router's control side.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pd_router.dataplane.front.concurrency import RequestAdmission
 from pd_router.dataplane.legs.leg import Legs
@@ -21,6 +21,9 @@ from pd_router.dataplane.routing.retry import RetryConfig
 from pd_router.dataplane.routing.target import Target
 from pd_router.metrics import RouterMetrics
 from pd_router.roles import Role
+
+if TYPE_CHECKING:
+    from pd_router.otel_tracing import Tracing
 
 
 class LatencySink(Protocol):
@@ -80,3 +83,5 @@ class PathCollaborators:
     metrics: RequestMetrics
     # Fire-and-forget ``/abort_request`` of these rids to a worker.
     abort: Callable[[Target, list[str]], object]
+    # The spans of requests and legs (None: tracing off, and nothing of OpenTelemetry loaded).
+    tracer: Tracing | None = None

@@ -26,7 +26,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from types import MappingProxyType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
@@ -70,6 +70,9 @@ from pd_router.errors import (
 )
 from pd_router.roles import Role
 
+if TYPE_CHECKING:
+    from pd_router.otel_tracing import LegSpans, RequestSpan
+
 log = logging.getLogger("pd_router.dataplane.proxy")
 
 T = TypeVar("T")
@@ -87,33 +90,36 @@ async def serve(
     endpoint: Endpoint,
     raw: bytes,
     reply: Reply,
-    request_id: str,
-    upstream_id: str,
+    ids: tuple[str, str],
+    span: RequestSpan | None = None,
 ) -> None:
-    """Answer one generation request (its whole body ``raw``) on ``reply``."""
+    """Answer one generation request (its whole body ``raw``) on ``reply``; ``ids``: the
+    request's id and the one its rids are made from; ``span``: its trace span (None: tracing
+    off)."""
     started = asyncio.get_running_loop().time()
     body = parse_body(raw)
     items, samples = endpoint.count_items(body)
     async with path.admission.admitted():
-        ids = (request_id, upstream_id)
         if samples > 1:
-            run = functools.partial(run_sample, path, endpoint, started)
+            run = functools.partial(run_sample, path, endpoint, started, span)
             await serve_samples(Sampling(endpoint, body, samples), reply, ids, run)
             return
-        await Exchange(path, reply, ids, endpoint, body, items, started).run()
+        await Exchange(path, reply, ids, endpoint, body, items, started, span).run()
 
 
 async def run_sample(
     path: PathCollaborators,
     endpoint: Endpoint,
     started: float,
+    span: RequestSpan | None,
     reply: Answer,
     ids: tuple[str, str],
     body: dict[str, Any],
     items: int | None,
 ) -> None:
-    """One sample of a fanned-out request, served as a request of its own."""
-    await Exchange(path, reply, ids, endpoint, body, items, started).run()
+    """One sample of a fanned-out request, served as a request of its own (its attempts'
+    legs in the request's span)."""
+    await Exchange(path, reply, ids, endpoint, body, items, started, span).run()
 
 
 async def guarded(main: asyncio.Task[T], guard: asyncio.Task) -> T:
@@ -148,6 +154,7 @@ class Exchange:
         body: dict[str, Any],
         items: int | None,
         started: float,
+        span: RequestSpan | None = None,
     ) -> None:
         self.path = path
         self.reply = reply
@@ -165,6 +172,9 @@ class Exchange:
         self.prefilled_at: float | None = None
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
         self._prompt_key: str | None = None
+        self.span = span
+        # The current attempt's leg spans (None: tracing off).
+        self.leg_spans: LegSpans | None = None
 
     async def run(self) -> None:
         retry = self.path.retry
@@ -322,14 +332,21 @@ class Exchange:
         pools.acquire(decode)
         path = self.endpoint.path
         legs = self.path.legs
+        headers = self.prefill_headers, self.decode_headers
+        if self.span is not None:
+            model = self.body.get("model")
+            self.leg_spans = self.span.attempt(prefill.url, decode.url, path, model, headers)
+            headers = self.leg_spans.prefill_headers, self.leg_spans.decode_headers
         p_task = asyncio.create_task(
-            fetch_prefill(legs, prefill, prefill.url + path, payload, self.prefill_headers)
+            fetch_prefill(legs, prefill, prefill.url + path, payload, headers[0])
         )
         self.prefilled_at = None
         p_task.add_done_callback(functools.partial(self.prefill_ended, prefill))
         d_task = asyncio.create_task(
-            decode_leg(legs, decode, decode.url + path, payload, self.decode_headers)
+            decode_leg(legs, decode, decode.url + path, payload, headers[1])
         )
+        if self.leg_spans is not None:
+            p_task.add_done_callback(self.leg_spans.prefill_ended)
         return p_task, d_task
 
     # --- non-streaming ----------------------------------------------------------------------
@@ -355,6 +372,8 @@ class Exchange:
             if pending:
                 await asyncio.wait(pending)
             pools.release(decode)
+            if self.leg_spans is not None:
+                self.leg_spans.decode_ended((d_task,), None)
         self.path.legs.pairs.met(prefill, decode)
         body = d_result.body
         if self.merge and p_result is not None:
@@ -421,6 +440,8 @@ class Exchange:
             if pending:
                 await asyncio.wait(pending)
             pools.release(decode)
+            if self.leg_spans is not None:
+                self.leg_spans.decode_ended((d_task, first_task), decode_done)
 
     async def start_stream(self, d_resp: Response) -> None:
         content_type = d_resp.content_type or "text/event-stream"
