@@ -920,6 +920,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace = work.trace
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
     log_dir = args.results_dir / f"rebalance-{stamp}"
+    written = args.results_dir / f"rebalance-{stamp}.md"
     log_dir.mkdir(parents=True, exist_ok=True)
     runs: list[Run] = []
     skipped: list[str] = []
@@ -933,8 +934,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         print(f"rebalance: {config.name} ({len(trace)} requests)", file=sys.stderr, flush=True)
         runs.append(run_configuration(config, trace, args, log_dir))
+        # The report so far after every configuration: a run cut short keeps what it measured.
+        text = report(runs, skipped, work, slo, args)
+        written.write_text(text)
     text = report(runs, skipped, work, slo, args)
-    written = args.results_dir / f"rebalance-{stamp}.md"
     written.write_text(text)
     print(text)
     print(f"rebalance: report written to {written}", file=sys.stderr)
