@@ -117,3 +117,23 @@ def test_scale_load_sends_the_requests_the_fleet_simulator_sends(rb) -> None:
     assert args.load_scale == 4
     assert len(scaled.trace) == 4 * len(work.trace)
     assert scaled.trace == simulated
+
+
+def test_the_simulator_replays_each_configuration_beside_the_real_one(rb) -> None:
+    trace = [
+        rb.TraceRequest(at=0.5 * i, phase=0, prompt_tokens=100, output_tokens=5) for i in range(4)
+    ]
+    work = rb.Workload(trace, 2.0, ["W1"], "four small requests", [], "", 1.0)
+    served = [rb.Outcome(r, ttft=0.1, tpot=0.01) for r in trace[:2]]
+    run = rb.Run(rb.Configuration("static 1P1D", 1, 1), served + [
+        rb.Outcome(r, error="HTTP 503") for r in trace[2:]
+    ])  # fmt: skip
+    args = rb.parse_args(["--decode-batch-cap", "32", "--workers", "2"])
+    lines = rb.simulated_lines([run], work, rb.Slo(), args)
+    assert "| static 1P1D | 1.00 | 2.00 | +100.0% | 0 | 0 | 2 / 0 |" in "\n".join(lines)
+
+
+def test_scaling_the_load_needs_a_trace_and_splits_must_fit_the_fleet(rb) -> None:
+    for argv in (["--scale-load"], ["--load-scale", "2"], ["--workers", "8", "--splits", "8"]):
+        with pytest.raises(SystemExit):
+            rb.parse_args(argv)
