@@ -1,11 +1,10 @@
 """Spans through OpenTelemetry's SDK, exported over OTLP/HTTP (the ``otel`` extra; loaded by
-:func:`pd_router.tracing.start_tracing` only when tracing is on).
+:func:`pd_router.runtime.tracing.start_tracing` only when tracing is on).
 
 One :class:`Tracing` per process: its own tracer provider and batch exporter (a data-plane
-process of ``--workers N`` exports its own spans). Spans are exported in batches of up to 64
-every 0.5 s, as smg does, from the SDK's exporter thread; the event loop only starts and ends
-spans. Contexts are passed explicitly (never the SDK's current span), so nothing leaks from one
-request to another.
+process of ``--workers N`` exports its own spans). Spans are exported every 0.5 s, as smg does,
+from the SDK's exporter thread; the event loop only starts and ends spans. Contexts are passed
+explicitly (never the SDK's current span), so nothing leaks from one request to another.
 
 The request path: a server span per client request (:class:`RequestSpan`), continuing the
 client's ``traceparent`` when it sent one; per attempt a client span for each leg
@@ -34,9 +33,12 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from pd_router.tracing import SpanRecord, TracingConfig, traces_url
 
-# smg's batch settings: spans reach the collector within about half a second.
+# Spans reach the collector within about half a second (smg's delay), in exports of up to 512
+# (the SDK's size: smg's 64 made a Python router post a batch per 20 requests at 1000 req/s);
+# the queue holds several seconds of a busy router's spans before it drops any.
 SCHEDULE_DELAY_MILLIS = 500
-MAX_EXPORT_BATCH_SIZE = 64
+MAX_EXPORT_BATCH_SIZE = 512
+MAX_QUEUE_SIZE = 16384
 EXPORT_TIMEOUT_SECS = 10.0
 PROPAGATOR = TraceContextTextMapPropagator()
 # What a leg span says of how its leg ended (attribute pd.leg.outcome); only "failed" is an
@@ -74,6 +76,7 @@ class Tracing:
                 exporter,
                 schedule_delay_millis=SCHEDULE_DELAY_MILLIS,
                 max_export_batch_size=MAX_EXPORT_BATCH_SIZE,
+                max_queue_size=MAX_QUEUE_SIZE,
             )
         )
         return cls(provider)
@@ -123,12 +126,54 @@ class RequestSpan:
     """The span of one client request: the pair each attempt picked, the model, the retries,
     the status answered."""
 
-    __slots__ = ("_context", "_tracer", "attempts", "span")
+    __slots__ = ("_context", "_tracer", "retries", "span")
 
     def __init__(self, tracer: trace.Tracer, span: Span) -> None:
         self._tracer = tracer
         self.span = span
         self._context = trace.set_span_in_context(span)
+        self.retries = 0
+
+    def exchange(self) -> ExchangeSpan:
+        """Where the attempts of the request (or of one of its samples, ``n > 1``) go."""
+        return ExchangeSpan(self)
+
+    def legs(
+        self,
+        attempt: int,
+        urls: tuple[str, str],
+        path: str,
+        model: Any,
+        headers: tuple[dict[str, str], dict[str, str]],
+    ) -> LegSpans:
+        """The leg spans of an attempt to the prefill and the decode at ``urls`` on ``path``;
+        ``headers`` are the prefill's and the decode's, to which the legs' ``traceparent`` is
+        added (in copies)."""
+        attributes: dict[str, str] = {"pd.prefill.url": urls[0], "pd.decode.url": urls[1]}
+        if isinstance(model, str):
+            attributes["gen_ai.request.model"] = model
+        self.span.set_attributes(attributes)
+        if attempt > 1:
+            self.retries += 1
+        return LegSpans(self._tracer, self._context, attempt, urls, path, headers)
+
+    def finish(self, status: int) -> None:
+        """End the span with the status the client got (499: it went away)."""
+        span = self.span
+        span.set_attributes({"http.response.status_code": status, "pd.retries": self.retries})
+        if status >= 500:
+            span.set_status(Status(StatusCode.ERROR))
+        span.end()
+
+
+class ExchangeSpan:
+    """The attempts of one exchange (the request, or one sample of a request with ``n > 1``),
+    numbered from 1, their legs in the request's span."""
+
+    __slots__ = ("_request", "attempts")
+
+    def __init__(self, request: RequestSpan) -> None:
+        self._request = request
         self.attempts = 0
 
     def attempt(
@@ -140,25 +185,9 @@ class RequestSpan:
         headers: tuple[dict[str, str], dict[str, str]],
     ) -> LegSpans:
         """The leg spans of the next attempt, to ``prefill`` and ``decode`` (their urls) on
-        ``path``; ``headers`` are the prefill's and the decode's, to which the legs'
-        ``traceparent`` is added (in copies)."""
+        ``path``; ``headers``: the prefill's and the decode's."""
         self.attempts += 1
-        span = self.span
-        span.set_attribute("pd.prefill.url", prefill)
-        span.set_attribute("pd.decode.url", decode)
-        if isinstance(model, str):
-            span.set_attribute("gen_ai.request.model", model)
-        urls = prefill, decode
-        return LegSpans(self._tracer, self._context, self.attempts, urls, path, headers)
-
-    def finish(self, status: int) -> None:
-        """End the span with the status the client got (499: it went away)."""
-        span = self.span
-        span.set_attribute("http.response.status_code", status)
-        span.set_attribute("pd.retries", max(0, self.attempts - 1))
-        if status >= 500:
-            span.set_status(Status(StatusCode.ERROR))
-        span.end()
+        return self._request.legs(self.attempts, (prefill, decode), path, model, headers)
 
 
 class LegSpans:
@@ -215,26 +244,24 @@ def propagated(headers: dict[str, str], span: Span) -> dict[str, str]:
 def end_leg(span: Span, tasks: Sequence[asyncio.Task | None], relayed: bool | None) -> None:
     """End a leg span with its outcome: the first of ``tasks`` that failed says why; a stream
     not ``relayed`` to its end is incomplete."""
-    outcome = OK
+    attributes: dict[str, str | int] = {"pd.leg.outcome": OK}
     for task in tasks:
         if task is None or not task.done():
             continue
         if task.cancelled():
-            outcome = CANCELLED
+            attributes["pd.leg.outcome"] = CANCELLED
             continue
         error = task.exception()
+        result = task.result() if error is None else error
+        status = getattr(result, "status", None)
+        if isinstance(status, int):
+            attributes["http.response.status_code"] = status
         if error is not None:
-            outcome = FAILED
-            status = getattr(error, "status", None)
-            if isinstance(status, int):
-                span.set_attribute("http.response.status_code", status)
-            span.set_attribute("error.type", getattr(error, "kind", type(error).__name__))
+            attributes["pd.leg.outcome"] = FAILED
+            attributes["error.type"] = getattr(error, "kind", type(error).__name__)
             span.set_status(Status(StatusCode.ERROR, str(error)))
             break
-        status = getattr(task.result(), "status", None)
-        if isinstance(status, int):
-            span.set_attribute("http.response.status_code", status)
-    if outcome == OK and relayed is False:
-        outcome = INCOMPLETE
-    span.set_attribute("pd.leg.outcome", outcome)
+    if attributes["pd.leg.outcome"] == OK and relayed is False:
+        attributes["pd.leg.outcome"] = INCOMPLETE
+    span.set_attributes(attributes)
     span.end()

@@ -187,6 +187,21 @@ async def test_a_retried_request_has_the_legs_of_each_attempt(cluster, receiver)
     assert [leg.attributes["pd.leg.outcome"] for leg in legs[2:]] == ["ok", "ok"]
 
 
+async def test_each_sample_of_a_fanned_out_request_has_its_own_legs(cluster, receiver):
+    body = {"text": "fanned", "sampling_params": {"max_new_tokens": 4, "n": 2}}
+    async with traced_router(cluster, receiver) as http:
+        response = await http.post("/generate", json=body)
+        assert response.status_code == 200
+        request, legs = await traced_request(receiver, legs=4)
+    assert request.attributes["pd.retries"] == 0
+    assert sorted((leg.name, leg.attributes["pd.attempt"]) for leg in legs) == [
+        ("decode leg", 1),
+        ("decode leg", 1),
+        ("prefill leg", 1),
+        ("prefill leg", 1),
+    ]
+
+
 async def test_each_data_plane_process_exports_its_own_spans(cluster, receiver):
     def processes() -> set[str]:
         return {s.resource["pd_router.process"] for s in receiver.spans if s.kind == "server"}

@@ -17,6 +17,9 @@ the decode's first event: :mod:`pd_router.dataplane.legs.leg`) has both legs end
 workers told to abort; the pair is quarantined (:mod:`pd_router.dataplane.routing.pairs`) and the
 request retried on another pair: the decode for a chosen prefill is picked avoiding the decodes
 quarantined with it, and a prefill left with quarantined decodes only gives way to another.
+
+With tracing on, the request's span (:mod:`pd_router.otel_tracing`) gets a span per leg of
+every attempt, and each leg's ``traceparent`` names its own span to its worker.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ from pd_router.errors import (
 from pd_router.roles import Role
 
 if TYPE_CHECKING:
-    from pd_router.otel_tracing import LegSpans, RequestSpan
+    from pd_router.otel_tracing import ExchangeSpan, LegSpans, RequestSpan
 
 log = logging.getLogger("pd_router.dataplane.proxy")
 
@@ -172,7 +175,7 @@ class Exchange:
         self.prefilled_at: float | None = None
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
         self._prompt_key: str | None = None
-        self.span = span
+        self.span: ExchangeSpan | None = span.exchange() if span is not None else None
         # The current attempt's leg spans (None: tracing off).
         self.leg_spans: LegSpans | None = None
 
@@ -323,8 +326,9 @@ class Exchange:
         payload: bytes,
         decode_leg: Callable[..., Coroutine[Any, Any, T]],
     ) -> tuple[asyncio.Task[LegResult], asyncio.Task[T]]:
-        """Count the request in flight on both workers and send ``payload`` to both at once;
-        the prefill's answer is always read whole, the decode's by ``decode_leg``. The prefill
+        """Count the request in flight on both workers and send ``payload`` to both at once
+        (with tracing on, each leg's headers carry its span's ``traceparent``); the prefill's
+        answer is always read whole, the decode's by ``decode_leg``. The prefill
         is released when its leg ends (a done callback runs even for a task cancelled before
         it started), the decode by the attempt once its leg ended."""
         pools = self.path.pools
