@@ -142,5 +142,5 @@ def test_the_best_split_per_window_takes_each_windows_best_static_goodput(sim) -
 def test_static_splits_given_replace_the_sweep(sim) -> None:
     import fleet_sim
 
-    static = [s for s in fleet_sim.setups(512, "static", static_splits=[336, 320]) if s]
+    static = fleet_sim.setups(512, "static", static_splits=[336, 320])
     assert [(s.prefill, s.decode) for s in static] == [(320, 192), (336, 176)]
