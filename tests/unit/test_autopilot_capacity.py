@@ -313,3 +313,16 @@ def test_a_move_takes_the_servers_the_needy_pool_is_short_of_not_the_balanced_sp
     pools = Pools(prompt_rate=180_000.0, wanting=60.0, prefills=16, size=32)
     moved = [d for d in run(autopilot, pools, 6) if d.action != HOLD]
     assert moved[0].desired == {"prefill": 20, "decode": 12}
+
+
+def test_a_move_that_took_its_whole_shortfall_waits_the_full_cooldown_for_the_next():
+    """Four moved, all the prefills were short of: the demand rising again afterwards gets
+    its next server after the cooldown, not a window later."""
+    config = dataclasses.replace(CONFIG, cooldown_secs=120.0)
+    autopilot = AutopilotPolicy(config, min_prefill=1, min_decode=1, max_moves=8)
+    pools = Pools(prompt_rate=180_000.0, wanting=60.0, prefills=16, size=32)
+    first = [d for d in run(autopilot, pools, 6) if d.action != HOLD]
+    assert first[0].desired == {"prefill": 20, "decode": 12}
+    pools.prompt_rate = 240_000.0
+    later = [d for d in run(autopilot, pools, 30) if d.action != HOLD]
+    assert later and later[0].at - first[0].at >= config.cooldown_secs

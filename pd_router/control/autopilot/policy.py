@@ -241,9 +241,9 @@ class Decision:
 class Move:
     """A conversion the policy decided: its direction, when, the demand mix then (the prefill
     share of the need), the whole need in servers (None: capacity unknown) and the SLO
-    attainment before it, judged once the split after it settled. ``further``: the servers
-    still between the split it leads to and the split it aimed for (a move bounded by
-    ``max_moves`` on a large fleet)."""
+    attainment before it, judged once the split after it settled. ``further``: the servers it
+    wanted moved (its shortfall, up to the balanced split) but could not (``max_moves`` on a
+    large fleet, or the donor's margin)."""
 
     action: str
     at: float
@@ -646,9 +646,10 @@ class AutopilotPolicy:
         # toward it needs no new sustain period, only the cooldown and fresh samples.
         action = PREFILL_TO_DECODE if donor.role == PREFILL else DECODE_TO_PREFILL
         if not recommends:
-            further = (
-                0 if self.needs is None else abs(self._best_split() - self._moved(action, moves))
-            )
+            further = 0
+            if self.needs is not None:
+                way = abs(self._best_split() - self.loads[PREFILL].size)
+                further = min(way, self._enough(needy)) - moves
             self._last_move = Move(
                 action, sample.at, self._mix(), self._demand(), sample.attained, further=further
             )
@@ -669,11 +670,6 @@ class AutopilotPolicy:
             to_role=needy.role,
             cost=cost,
         )
-
-    def _moved(self, action: str, moves: int) -> int:
-        """The prefills after ``moves`` servers converted by ``action``."""
-        sign = 1 if action == DECODE_TO_PREFILL else -1
-        return self.loads[PREFILL].size + sign * moves
 
     def _after_text(self, moves: int) -> str:
         target, total = self._best_split(), self._fleet()
