@@ -16,8 +16,11 @@ and ``status``.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import logging
 import os
 import socket
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,11 +43,17 @@ SCHEDULE_DELAY_MILLIS = 500
 MAX_EXPORT_BATCH_SIZE = 512
 MAX_QUEUE_SIZE = 16384
 EXPORT_TIMEOUT_SECS = 10.0
+# At exit the spans left are exported for this long at most: a collector that is down or never
+# answers must not hold up a router's or a data plane's exit (the SDK alone waits up to 30 s).
+SHUTDOWN_SECS = 2.0
 PROPAGATOR = TraceContextTextMapPropagator()
 # What a leg span says of how its leg ended (attribute pd.leg.outcome); only "failed" is an
 # error: "cancelled" and "incomplete" (a stream cut short, the client gone) follow from
 # something else.
 OK, FAILED, CANCELLED, INCOMPLETE = "ok", "failed", "cancelled", "incomplete"
+
+
+log = logging.getLogger("pd_router.tracing")
 
 
 class Tracing:
@@ -53,6 +62,7 @@ class Tracing:
     def __init__(self, provider: TracerProvider) -> None:
         self.provider = provider
         self.tracer = provider.get_tracer("pd_router")
+        self._stopped = False
 
     @classmethod
     def start(cls, config: TracingConfig, process: str) -> Tracing:
@@ -66,7 +76,9 @@ class Tracing:
             }
         )
         provider = TracerProvider(
-            resource=resource, sampler=ParentBased(TraceIdRatioBased(config.sample_ratio))
+            resource=resource,
+            sampler=ParentBased(TraceIdRatioBased(config.sample_ratio)),
+            shutdown_on_exit=False,
         )
         exporter = OTLPSpanExporter(
             endpoint=traces_url(config.endpoint), timeout=EXPORT_TIMEOUT_SECS
@@ -79,11 +91,27 @@ class Tracing:
                 max_queue_size=MAX_QUEUE_SIZE,
             )
         )
-        return cls(provider)
+        tracing = cls(provider)
+        atexit.register(tracing.shutdown)
+        return tracing
 
     def shutdown(self) -> None:
-        """Export what is left and stop the exporter."""
-        self.provider.shutdown()
+        """Export what is left and stop the exporter, within :data:`SHUTDOWN_SECS`: the
+        SDK's own shutdown waits for an export in flight and retries a collector that refuses
+        or never answers; past the bound its daemon threads are left to the process's exit and
+        the spans they held are dropped, with a warning."""
+        if self._stopped:
+            return
+        self._stopped = True
+        stopping = threading.Thread(target=self.provider.shutdown, name="otel-stop", daemon=True)
+        stopping.start()
+        stopping.join(SHUTDOWN_SECS)
+        if stopping.is_alive():
+            log.warning(
+                "the trace collector took no spans within %.0f s of the exit: the spans not "
+                "exported yet are dropped",
+                SHUTDOWN_SECS,
+            )
 
     def request(
         self, method: str, route: str, headers: Mapping[str, str], request_id: str
