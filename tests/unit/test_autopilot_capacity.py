@@ -326,3 +326,13 @@ def test_a_move_that_took_its_whole_shortfall_waits_the_full_cooldown_for_the_ne
     pools.prompt_rate = 240_000.0
     later = [d for d in run(autopilot, pools, 30) if d.action != HOLD]
     assert later and later[0].at - first[0].at >= config.cooldown_secs
+
+
+def test_a_pool_far_over_its_servers_takes_one_from_a_donor_that_keeps_up_at_its_limit():
+    """3P1D with the decode at over twice its server and the prefills needing 1.9: the move
+    leaves the two prefills at 95% of theirs, past the 90% margin but within their servers,
+    and halves the decodes' load (real processes: held 24 s on the margin alone)."""
+    pools = Pools(prompt_rate=19_000.0, wanting=80.0, prefills=3)
+    decisions = run(policy(), pools, 6)
+    assert conversions(decisions) == [PREFILL_TO_DECODE]
+    assert pools.prefills == 2

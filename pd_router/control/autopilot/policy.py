@@ -63,6 +63,9 @@ ACTIONS = (HOLD, PREFILL_TO_DECODE, DECODE_TO_PREFILL)
 # A pool that made the router refuse requests within the window counts as at least twice over
 # its target: above any hysteresis band (< 1), whatever its measured load says.
 REFUSED_RATIO = 2.0
+# A needy pool that needs this many times its servers may take one from a donor that would
+# keep up at its limit (without the margin).
+FAR_OVER = 2.0
 
 
 @dataclass(frozen=True)
@@ -487,10 +490,11 @@ class AutopilotPolicy:
         servers moved toward it gone, the donor's need (the decodes' fed as the prefills would
         then feed them, :meth:`Needs.decode_at`), or its peak need of the last ``peak_secs`` if
         that was higher (a real trace comes in bursts), must stay under ``1 - hysteresis`` of
-        the servers it keeps: a move serves both pools with margin or is not made (a fleet
+        the servers it keeps (all of them for a needy pool ``FAR_OVER`` its own,
+        :meth:`_donor_bound`): a move serves both pools with margin or is not made (a fleet
         short everywhere only moves its shortage around, and each move's drain costs it
-        more). As many move at once as keep
-        that true, up to the way to the best split and ``max_moves``. Without:
+        more). As many move at once as keep that true, up to the way to the best split and
+        ``max_moves``. Without:
         one server, and the donor's utilisation x N/(N-1), latency as measured, must stay
         under ``margin`` of its target."""
         if self.needs is None:
@@ -510,7 +514,7 @@ class AutopilotPolicy:
                 f"but the best split, {name}, would leave the fuller pool at {best:.0%} of its "
                 f"servers, not {self.config.hysteresis:.0%} below {now:.0%} now"
             )
-        bound = 1.0 - self.config.hysteresis
+        bound = self._donor_bound(needy)
         sign = 1 if needy.role == PREFILL else -1
         movable = 0
         for moves in range(1, min(abs(target - prefills), self.max_moves, self._enough(needy)) + 1):
@@ -527,6 +531,13 @@ class AutopilotPolicy:
                 f"under {bound:.0%} of them"
             )
         return movable, None
+
+    def _donor_bound(self, needy: PoolLoad) -> float:
+        """The share of the servers it keeps that the donor's need may reach: ``1 -
+        hysteresis``, or all of them where the needy pool needs ``FAR_OVER`` times its servers
+        or more. A move that halves a pool far over its servers is worth a donor at its limit
+        (real processes from 3P1D, the decode at 2470%: held 24 s by the margin alone)."""
+        return 1.0 if needy.ratio >= FAR_OVER else 1.0 - self.config.hysteresis
 
     def _enough(self, needy: PoolLoad) -> int:
         """The servers that bring ``needy`` under ``1 - hysteresis`` of its own, at least one:
