@@ -145,10 +145,22 @@ async def test_a_control_process_killed_with_the_switch_call_out_leaves_the_next
     ) as router:
         foreign = await foreign_traffic(cluster, prefill, decode)
         await started_conversion(router, decode, "switching")
+
+        async def call_arrived() -> bool:
+            return (await worker_role(decode))["draining"] is True
+
+        # The record reads "switching" as the call goes out: the kill waits until the worker
+        # has it (its own drain started), else the call may die with the process unsent.
+        await wait_until(call_arrived, 10.0, "the worker has the switch call")
         router.process.send_signal(signal.SIGKILL)
         await router.process.wait()
     await foreign
-    assert (await worker_role(decode))["role"] == "prefill"
+
+    async def switched() -> bool:
+        return (await worker_role(decode))["role"] == "prefill"
+
+    # The worker's own drain ended with the foreign request; its switch follows a moment later.
+    await wait_until(switched, 10.0, "the worker switched with its caller gone")
     async with (
         router_process(
             prefill=[prefill], decode=cluster.decode_urls, server={"workers": 2}
