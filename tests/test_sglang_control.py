@@ -175,7 +175,7 @@ def test_the_autopilot_reads_real_sglangs_capacity_and_holds_while_the_pools_kee
 # sending its next request when the last is answered: the decodes' KV fills while the prefills
 # idle (measured here: the decodes held 60-70% of one decode's 4096 KV tokens, the prefills
 # needed 0.1-0.3 of one). SGLang's KV pool on the CPU is small, so the autopilot's KV target is
-# set low (decode_kv_usage 0.25): a dozen answers make the decodes short of it long before the
+# set low (decode_kv_usage 0.15): a dozen answers make the decodes short of it long before the
 # pool itself fills (a full pool on two CPU cores retracts and starves the servers).
 ANSWERING = 12
 ANSWER_TOKENS = 400
@@ -192,7 +192,7 @@ def test_the_autopilot_converts_a_real_prefill_when_the_decodes_fall_short(
         "[autopilot]\n"
         'mode = "auto"\n'
         "interval_secs = 0.5\nwindow_secs = 3.0\nsustain_secs = 2.0\ncooldown_secs = 600.0\n"
-        "peak_secs = 3.0\ndecode_kv_usage = 0.25\n"
+        "peak_secs = 3.0\ndecode_kv_usage = 0.15\n"
     )
     args = [*sglang_fleet.router_args(), "--host", "127.0.0.1", "--config", str(config)]
     args += ["--health-check-interval-secs", "1"]
