@@ -135,8 +135,8 @@ class LeastLoadPolicy:
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self._rng = rng or random.Random()
-        # Per worker: [when the report counted from was read, requests sent since].
-        self._sent: dict[str, list[Any]] = {}
+        # Per worker: (when the report counted from was read, requests sent since).
+        self._sent: dict[str, tuple[float, int]] = {}
 
     def select(self, workers: Sequence[Target], prompt: str = "") -> Target:
         sent = self._sent
@@ -166,10 +166,8 @@ class LeastLoadPolicy:
                     best = worker
         if best.load is not None:
             mark = sent.get(best.url)
-            if mark is None or mark[0] != best.load_at:
-                sent[best.url] = [best.load_at, 1]
-            else:
-                mark[1] += 1
+            count = mark[1] if mark is not None and mark[0] == best.load_at else 0
+            sent[best.url] = (best.load_at, count + 1)
         return best
 
     def forget(self, url: str) -> None:
