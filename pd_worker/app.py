@@ -33,8 +33,8 @@ from pd_protocol.wire import (
 from pd_worker import metrics, openai_api
 from pd_worker import server_info as info
 from pd_worker.config import WorkerConfig
-from pd_worker.control import EngineBackend, tokenizer_switch
-from pd_worker.engine import SWITCH_REPLY_ROUTING, Engine
+from pd_worker.control import EngineBackend, switch_refusal, tokenizer_switch
+from pd_worker.engine import NOT_DISAGGREGATED, SWITCH_REPLY_ROUTING, Engine
 from pd_worker.errors import (
     BadRequest,
     ContractError,
@@ -355,10 +355,12 @@ async def trace_headers(request: web.Request) -> web.Response:
 
 
 def _validate(engine: Engine, items: list[GenItem]) -> None:
-    """Checks that need the role, done before a stream opens so they answer 400."""
+    """Checks that need the role, done before a stream opens so they answer 400 (a decode and
+    a regular server hold the output's KV too)."""
     decode = engine.role_name == "decode"
+    generates = engine.role_name != "prefill"
     for item in items:
-        engine.check_fits(len(item.prompt_ids) + (item.max_new_tokens if decode else 0))
+        engine.check_fits(len(item.prompt_ids) + (item.max_new_tokens if generates else 0))
         if decode and not item.fake_transfer and not (item.bootstrap_host and item.bootstrap_port):
             raise BadRequest("bootstrap_host and bootstrap_port are required with bootstrap_room")
 
@@ -569,9 +571,17 @@ async def pd_forget_prefill(request: web.Request) -> web.Response:
 
 
 async def convert_pd_role(request: web.Request) -> web.Response:
+    """Drain and switch; a regular server refuses at once (nothing drained), in the reply shape
+    of a refused conversion."""
     _require_extension(request)
     _require_admin(request)
     state = request.app[WORKER]
+    if state.config.regular:
+        body = await _body(request)
+        refusal = switch_refusal(
+            state.engine, body if isinstance(body, dict) else {}, NOT_DISAGGREGATED
+        )
+        return _json(dict(refusal, bootstrap_port=None, duration_s=0.0), 400)
     status, reply = await _to_the_end(state, state.extension.convert(await _body(request)))
     return _json(reply, status)
 

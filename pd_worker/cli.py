@@ -1,6 +1,7 @@
 """``pd-worker`` command line: ``serve`` one worker, or start a whole ``cluster`` of processes.
 
-    pd-worker serve --role prefill --port 30001 [--bootstrap-port 8998] [--enable-pd-role-switch]
+    pd-worker serve --role prefill|decode|null --port 30001 [--bootstrap-port 8998]
+                    [--enable-pd-role-switch] [--model-path P] [--served-model-name NAME]
                     [--engine timing|torch [--kv-transfer mooncake|tcp] [--model-config PATH]]
                     [--profile h100-8b] [--speed 0.1] [--prefill-secs-per-token ...] [other knobs]
                     [--etcd URL [--etcd URL ...] --cluster NAME [--cluster-prefix P]
@@ -27,8 +28,7 @@ from typing import NoReturn
 from pd_protocol.cluster import DEFAULT_LEASE_TTL_SECS, DEFAULT_PREFIX
 from pd_protocol.listen import ListenError, check_can_listen
 from pd_protocol.registration import FlagNames, RegistrationSettings
-from pd_protocol.wire import ROLES
-from pd_worker.config import DEFAULT_BOOTSTRAP_PORT, DEFAULT_PORT, ENGINES, WorkerConfig
+from pd_worker.config import DEFAULT_BOOTSTRAP_PORT, DEFAULT_PORT, ENGINES, MODES, WorkerConfig
 from pd_worker.data_plane import PlaneUnavailable
 from pd_worker.kv_transfer import TRANSPORTS
 from pd_worker.timing import PROFILES, TimingModel, profile
@@ -118,8 +118,10 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     serve = sub.add_parser("serve", help="run one worker")
     serve.add_argument(
-        "--role", "--disaggregation-mode", dest="role", choices=ROLES, default="prefill"
-    )
+        "--role", "--disaggregation-mode", dest="role", choices=MODES, default="prefill",
+        help="prefill or decode (a PD worker), or null: a regular server that prefills and "
+        "decodes alone, with no bootstrap server and no role switch (default prefill)",
+    )  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument(
         "--port", type=int, default=DEFAULT_PORT,
@@ -129,7 +131,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "--bootstrap-port", "--disaggregation-bootstrap-port", dest="bootstrap_port", type=int,
         default=None,
         help=f"KV bootstrap port (default: {DEFAULT_BOOTSTRAP_PORT} for a prefill, or a free "
-        "port when another process holds it; a free port for a decode)",
+        "port when another process holds it; a free port for a decode; unused with null)",
     )  # fmt: skip
     serve.add_argument("--enable-pd-role-switch", action="store_true")
     serve.add_argument("--enable-faults", action="store_true", help="serve POST /fault (tests)")
@@ -143,8 +145,14 @@ def _build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--ssl-ca-certs", default=None, help="require client certificates signed by this CA"
     )
-    serve.add_argument("--model-path", default="pd-worker/toy-model")
-    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--model-path", default="pd-worker/toy-model",
+        help="the model reported in /server_info and /model_info (default pd-worker/toy-model)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--served-model-name", default=None,
+        help="the model name of /v1/models and the OpenAI replies (default: --model-path)",
+    )  # fmt: skip
     serve.add_argument("--decode-cuda-graph-memory-gb", type=float, default=0.6)
     serve.add_argument("--gpu-free-memory-gb", type=float, default=8.0)
     serve.add_argument(
@@ -239,10 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     registration = _registration(parser, args)
+    if registration is not None and config.regular:
+        parser.error(
+            "--etcd: a self-registered record names a prefill or decode role; "
+            "--disaggregation-mode null cannot register"
+        )
     if config.engine == "torch":
         _check_model_config(parser, config.model_config)
     try:
-        check_can_listen(config.host, config.bootstrap_port or 0, "--bootstrap-port")
+        if not config.regular:
+            check_can_listen(config.host, config.bootstrap_port or 0, "--bootstrap-port")
         check_can_listen(config.host, config.port, "--port")
     except ListenError as exc:
         parser.error(str(exc))
@@ -304,7 +318,7 @@ async def serve(
         site = web.TCPSite(runner, config.host, config.port, ssl_context=config.ssl_context())
         await site.start()
         logging.getLogger("pd_worker").info(
-            "%s worker on %s, bootstrap port %d",
+            "%s worker on %s, bootstrap port %s",
             config.role,
             config.url,
             app[WORKER].engine.bootstrap_port,

@@ -9,6 +9,7 @@ Synchronous use::
     with WorkerCluster(prefill=2, decode=2, speed=0.0) as c:
         c.prefill_urls          # ["http://127.0.0.1:41234", ...]
         c.decode_urls
+        c.regular_urls          # workers launched with regular=N (--disaggregation-mode null)
         c.bootstrap_ports       # {url: bootstrap_port} for every worker
         c.bootstrap_port(url)   # one worker's bootstrap port
         c.kill(url)             # SIGKILL one worker (crash); c.terminate(url) for SIGTERM
@@ -54,6 +55,7 @@ from typing import Any
 
 import httpx
 
+from pd_worker.config import REGULAR_MODE
 from pd_worker.timing import TimingModel
 
 LOOPBACK = "127.0.0.1"
@@ -129,6 +131,7 @@ class WorkerCluster:
         prefill: int = 1,
         decode: int = 1,
         *,
+        regular: int = 0,
         speed: float = 0.0,
         base_port: int | None = None,
         host: str = LOOPBACK,
@@ -151,7 +154,7 @@ class WorkerCluster:
             raise TypeError(f"unknown timing knob(s): {', '.join(sorted(unknown))}")
         if (etcd is None) != (cluster_name is None):
             raise TypeError("etcd and cluster_name go together")
-        self._initial = ("prefill",) * prefill + ("decode",) * decode
+        self._initial = ("prefill",) * prefill + ("decode",) * decode + (REGULAR_MODE,) * regular
         self._knobs = dict(knobs, speed=speed)
         self._host = host
         self._base_port = base_port
@@ -267,6 +270,11 @@ class WorkerCluster:
     def decode_urls(self) -> list[str]:
         """URLs of the workers launched as decode."""
         return [w.url for w in self.workers if w.role == "decode"]
+
+    @property
+    def regular_urls(self) -> list[str]:
+        """URLs of the regular (non-disaggregated) workers."""
+        return [w.url for w in self.workers if w.role == REGULAR_MODE]
 
     @property
     def bootstrap_ports(self) -> dict[str, int]:

@@ -16,6 +16,10 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 DEFAULT_DECODE_CUDA_GRAPH_BS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 96, 128, 160, 256)
 # The data planes ``--engine`` chooses from (pd_worker.data_plane, pd_worker.torch_plane).
 ENGINES = ("timing", "torch")
+# SGLang's ``--disaggregation-mode null``: a regular server that prefills and decodes alone.
+REGULAR_MODE = "null"
+# What ``--disaggregation-mode`` takes: the PD roles, or a regular server.
+MODES = (*ROLES, REGULAR_MODE)
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,8 @@ class WorkerConfig:
 
     def validate(self) -> None:
         """Raise ValueError with a one-line reason for an unusable configuration."""
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.role not in MODES:
+            raise ValueError(f"role must be one of {', '.join(MODES)}, got {self.role!r}")
         for name in ("port", "bootstrap_port"):
             value = getattr(self, name)
             if value is not None and not 0 < value < 65536:
@@ -91,6 +95,11 @@ class WorkerConfig:
         if self.ssl_ca_certs is not None:
             context.verify_mode = ssl.CERT_REQUIRED
         return context
+
+    @property
+    def regular(self) -> bool:
+        """A regular (non-disaggregated) server: no bootstrap server, no role switch."""
+        return self.role == REGULAR_MODE
 
     @property
     def model_name(self) -> str:

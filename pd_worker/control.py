@@ -12,22 +12,30 @@ from __future__ import annotations
 from typing import Any
 
 from pd_protocol.extension import Load
-from pd_worker.engine import SWITCH_REPLY_ROUTING, Engine
+from pd_worker.engine import NOT_DISAGGREGATED, SWITCH_REPLY_ROUTING, Engine
+
+
+def switch_refusal(engine: Engine, request: dict[str, Any], message: str) -> dict[str, Any]:
+    """A switch refused before anything changed, in SGLang's reply shape."""
+    return {
+        **SWITCH_REPLY_ROUTING,
+        "success": False,
+        "message": message,
+        "old_role": engine.role_name,
+        "new_role": request.get("new_role", ""),
+        "safe_to_restore": True,
+    }
 
 
 async def tokenizer_switch(engine: Engine, request: dict[str, Any]) -> dict[str, Any]:
     """``TokenizerManager.pd_role_switch`` over one scheduler: the flag is checked here first,
     with the tokenizer's own message, and every success other than a ``prepare_only`` check is
-    reported as ``"ok"`` (the scheduler's "already in target role" too)."""
+    reported as ``"ok"`` (the scheduler's "already in target role" too). A regular server is
+    refused first with the scheduler's message, which names the reason whatever the flag."""
+    if engine.config.regular:
+        return switch_refusal(engine, request, NOT_DISAGGREGATED)
     if not engine.config.enable_pd_role_switch:
-        return {
-            **SWITCH_REPLY_ROUTING,
-            "success": False,
-            "message": "--enable-pd-role-switch is not set on this server",
-            "old_role": engine.config.role,
-            "new_role": request.get("new_role", ""),
-            "safe_to_restore": True,
-        }
+        return switch_refusal(engine, request, "--enable-pd-role-switch is not set on this server")
     reply = await engine.switch_role(request)
     if reply["success"] and not request.get("prepare_only"):
         reply["message"] = "ok"
@@ -59,7 +67,8 @@ class EngineBackend:
         return self._engine.bootstrap_port
 
     def switch_supported(self) -> bool:
-        return self._engine.config.enable_pd_role_switch
+        config = self._engine.config
+        return config.enable_pd_role_switch and not config.regular
 
     async def forget_prefill(self, bootstrap_host: str, bootstrap_port: int) -> None:
         """A decode here pulls every room from the prefill's bootstrap server itself, which

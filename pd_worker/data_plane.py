@@ -13,9 +13,10 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from pd_worker.bootstrap import Room
+from pd_worker.config import REGULAR_MODE
 from pd_worker.requests import GenItem, Progress, Req
 from pd_worker.role_host import RoleHost
-from pd_worker.roles import DecodeRole, PrefillRole
+from pd_worker.roles import DecodeRole, PrefillRole, RegularRole
 from pd_worker.timing import TimingModel
 from pd_worker.tokens import tokenize
 
@@ -26,7 +27,8 @@ class PlaneUnavailable(RuntimeError):
 
 
 class Role(Protocol):
-    """One mode of a worker (prefill or decode), torn down and rebuilt on every role switch."""
+    """One mode of a worker (prefill, decode, or a regular server's both), torn down and rebuilt
+    on every role switch."""
 
     name: str
 
@@ -81,7 +83,8 @@ class TimingPlane:
         self._timing = timing
 
     def make_role(self, host: RoleHost, role: str) -> Role:
-        return PrefillRole(host) if role == "prefill" else DecodeRole(host)
+        roles = {"prefill": PrefillRole, "decode": DecodeRole, REGULAR_MODE: RegularRole}
+        return roles[role](host)
 
     async def before_send(self, room: Room) -> None:
         """The modeled time the KV of the room's tokens takes over the wire."""

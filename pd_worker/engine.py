@@ -21,7 +21,12 @@ from typing import Any
 
 from pd_protocol.wire import ROLES
 from pd_worker.bootstrap import BootstrapServer, Room, RoomRegistry
-from pd_worker.config import DEFAULT_BOOTSTRAP_PORT, DEFAULT_DECODE_CUDA_GRAPH_BS, WorkerConfig
+from pd_worker.config import (
+    DEFAULT_BOOTSTRAP_PORT,
+    DEFAULT_DECODE_CUDA_GRAPH_BS,
+    REGULAR_MODE,
+    WorkerConfig,
+)
 from pd_worker.data_plane import DataPlane, PlaneUnavailable, Role, TimingPlane
 from pd_worker.errors import BadRequest, WorkerError
 from pd_worker.faults import Faults
@@ -32,6 +37,10 @@ from pd_worker.stats import EngineStats
 
 PREFILL_STAGES = ("waiting", "running", "inflight")
 DECODE_STAGES = ("prealloc", "transfer", "waiting", "running")
+# The queues each mode reports; a regular server's requests wait, then run.
+STAGES = {"prefill": PREFILL_STAGES, "decode": DECODE_STAGES, REGULAR_MODE: ("waiting", "running")}
+# SGLang's scheduler refusal of a switch on a regular server.
+NOT_DISAGGREGATED = "instance is not running in PD disaggregation mode"
 KV_PUBLISH_EXIT_CODE = 3
 
 log = logging.getLogger("pd_worker")
@@ -107,9 +116,11 @@ class Engine:
         self._listeners: list[Callable[[], None]] = []
 
     async def start(self) -> None:
-        """Bind the bootstrap port and start the role; the worker serves from then on."""
+        """Bind the bootstrap port (a regular server has none) and start the role; the worker
+        serves from then on."""
         began = time.perf_counter()
-        await self._bind_bootstrap()
+        if not self.config.regular:
+            await self._bind_bootstrap()
         self.role.start()
         self.startup_time = {
             "load_weight": time.process_time(),
@@ -144,9 +155,9 @@ class Engine:
         await self.bootstrap.start(0)
 
     @property
-    def bootstrap_port(self) -> int:
-        """The port the bootstrap server listens on."""
-        return self.bootstrap.port
+    def bootstrap_port(self) -> int | None:
+        """The port the bootstrap server listens on (None: a regular server runs none)."""
+        return None if self.config.regular else self.bootstrap.port
 
     async def stop(self) -> None:
         self.serving = False
@@ -257,8 +268,7 @@ class Engine:
         )
 
     def queue_sizes(self) -> dict[str, int]:
-        stages = PREFILL_STAGES if self.role_name == "prefill" else DECODE_STAGES
-        return {stage: self._stages[stage] for stage in stages}
+        return {stage: self._stages[stage] for stage in STAGES[self.role_name]}
 
     def num_waiting(self) -> int:
         return sum(

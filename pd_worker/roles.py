@@ -1,7 +1,8 @@
 """The role-specific halves of a worker, torn down and rebuilt on every role switch.
 
 A role object owns what SGLang's ``init_disaggregation`` builds for one mode (the prefill
-batcher and its rooms, or the decode's transfer path). The :class:`~pd_worker.engine.Engine`,
+batcher and its rooms, the decode's transfer path, or both halves in one process for a regular
+server). The :class:`~pd_worker.engine.Engine`,
 its KV pool and its bootstrap listener outlive it; a role sees it as a
 :class:`~pd_worker.role_host.RoleHost`.
 """
@@ -14,6 +15,7 @@ import contextlib
 import time
 from collections.abc import Callable
 
+from pd_worker.config import REGULAR_MODE
 from pd_worker.errors import BadRequest, KVTransferError, RequestAborted
 from pd_worker.kv_pull import KVPuller, PulledKV, lost_pull
 from pd_worker.requests import GenItem, Progress, Req, token_logprob
@@ -72,7 +74,7 @@ class PrefillRole:
             engine.set_stage(req, "waiting")
             await engine.kv_pool.acquire(num_tokens)
             try:
-                cached = await self._forward(req, item.prompt_ids)
+                cached = await self.forward(req, item.prompt_ids)
                 payload = pack_prompt(item.prompt_ids)
                 if room is not None:
                     room.cached_tokens = cached
@@ -113,7 +115,7 @@ class PrefillRole:
                 f"req.bootstrap_room={item.bootstrap_room} with exception {error}"
             ) from None
 
-    async def _forward(self, req: Req, prompt_ids: list[int]) -> int:
+    async def forward(self, req: Req, prompt_ids: list[int]) -> int:
         """Wait for the forward that prefills ``prompt_ids``; the tokens the cache served."""
         future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         uncached = len(prompt_ids) - self._engine.prefix_cache.peek(prompt_ids)
@@ -174,13 +176,18 @@ class DecodeRole:
     """Decode: reserve KV, pull it from the prefill's bootstrap server, then generate tokens."""
 
     name = "decode"
-    # A decode runs no prefill forwards, so no prompt tokens ever wait for one.
-    queued_tokens = 0
+    # The queue a request enters while its KV is reserved and received.
+    admit_stage = "prealloc"
 
     def __init__(self, engine: RoleHost) -> None:
         self._engine = engine
         self._puller = KVPuller()
         self._context_tokens = 0
+
+    @property
+    def queued_tokens(self) -> int:
+        """A decode runs no prefill forwards, so no prompt tokens ever wait for one."""
+        return 0
 
     def start(self) -> None:
         """Nothing to start: decode work runs inside each request."""
@@ -193,7 +200,7 @@ class DecodeRole:
         engine = self._engine
         reserve = len(item.prompt_ids) + item.max_new_tokens
         engine.check_fits(reserve)
-        engine.set_stage(req, "prealloc")
+        engine.set_stage(req, self.admit_stage)
         await engine.kv_pool.acquire(reserve)
         try:
             pulled = await self._receive(item, req)
@@ -232,7 +239,11 @@ class DecodeRole:
         planned = output_ids_from_payload(pulled.payload, item.max_new_tokens)
         if not planned:
             finish = {"type": "length", "length": 0}
-            emit(Progress([], "", finish, pulled.source, pulled.cached_tokens))
+            progress = Progress([], "", finish, pulled.source, pulled.cached_tokens)
+            if item.return_logprob:
+                progress.input_token_logprobs = self.input_logprobs(item)
+                progress.output_token_logprobs = []
+            emit(progress)
             return
         held = [len(item.prompt_ids)]
         self._context_tokens += held[0]
@@ -250,6 +261,7 @@ class DecodeRole:
         timing = engine.timing
         ids: list[int] = []
         text = ""
+        input_logprobs = self.input_logprobs(item) if item.return_logprob else None
         for token_id in planned:
             batch_size = engine.num_running
             started = time.monotonic()
@@ -268,12 +280,50 @@ class DecodeRole:
             if finish is None and len(ids) == item.max_new_tokens:
                 finish = {"type": "length", "length": item.max_new_tokens}
             progress = Progress(list(ids), text, finish, pulled.source, pulled.cached_tokens)
-            if item.return_logprob:
-                progress.input_token_logprobs = []
+            if input_logprobs is not None:
+                progress.input_token_logprobs = input_logprobs
                 progress.output_token_logprobs = [[token_logprob(t), t, None] for t in ids]
             emit(progress)
             if finish is not None:
                 return
+
+    def input_logprobs(self, item: GenItem) -> list[list[object]]:
+        """The prompt's logprobs this server reports: none, the prefill reports them (a PD
+        router puts the prefill's before the decode's)."""
+        return []
+
+
+class RegularRole(DecodeRole):
+    """A regular (non-disaggregated) server: the prefill's batched forward, then the decode's
+    steps, in one process; bootstrap fields are ignored and no KV moves."""
+
+    name = REGULAR_MODE
+    admit_stage = "waiting"
+
+    def __init__(self, engine: RoleHost) -> None:
+        super().__init__(engine)
+        self._prefill = PrefillRole(engine)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Uncached prompt tokens waiting for this server's prefill forward."""
+        return self._prefill.queued_tokens
+
+    def start(self) -> None:
+        self._prefill.start()
+
+    async def teardown(self) -> None:
+        await self._prefill.teardown()
+        await super().teardown()
+
+    async def _receive(self, item: GenItem, req: Req) -> PulledKV:
+        """The prompt's KV computed here, in the prefill batcher's next forward."""
+        cached = await self._prefill.forward(req, item.prompt_ids)
+        return PulledKV(pack_prompt(item.prompt_ids), None, cached)
+
+    def input_logprobs(self, item: GenItem) -> list[list[object]]:
+        """The prompt's logprobs, as the prefill of a PD pair gives them."""
+        return _input_logprobs(item.prompt_ids)
 
 
 def apply_stop(text: str, stop: tuple[str, ...]) -> tuple[str, dict[str, object] | None]:

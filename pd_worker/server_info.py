@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pd_worker.config import WorkerConfig
+from pd_worker.config import DEFAULT_BOOTSTRAP_PORT, WorkerConfig
 from pd_worker.engine import Engine
 from pd_worker.sglang_args import SERVER_ARGS_DEFAULTS
 
@@ -58,7 +58,7 @@ def server_info(config: WorkerConfig, engine: Engine) -> dict[str, Any]:
     scheduler_startup = engine.startup_time
     return {
         **args,
-        "disaggregation_bootstrap_port": engine.bootstrap_port,
+        "disaggregation_bootstrap_port": _bootstrap_port(config, engine),
         "launch_command": None,
         "status": "ready",
         "max_total_num_tokens": engine.kv_pool.capacity,
@@ -78,6 +78,14 @@ def server_info(config: WorkerConfig, engine: Engine) -> dict[str, Any]:
         "version": SGLANG_VERSION,
         "frontend": "python",
     }
+
+
+def _bootstrap_port(config: WorkerConfig, engine: Engine) -> int:
+    """The port the bootstrap server listens on; a regular server runs none and reports the
+    argument, as SGLang does (its default when not given)."""
+    if engine.bootstrap_port is not None:
+        return engine.bootstrap_port
+    return config.bootstrap_port or DEFAULT_BOOTSTRAP_PORT
 
 
 def model_info(config: WorkerConfig, engine: Engine) -> dict[str, Any]:

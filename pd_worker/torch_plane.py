@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from pd_worker.bootstrap import Room
-from pd_worker.config import WorkerConfig
+from pd_worker.config import REGULAR_MODE, WorkerConfig
 from pd_worker.data_plane import PlaneUnavailable, Role
 from pd_worker.errors import BadRequest
 from pd_worker.kv_transfer import KVTransport, TransportUnavailable, make_transport
@@ -25,7 +25,7 @@ from pd_worker.torch_engine.config import DEFAULT_MODEL_CONFIG, ModelConfig
 from pd_worker.torch_engine.kv_pool import KVPool
 from pd_worker.torch_engine.model import DecodeSeq, ModelInputError, TorchModel
 from pd_worker.torch_engine.tokenizer import build_tokenizer, decode, encode
-from pd_worker.torch_roles import TorchDecodeRole, TorchPrefillRole
+from pd_worker.torch_roles import TorchDecodeRole, TorchPrefillRole, TorchRegularRole
 
 T = TypeVar("T")
 
@@ -48,7 +48,12 @@ class TorchPlane:
         self._compute = asyncio.Lock()
 
     def make_role(self, host: RoleHost, role: str) -> Role:
-        return TorchPrefillRole(host, self) if role == "prefill" else TorchDecodeRole(host, self)
+        roles = {
+            "prefill": TorchPrefillRole,
+            "decode": TorchDecodeRole,
+            REGULAR_MODE: TorchRegularRole,
+        }
+        return roles[role](host, self)
 
     async def before_send(self, room: Room) -> None:
         """Nothing to model: the decode reads the bytes itself after the payload names them."""

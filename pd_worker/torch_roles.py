@@ -4,7 +4,8 @@ The prefill computes a prompt's KV into slots of its pool, publishes where it li
 :class:`~pd_worker.kv_handoff.KVHandoff` as the room payload) and holds the slots until the decode
 says it has read them. The decode learns the payload through the bootstrap server, pulls the
 bytes into its own slots over the KV transport, then its sequence joins one batched decode loop
-that steps every running sequence together.
+that steps every running sequence together. A regular server prefills into the decode's slots
+itself and needs no transport.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from pd_worker.config import REGULAR_MODE
 from pd_worker.errors import BadRequest, KVTransferError, RequestAborted
 from pd_worker.kv_handoff import BadHandoff, KVHandoff, pair_runs
 from pd_worker.kv_pull import KVPuller
@@ -243,6 +245,8 @@ class TorchDecodeRole:
 
     name = "decode"
     queued_tokens = 0
+    # The queue a request enters while its KV is reserved and received.
+    admit_stage = "prealloc"
 
     def __init__(self, engine: RoleHost, plane: TorchCompute) -> None:
         self._engine = engine
@@ -268,7 +272,7 @@ class TorchDecodeRole:
         reserve = num_tokens + item.max_new_tokens
         engine.check_fits(reserve)
         self._plane.check_fits(item.prompt_ids, item.max_new_tokens)
-        engine.set_stage(req, "prealloc")
+        engine.set_stage(req, self.admit_stage)
         await engine.kv_pool.acquire(reserve)
         try:
             slots = self._plane.pool.alloc(reserve)
@@ -366,3 +370,21 @@ class TorchDecodeRole:
             finish = {"type": "length", "length": item.max_new_tokens}
         emit(Progress(list(ids), text, finish, source))
         return finish is not None
+
+
+class TorchRegularRole(TorchDecodeRole):
+    """A regular (non-disaggregated) server: the prompt is prefilled into the slots the decode
+    reserved, then generated in the batched loop; bootstrap fields are ignored, no KV moves and
+    no transport is registered."""
+
+    name = REGULAR_MODE
+    admit_stage = "waiting"
+
+    def start(self) -> None:
+        self._loop.start()
+
+    async def _receive(self, item: GenItem, req: Req, slots: list[int]) -> tuple[int, str | None]:
+        self._engine.set_stage(req, "running")
+        first = await self._plane.prefill(item.prompt_ids, slots)
+        self._engine.stats.count_prefill(len(item.prompt_ids), 0)
+        return first, None
