@@ -56,6 +56,8 @@ class ConfigError(ValueError):
 class WorkerSpec:
     url: str
     bootstrap_port: int | None = None
+    # The model it serves (None: read from the worker's /server_info).
+    model: str | None = None
 
 
 @dataclass(frozen=True)
@@ -106,8 +108,11 @@ class RouterConfig:
     port: int = 30000
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
+    # Regular (colocated, non-PD) workers: a request goes to one of them whole.
+    regular: tuple[WorkerSpec, ...] = ()
     prefill_policy: str = "least_inflight"
     decode_policy: str = "least_inflight"
+    regular_policy: str = "least_inflight"
     request_timeout_secs: float = 1800.0
     connect_timeout_secs: float = 5.0
     max_connections: int = 2048
@@ -143,8 +148,13 @@ class RouterConfig:
     tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def policy_of(self, role: Role) -> str:
+        if role is Role.REGULAR:
+            return self.regular_policy
         return self.prefill_policy if role is Role.PREFILL else self.decode_policy
 
+
+# The worker lists of a configuration, one per role.
+WORKER_LISTS = tuple(role.value for role in Role)
 
 SECTIONS: Mapping[str, type] = types.MappingProxyType(
     {
@@ -199,15 +209,16 @@ def build_config(data: dict[str, Any]) -> RouterConfig:
     if policy is not None:
         data.setdefault("prefill_policy", policy)
         data.setdefault("decode_policy", policy)
+        data.setdefault("regular_policy", policy)
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
-        if key in ("prefill", "decode"):
+        if key in WORKER_LISTS:
             kwargs[key] = parse_workers(key, value)
         elif key in SECTIONS:
             kwargs[key] = parse_section(key, SECTIONS[key], value)
         else:
             kwargs[key] = value
-    config = parse_section("", RouterConfig, kwargs, skip=("prefill", "decode", *SECTIONS))
+    config = parse_section("", RouterConfig, kwargs, skip=(*WORKER_LISTS, *SECTIONS))
     config = with_admin_key_file(config)
     validate(config)
     return config
@@ -232,7 +243,7 @@ def with_admin_key_file(config: RouterConfig) -> RouterConfig:
 
 def parse_workers(key: str, value: Any) -> tuple[WorkerSpec, ...]:
     if not isinstance(value, list):
-        raise ConfigError(key, "must be a list of {url, bootstrap_port?} tables")
+        raise ConfigError(key, "must be a list of {url, bootstrap_port?, model?} tables")
     specs = []
     for i, item in enumerate(value):
         item_key = f"{key}[{i}]"
@@ -245,8 +256,10 @@ def parse_workers(key: str, value: Any) -> tuple[WorkerSpec, ...]:
             url = normalize_url(spec.url)
         except ValueError as exc:
             raise ConfigError(f"{item_key}.url", str(exc)) from exc
-        if key == "decode" and spec.bootstrap_port is not None:
+        if key != "prefill" and spec.bootstrap_port is not None:
             raise ConfigError(f"{item_key}.bootstrap_port", "only prefill workers have one")
+        if spec.model is not None and not spec.model.strip():
+            raise ConfigError(f"{item_key}.model", "must name a model")
         check_port(f"{item_key}.bootstrap_port", spec.bootstrap_port)
         specs.append(dataclasses.replace(spec, url=url))
     return tuple(specs)
@@ -315,7 +328,7 @@ def check_positive(key: str, value: float, allow_zero: bool = False) -> None:
 def validate(config: RouterConfig) -> None:
     """Range and choice checks that types alone do not express."""
     allowed = ", ".join([*POLICIES, *POLICY_ALIASES])
-    for key in ("prefill_policy", "decode_policy"):
+    for key in ("prefill_policy", "decode_policy", "regular_policy"):
         try:
             canonical_policy_name(getattr(config, key))
         except KeyError:
@@ -379,7 +392,7 @@ def validate(config: RouterConfig) -> None:
         ):
             raise ConfigError(key, "must be non-empty printable ASCII without spaces")
     check_header_names("request_id_headers", config.request_id_headers)
-    urls = [w.url for w in (*config.prefill, *config.decode)]
+    urls = [w.url for w in (*config.prefill, *config.decode, *config.regular)]
     duplicates = sorted({u for u in urls if urls.count(u) > 1})
     if duplicates:
         raise ConfigError("prefill/decode", f"worker listed twice: {', '.join(duplicates)}")

@@ -49,8 +49,9 @@ class NotFound(RouterError):
 
 
 class ModelNotFound(RouterError):
-    """``GET /v1/models/{id}`` for a model no worker serves, in OpenAI's shape (SGLang's
-    answer too): ``param`` and a string ``code`` a client's SDK maps to NotFoundError."""
+    """A request for, or ``GET /v1/models/{id}`` of, a model no worker serves, in OpenAI's
+    shape (SGLang's answer too): ``param`` and a string ``code`` a client's SDK maps to
+    NotFoundError."""
 
     status = 404
     error_type = "invalid_request_error"
@@ -59,6 +60,20 @@ class ModelNotFound(RouterError):
         super().__init__(
             f"The model '{model}' does not exist",
             details={"param": "model", "code": "model_not_found"},
+        )
+
+
+class ModelRequired(RouterError):
+    """A request that names no model while the workers serve several: which one is the
+    client's to say."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, models: list[str]) -> None:
+        super().__init__(
+            f"this router serves several models ({', '.join(models)}): name one in 'model'",
+            details={"param": "model", "code": "model_required"},
         )
 
 

@@ -73,6 +73,14 @@ class RouterMetrics:
             PREFIX + "pool_size", "ACTIVE workers per role (healthy or not).",
             ["role"], registry=r,
         )  # fmt: skip
+        self.model_pool_size = Gauge(
+            PREFIX + "model_pool_size", "ACTIVE workers per model and role (healthy or not).",
+            ["model", "role"], registry=r,
+        )  # fmt: skip
+        self.worker_model = Gauge(
+            PREFIX + "worker_model", "1 for the model each worker serves (to join on worker).",
+            ["worker", "model"], registry=r,
+        )  # fmt: skip
         self.circuit_state = Gauge(
             PREFIX + "circuit_state", "Circuit breaker state: 0 closed, 1 open, 2 half-open.",
             ["worker"], registry=r,
@@ -143,13 +151,16 @@ class RouterMetrics:
             ["outcome"], registry=r,
         )  # fmt: skip
 
-    def forget_worker(self, worker: str, role: str, states: Iterable[str]) -> None:
+    def forget_worker(
+        self, worker: str, role: str, states: Iterable[str], model: str | None = None
+    ) -> None:
         """Drop a removed worker's labelled series (``worker_state`` for each of ``states``) so
         dashboards stop showing it."""
         for gauge, labels in (
             (self.worker_inflight, (worker, role)),
             (self.worker_healthy, (worker,)),
             (self.circuit_state, (worker,)),
+            (self.worker_model, (worker, model)),
         ):
             with contextlib.suppress(KeyError):
                 gauge.remove(*labels)

@@ -1,4 +1,5 @@
-"""The two roles of a PD worker, shared by the control process and the data planes."""
+"""The roles of a worker, shared by the control process and the data planes: the two of a PD
+worker, and a regular (colocated, non-disaggregated) server that answers a request alone."""
 
 from __future__ import annotations
 
@@ -12,10 +13,36 @@ DEFAULT_BOOTSTRAP_PORT = 8998
 class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
+    REGULAR = "regular"
 
     @property
     def other(self) -> Role:
+        """The role a conversion moves a PD worker to (a regular server has none)."""
+        if self is Role.REGULAR:
+            raise ValueError("a regular worker has no other role")
         return Role.DECODE if self is Role.PREFILL else Role.PREFILL
+
+    @property
+    def disaggregated(self) -> bool:
+        return self is not Role.REGULAR
+
+
+# The roles a conversion moves a worker between.
+PD_ROLES = (Role.PREFILL, Role.DECODE)
+
+
+def worker_role(value: object) -> Role | None:
+    """The role a worker reports (``disaggregation_mode`` or the extension's ``role``); SGLang
+    names a regular server's mode ``null``."""
+    if not isinstance(value, str):
+        return None
+    name = value.lower()
+    if name == "null":
+        return Role.REGULAR
+    try:
+        return Role(name)
+    except ValueError:
+        return None
 
 
 def bootstrap_host(url: str) -> str:

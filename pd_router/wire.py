@@ -27,7 +27,7 @@ import orjson
 from pd_router.circuit_state import CircuitState
 from pd_router.roles import Role
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 # Each end sends something at least this often, even with nothing to say (the data plane a
 # report, the control side the in-flight totals), so that either can take a long silence of the
 # other for a hang.
@@ -63,6 +63,8 @@ class WorkerEntry:
 
     url: str
     role: Role
+    # The model it serves ("" when it names none).
+    model: str
     epoch: int
     bootstrap_port: int | None
     pickable: bool
@@ -363,6 +365,7 @@ WORKER_ENTRY = record(
     WorkerEntry,
     url=TEXT,
     role=choice(Role),
+    model=TEXT,
     epoch=INT,
     bootstrap_port=maybe(INT),
     pickable=BOOL,
@@ -424,6 +427,8 @@ def entry_problem(entry: WorkerEntry) -> str | None:
     port = entry.bootstrap_port
     if not isinstance(entry.role, Role):
         return f"role {entry.role!r} is not a role"
+    if type(entry.model) is not str:
+        return f"model {entry.model!r} is not a string"
     if not isinstance(entry.circuit, CircuitState):
         return f"circuit {entry.circuit!r} is not a circuit state"
     if type(entry.epoch) is not int:

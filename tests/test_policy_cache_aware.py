@@ -284,7 +284,7 @@ async def test_requests_sharing_a_prefix_hit_one_prefills_cache(cluster):
 
 def snapshot_entry(url: str, role: Role) -> WorkerEntry:
     """A pickable worker as a snapshot carries it."""
-    return WorkerEntry(url, role, 0, None, True, True, CircuitState.CLOSED, None, None)
+    return WorkerEntry(url, role, "", 0, None, True, True, CircuitState.CLOSED, None, None)
 
 
 def test_a_worker_that_leaves_a_pool_leaves_that_pools_cache_aware_tree():

@@ -433,7 +433,7 @@ def decode_entry(
 ) -> WorkerEntry:
     """A decode as a snapshot carries it."""
     state = CircuitState(circuit)
-    return WorkerEntry(url, Role.DECODE, 0, None, True, True, state, half_open_at, trial)
+    return WorkerEntry(url, Role.DECODE, "", 0, None, True, True, state, half_open_at, trial)
 
 
 def decode_pools(

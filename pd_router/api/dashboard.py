@@ -83,7 +83,7 @@ def status_snapshot(
 ) -> dict[str, Any]:
     """Pools, workers and recent conversions as the router sees them right now."""
     return {
-        "pools": {role.value: pool_summary(registry, role) for role in Role},
+        "pools": {role.value: pool_summary(registry, role) for role in registry.roles()},
         "workers": unhealthy_first([worker_summary(conversions, worker) for worker in registry]),
         "conversions": recent_conversions(conversions),
         "conversions_available": True,

@@ -25,6 +25,7 @@ from pd_router.control.worker_calls import CallReply, call, fan_out
 from pd_router.control.workers import Role, Worker, WorkerRegistry, WorkerState
 from pd_router.dataplane.path.requests import parse_body
 from pd_router.errors import BadRequest, ModelNotFound, NoWorkers, UpstreamError
+from pd_router.roles import PD_ROLES
 
 INFO_TIMEOUT = aiohttp.ClientTimeout(total=10.0)
 # mini_lb's stand-in when no decode reported its state: SGLang's bench_one_batch_server reads
@@ -62,20 +63,34 @@ async def handle_readiness(request: web.Request) -> web.Response:
     pool), 503 otherwise. Either way the body names the ACTIVE workers that fail their
     probes, so a worker that never answered is visible while its pool still has others."""
     registry = request.app[REGISTRY]
-    counts = {role.value: registry.active_healthy_count(role) for role in Role}
+    counts = {role.value: registry.active_healthy_count(role) for role in registry.roles()}
     unhealthy = [
         {"url": w.url, "role": w.role.value, "error": w.last_error}
         for w in registry
         if w.state is WorkerState.ACTIVE and not w.healthy
     ]
-    ready = all(counts.values())
+    models = {model: model_readiness(registry, model) for model in registry.models()}
+    ready = bool(models) and all(entry["ready"] for entry in models.values())
     body = {
         "ready": ready,
         "status": "ready" if ready else "not ready",
         "healthy": counts,
         "unhealthy": unhealthy,
     }
+    if len(models) > 1:
+        body["models"] = models
     return json_response(body, 200 if ready else 503)
+
+
+def model_readiness(registry: WorkerRegistry, model: str) -> dict:
+    """Whether ``model`` can be served (a PD model: an active healthy prefill and decode; a
+    model of regular workers only: one of them), with its counts."""
+    counts = {role.value: registry.active_healthy_count(role, model=model) for role in Role}
+    if any(registry.in_role(role, model=model) for role in PD_ROLES):
+        ready = all(counts[role.value] for role in PD_ROLES)
+    else:
+        ready = counts[Role.REGULAR.value] > 0
+    return {"ready": ready, "healthy": counts}
 
 
 async def handle_cluster(request: web.Request) -> web.Response:
@@ -105,10 +120,11 @@ async def handle_health_generate(request: web.Request) -> web.Response:
     )
 
 
-async def first_answer(request: web.Request, path: str) -> web.Response:
-    """A selectable worker's answer to ``GET path`` (prefill first: both serve the same model)."""
+async def first_answer(request: web.Request, path: str, model: str | None = None) -> web.Response:
+    """A selectable worker's answer to ``GET path`` (of ``model`` when given; prefill first,
+    then decode, then regular: they serve the same model)."""
     registry = request.app[REGISTRY]
-    candidates = registry.selectable(Role.PREFILL) + registry.selectable(Role.DECODE)
+    candidates = [w for role in Role for w in registry.selectable(role, model)]
     if not candidates:
         raise NoWorkers("no available worker to ask")
     errors = []
@@ -121,21 +137,39 @@ async def first_answer(request: web.Request, path: str) -> web.Response:
 
 
 async def handle_models(request: web.Request) -> web.Response:
-    return await first_answer(request, "/v1/models")
+    """``GET /v1/models``: a worker's listing; serving several models, one listing per model
+    (a worker of each) in one list."""
+    models = request.app[REGISTRY].models()
+    if len(models) <= 1:
+        return await first_answer(request, "/v1/models")
+    data: list = []
+    for model in models:
+        if model:
+            data.extend(await model_objects(request, model))
+    return json_response({"object": "list", "data": data})
 
 
-async def handle_model(request: web.Request) -> web.Response:
-    """``GET /v1/models/{id}``: the model object of a worker's ``/v1/models`` with that id
-    (ids may hold slashes), 404 ``model_not_found`` otherwise."""
-    model_id = request.match_info["model_id"]
-    listing = await first_answer(request, "/v1/models")
+async def model_objects(request: web.Request, model: str | None = None) -> list:
+    """The model objects of a worker's ``/v1/models`` (of ``model`` when given)."""
+    listing = await first_answer(request, "/v1/models", model)
     try:
         models = orjson.loads(listing.body)
     except orjson.JSONDecodeError:
         raise UpstreamError("GET /v1/models answered something that is not JSON") from None
     data = models.get("data") if isinstance(models, dict) else None
-    for model in data if isinstance(data, list) else []:
-        if isinstance(model, dict) and model.get("id") == model_id:
+    return [model for model in data if isinstance(model, dict)] if isinstance(data, list) else []
+
+
+async def handle_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}``: the model object of a worker's ``/v1/models`` with that id
+    (ids may hold slashes; of the workers serving that model when several are served), 404
+    ``model_not_found`` otherwise."""
+    model_id = request.match_info["model_id"]
+    models = request.app[REGISTRY].models()
+    if len(models) > 1 and model_id not in models:
+        raise ModelNotFound(model_id)
+    for model in await model_objects(request, model_id if len(models) > 1 else None):
+        if model.get("id") == model_id:
             return json_response(model)
     raise ModelNotFound(model_id)
 
@@ -152,7 +186,7 @@ async def handle_server_info(request: web.Request) -> web.Response:
     replies = await fan_out(
         request.app[SESSION], workers, "GET", "/server_info", limit=INFO_TIMEOUT
     )
-    pools: dict[str, list] = {role.value: [] for role in Role}
+    pools: dict[str, list] = {role.value: [] for role in registry.roles()}
     internal_states: list = []
     for reply in replies:
         entry = parse_info(reply)

@@ -35,7 +35,9 @@ async def handle_list_workers(request: web.Request) -> web.Response:
     return json_response(
         {
             "workers": [w.as_dict() for w in registry],
-            "selectable": {role.value: len(registry.selectable(role)) for role in Role},
+            "selectable": {
+                role.value: len(registry.selectable(role)) for role in registry.roles()
+            },
         }
     )
 
@@ -47,7 +49,7 @@ async def handle_get_worker(request: web.Request) -> web.Response:
     return json_response(worker.as_dict())
 
 
-def parse_new_worker(body: dict) -> tuple[str, Role, int | None]:
+def parse_new_worker(body: dict) -> tuple[str, Role, int | None, str | None]:
     url = body.get("url")
     if not isinstance(url, str):
         raise BadRequest("'url' (string) is required")
@@ -59,17 +61,25 @@ def parse_new_worker(body: dict) -> tuple[str, Role, int | None]:
     try:
         role = Role(role_name)
     except ValueError:
-        raise BadRequest(f"'role' must be 'prefill' or 'decode', got {role_name!r}") from None
+        raise BadRequest(
+            f"'role' must be 'prefill', 'decode' or 'regular', got {role_name!r}"
+        ) from None
     port = body.get("bootstrap_port")
     if port is not None and not (is_int(port) and 0 < port < 65536):
         raise BadRequest(f"'bootstrap_port' must be a port number 1..65535, got {port!r}")
-    return url, role, port
+    model = body.get("model")
+    if model is not None and not (isinstance(model, str) and model.strip()):
+        raise BadRequest(f"'model' must name a model, got {model!r}")
+    return url, role, port, model
 
 
 async def handle_add_worker(request: web.Request) -> web.Response:
-    """Register a worker, probe it once, answer with its record (409 if already known)."""
-    url, role, port = parse_new_worker(parse_body(await request.read()))
+    """Register a worker, probe it once, answer with its record (409 if already known). The
+    model it serves is the one given, else the one its ``/server_info`` names."""
+    url, role, port, model = parse_new_worker(parse_body(await request.read()))
     worker = await request.app[CLUSTER].add_worker(url, role, port)
+    if model is not None:
+        request.app[REGISTRY].set_model(worker, model)
     await request.app[HEALTH].check(worker)
     return json_response(worker.as_dict(), 201)
 
@@ -97,7 +107,9 @@ def refuse_below_minimum(
     minimum (``conversion.min_prefill`` / ``min_decode``, which guard conversions too); a worker
     that is not one of them (unhealthy, failed) can always go. Checked right before the removal
     begins, with no await between the two."""
-    if not (worker.state is WorkerState.ACTIVE and worker.healthy and worker.admitting):
+    if worker.role is Role.REGULAR or not (
+        worker.state is WorkerState.ACTIVE and worker.healthy and worker.admitting
+    ):
         return
     minimum = settings.min_prefill if worker.role is Role.PREFILL else settings.min_decode
     remaining = registry.remaining_below(worker, minimum)

@@ -179,6 +179,10 @@ def decode_specs(values: list[list[str]]) -> list[dict[str, Any]]:
     return [{"url": entry[0]} for entry in values]
 
 
+def regular_specs(values: list[str]) -> list[dict[str, Any]]:
+    return [{"url": url} for url in values]
+
+
 def ms_to_secs(value: float) -> float:
     return value / 1000.0
 
@@ -283,17 +287,17 @@ PEER_OPTIONS: Mapping[str, Option] = MappingProxyType({o.names[0]: o for o in (
            "(then read from the worker's /server_info)"),
     option("--decode", BOTH, URL, "decode", convert=decode_specs,
            note="one `[[decode]]` per flag"),
-    warned("--worker-urls", BOTH, STRS,
-           "pd-router is for PD disaggregation only; give workers as --prefill/--decode"),
-    warned("--enable-igw", BOTH, SWITCH,
-           "pd-router serves one model's prefill and decode pools; the multi-model gateway "
-           "mode is not implemented"),
+    option("--worker-urls", BOTH, STRS, "regular", convert=regular_specs,
+           note="regular (non-PD) workers: a request goes to one of them whole; beside "
+           "--prefill/--decode too"),
+    same("--enable-igw", BOTH, SWITCH,
+         "pd-router routes by the request's `model` whenever its workers serve several"),
     warned("--upstream-http2", SMG, SWITCH, "pd-router speaks HTTP/1.1 to workers"),
     option("--upstream-pool-idle-timeout-secs", SMG, FLOAT, "legs.idle_timeout_secs"),
     warned("--health-check-port", SMG, INT,
            "/health, /liveness and /readiness are served on the router's own port"),
     # Policies.
-    option("--policy", BOTH, POLICY, "prefill_policy", "decode_policy",
+    option("--policy", BOTH, POLICY, "prefill_policy", "decode_policy", "regular_policy",
            note="a policy alias logs once what pd-router runs instead"),
     option("--prefill-policy", BOTH, POLICY, "prefill_policy",
            note="wins over --policy; an alias logs once what pd-router runs instead"),

@@ -174,7 +174,11 @@ def startup_warnings(args: argparse.Namespace, config: RouterConfig) -> list[str
     explain = getattr(policies, "alias_warning", None)
     if explain is None:
         return lines
-    roles = {"prefill_policy": config.prefill_policy, "decode_policy": config.decode_policy}
+    roles = {
+        "prefill_policy": config.prefill_policy,
+        "decode_policy": config.decode_policy,
+        **({"regular_policy": config.regular_policy} if config.regular else {}),
+    }
     for name in dict.fromkeys(roles.values()):
         why = explain(name)
         if why:
@@ -187,12 +191,14 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """A validated config from parsed ``serve`` arguments (ConfigError on a bad value)."""
     config = load_config(args.config, overrides_from_args(args))
     discovered = config.cluster.enabled or config.discovery.active_provider is not None
-    if not discovered and (not config.prefill or not config.decode):
+    pd = bool(config.prefill) and bool(config.decode)
+    if not discovered and not pd and (config.prefill or config.decode or not config.regular):
         raise ConfigError(
             "prefill/decode",
-            "at least one --prefill and one --decode (or [[prefill]]/[[decode]]), unless the "
-            "workers come from a cluster (--etcd URL --cluster NAME) or from discovery "
-            "(--service-discovery, --discovery-provider file)",
+            "at least one --prefill and one --decode (or [[prefill]]/[[decode]]), or regular "
+            "workers (--worker-urls or [[regular]]), unless the workers come from a cluster "
+            "(--etcd URL --cluster NAME) or from discovery (--service-discovery, "
+            "--discovery-provider file)",
         )
     return config
 

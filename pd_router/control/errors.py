@@ -8,7 +8,7 @@ cluster (a claim another replica holds), which the runner itself calls. Neither 
 from __future__ import annotations
 
 from pd_router.control.worker_control import ControlError
-from pd_router.control.workers import Worker
+from pd_router.control.workers import Role, Worker
 
 
 class ConversionRefused(Exception):
@@ -23,6 +23,22 @@ class ConversionRefused(Exception):
 class AlreadyInRole(ConversionRefused):
     def __init__(self, worker: Worker) -> None:
         super().__init__("already_in_role", f"worker {worker.url} is already a {worker.role}")
+        self.worker = worker
+
+
+class NotConvertible(ConversionRefused):
+    """A regular (non-PD) worker, or a conversion to the regular role: SGLang switches a
+    server between prefill and decode only."""
+
+    def __init__(self, worker: Worker) -> None:
+        what = (
+            f"worker {worker.url} is a regular (non-PD) server"
+            if worker.role is Role.REGULAR
+            else f"worker {worker.url} cannot become a regular server"
+        )
+        super().__init__(
+            "not_convertible", f"{what}: a conversion moves a server between prefill and decode"
+        )
         self.worker = worker
 
 

@@ -245,8 +245,8 @@ class HealthMonitor:
         bring the registry in line with the reading; returns the worker's health. With probes
         off the worker is taken as healthy without a call."""
         if not self._config.enabled:
-            if worker.role is Role.PREFILL and worker.bootstrap_port is None:
-                await self._learn_bootstrap_port(worker)
+            if needs_server_info(worker):
+                await self._learn_once(worker)
             if not worker.healthy:
                 self._registry.mark_recovered(worker)
             return True
@@ -416,36 +416,62 @@ class HealthMonitor:
                 await resp.read()
                 if resp.status != 200:
                     return False, f"health probe answered {resp.status}", False
-            if worker.role is Role.PREFILL and worker.bootstrap_port is None:
-                port = await self._bootstrap_port(worker, timeout)
-                self._registry.set_bootstrap_port(worker, port)
+            if needs_server_info(worker):
+                self._learn(worker, await self._server_info(worker, timeout))
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
             refused = isinstance(exc, aiohttp.ClientConnectorError)
             return False, f"health probe failed: {type(exc).__name__}: {exc}", refused
         return True, None, False
 
-    async def _learn_bootstrap_port(self, worker: Worker) -> None:
-        """Read the prefill's bootstrap port once (probes off); the default if that fails."""
+    async def _learn_once(self, worker: Worker) -> None:
+        """Read the prefill's bootstrap port and the worker's model once (probes off); the
+        default port and no model name if that fails."""
         if self._session is None:
             raise RuntimeError("health monitor not started")
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_secs)
         try:
-            port = await self._bootstrap_port(worker, timeout)
+            info = await self._server_info(worker, timeout)
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
             log.warning(
-                "bootstrap port not read; using the default",
+                "/server_info not read; the default bootstrap port and no model name",
                 extra={"worker": worker.url, "port": DEFAULT_BOOTSTRAP_PORT, "error": str(exc)},
             )
-            port = DEFAULT_BOOTSTRAP_PORT
-        self._registry.set_bootstrap_port(worker, port)
+            info = {}
+        self._learn(worker, info)
 
-    async def _bootstrap_port(self, worker: Worker, limit: aiohttp.ClientTimeout) -> int:
-        """The prefill's ``disaggregation_bootstrap_port`` from /server_info (8998 if absent)."""
+    def _learn(self, worker: Worker, info: dict) -> None:
+        """What the router needs once from a worker's ``/server_info``: a prefill's
+        ``disaggregation_bootstrap_port`` (8998 if absent), and the model it serves."""
+        if worker.role is Role.PREFILL and worker.bootstrap_port is None:
+            port = info.get("disaggregation_bootstrap_port")
+            self._registry.set_bootstrap_port(
+                worker, port if is_int(port) else DEFAULT_BOOTSTRAP_PORT
+            )
+        if worker.model is None:
+            self._registry.set_model(worker, served_model(info))
+
+    async def _server_info(self, worker: Worker, limit: aiohttp.ClientTimeout) -> dict:
         async with self._started_session.get(worker.url + "/server_info", timeout=limit) as resp:
             if resp.status != 200:
                 raise aiohttp.ClientResponseError(
                     resp.request_info, (), status=resp.status, message="server_info failed"
                 )
             info = orjson.loads(await resp.read())
-        port = info.get("disaggregation_bootstrap_port") if isinstance(info, dict) else None
-        return port if is_int(port) else DEFAULT_BOOTSTRAP_PORT
+        return info if isinstance(info, dict) else {}
+
+
+def needs_server_info(worker: Worker) -> bool:
+    """Whether the worker's ``/server_info`` still has something to tell (a prefill's bootstrap
+    port, the model)."""
+    return worker.model is None or (worker.role is Role.PREFILL and worker.bootstrap_port is None)
+
+
+def served_model(info: dict) -> str:
+    """The model a worker serves by its ``/server_info``: the name its OpenAI API answers to
+    (``served_model_name``, else ``model_path``, as SGLang defaults it); "" when it names
+    none."""
+    for key in ("served_model_name", "model_path"):
+        name = info.get(key)
+        if isinstance(name, str) and name:
+            return name
+    return ""

@@ -437,6 +437,7 @@ def entry_of(worker: Worker, circuit: CircuitState, trial: int | None) -> Worker
     return WorkerEntry(
         url=worker.url,
         role=worker.role,
+        model=worker.model_name,
         epoch=worker.epoch,
         bootstrap_port=worker.bootstrap_port,
         pickable=worker.state is WorkerState.ACTIVE and worker.healthy and worker.admitting,

@@ -41,6 +41,7 @@ from pd_protocol.wire import (
     SWITCH_PATH,
 )
 from pd_router.control.workers import Role, Worker, WorkerRegistry
+from pd_router.roles import worker_role
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class WorkerControl:
             body = await self._get_ok(worker.url, ROLE_PATH)
             epoch = body.get("epoch")
             return RoleReading(
-                _role(body.get("role")),
+                worker_role(body.get("role")),
                 _port(body.get("bootstrap_port")),
                 epoch=epoch if is_int(epoch) else None,
                 instance=_signature(body.get("started_at")),
@@ -271,7 +272,11 @@ class WorkerControl:
         decode that cannot forget is logged, since its requests from that prefill may wait at
         bootstrap until the router's rendezvous wait gives up on them."""
         port = bootstrap_port or prefill.bootstrap_port
-        decodes = [w for w in self._registry.in_role(Role.DECODE) if w is not prefill]
+        decodes = [
+            w
+            for w in self._registry.in_role(Role.DECODE)
+            if w is not prefill and w.model == prefill.model
+        ]
         if port is None or not decodes:
             return
         body = {"bootstrap_host": prefill.bootstrap_host, "bootstrap_port": port}
@@ -423,7 +428,7 @@ def _short(body: Any) -> str:
 
 def live_role(info: dict[str, Any]) -> Role | None:
     """The live role a ``/server_info`` reply names."""
-    return _role(_live_state(info).get("disaggregation_mode"))
+    return worker_role(_live_state(info).get("disaggregation_mode"))
 
 
 def _live_state(info: dict[str, Any]) -> dict[str, Any]:
@@ -437,13 +442,6 @@ def _live_state(info: dict[str, Any]) -> dict[str, Any]:
 def _signature(value: Any) -> str | None:
     """A start signature as comparable text (SGLang's is a dict of startup durations)."""
     return None if value is None else orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
-
-
-def _role(value: Any) -> Role | None:
-    try:
-        return Role(str(value).lower())
-    except ValueError:
-        return None
 
 
 def _port(value: Any) -> int | None:

@@ -28,7 +28,7 @@ from pd_router.control.circuit import (
 )
 from pd_router.control.load_report import LoadReport
 from pd_router.metrics import RouterMetrics
-from pd_router.roles import Role, bootstrap_host
+from pd_router.roles import PD_ROLES, Role, bootstrap_host
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,9 @@ class Worker:
     # Set when discovery found the worker (its pod or manifest entry).
     origin: Origin | None = None
     bootstrap_host: str = ""
+    # The model it serves: given (configuration, discovery) or read from its /server_info
+    # (``served_model_name``, else ``model_path``); None until known, "" when it names none.
+    model: str | None = None
     # The worker's last report of its own load (None: none, or it stopped answering); kept
     # only while a policy needs it (:mod:`pd_router.control.load_poller`).
     load_report: LoadReport | None = None
@@ -200,6 +203,11 @@ class Worker:
         self.bootstrap_host = bootstrap_host(self.url)
         self._idle.set()
         self._unpicked.set()
+
+    @property
+    def model_name(self) -> str:
+        """The model it serves ("" when not known)."""
+        return self.model or ""
 
     @property
     def selectable(self) -> bool:
@@ -228,6 +236,7 @@ class Worker:
             "id": self.id,
             "url": self.url,
             "role": self.role.value,
+            "model": self.model,
             "bootstrap_port": self.bootstrap_port,
             "state": self.state.value,
             "epoch": self.epoch,
@@ -280,16 +289,20 @@ class WorkerRegistry:
         bootstrap_port: int | None = None,
         *,
         healthy: bool = True,
+        model: str | None = None,
     ) -> Worker:
-        """Register a worker as ACTIVE in ``role``. A known url raises DuplicateWorker (or
-        WorkerRemoving until its removal ends), except a FAILED worker, which an operator
-        re-adds this way (it comes back under ``role``)."""
+        """Register a worker as ACTIVE in ``role``, serving ``model`` (None: read from the
+        worker by the health monitor). A known url raises DuplicateWorker (or WorkerRemoving
+        until its removal ends), except a FAILED worker, which an operator re-adds this way (it
+        comes back under ``role``)."""
         url = normalize_url(url)
         self.check_addable(url)
         existing = self._by_url.get(url)
         if existing is not None:
             existing.circuit.reset()
             existing.last_error = None
+            if model is not None:
+                self.set_model(existing, model)
             self.set_health(existing, healthy)
             self._move(existing, WorkerState.ACTIVE, role=role, bootstrap_port=bootstrap_port)
             return existing
@@ -303,6 +316,7 @@ class WorkerRegistry:
                 self._circuit_config, on_change=functools.partial(self._on_circuit, url)
             ),
             healthy=healthy,
+            model=model,
         )
         self._by_url[url] = worker
         self._by_id[worker_id] = worker
@@ -310,6 +324,8 @@ class WorkerRegistry:
         worker._inflight_gauge.set(0)
         self._metrics.worker_healthy.labels(url).set(1 if healthy else 0)
         self._metrics.circuit_state.labels(url).set(0)
+        if model is not None:
+            self._metrics.worker_model.labels(url, model).set(1)
         self._export_state(worker)
         self._export_pools()
         self._tell_changed()
@@ -352,7 +368,9 @@ class WorkerRegistry:
             raise InvalidTransition(worker, WorkerState.REMOVING)
         del self._by_url[worker.url]
         del self._by_id[worker.id]
-        self._metrics.forget_worker(worker.url, worker.role.value, [s.value for s in WorkerState])
+        self._metrics.forget_worker(
+            worker.url, worker.role.value, [s.value for s in WorkerState], worker.model
+        )
         self._export_pools()
         self._tell_changed()
         self._tell_unavailable(worker, Unavailability.REMOVED)
@@ -385,25 +403,55 @@ class WorkerRegistry:
 
     # --- views ------------------------------------------------------------------------------
 
-    def in_role(self, role: Role, states: Iterable[WorkerState] | None = None) -> list[Worker]:
+    def in_role(
+        self,
+        role: Role,
+        states: Iterable[WorkerState] | None = None,
+        model: str | None = None,
+    ) -> list[Worker]:
+        """The workers of ``role`` (in ``states``; of ``model`` when given)."""
         wanted = frozenset(states) if states is not None else None
         return [
             w
             for w in self._by_url.values()
-            if w.role is role and (wanted is None or w.state in wanted)
+            if w.role is role
+            and (wanted is None or w.state in wanted)
+            and (model is None or w.model_name == model)
         ]
 
-    def selectable(self, role: Role) -> list[Worker]:
-        """ACTIVE, healthy workers of ``role`` whose circuit lets a request through."""
-        return [w for w in self._by_url.values() if w.role is role and w.selectable]
+    def selectable(self, role: Role, model: str | None = None) -> list[Worker]:
+        """ACTIVE, healthy workers of ``role`` (of ``model`` when given) whose circuit lets a
+        request through."""
+        return [
+            w
+            for w in self._by_url.values()
+            if w.role is role and w.selectable and (model is None or w.model_name == model)
+        ]
+
+    def roles(self) -> tuple[Role, ...]:
+        """The pools a listing shows: prefill and decode always, regular once a regular worker
+        is registered."""
+        if any(w.role is Role.REGULAR for w in self._by_url.values()):
+            return tuple(Role)
+        return PD_ROLES
+
+    def models(self) -> list[str]:
+        """The models the workers serve, in order of registration ("" for workers that name
+        none or are not read yet)."""
+        return list(dict.fromkeys(w.model_name for w in self._by_url.values()))
 
     def remaining_below(self, worker: Worker, minimum: int) -> int | None:
-        """How many active healthy workers ``worker``'s pool keeps without it, when that is
-        fewer than ``minimum`` (None: the pool keeps its minimum)."""
-        remaining = self.active_healthy_count(worker.role, excluding=worker)
+        """How many active healthy workers ``worker``'s pool (its role, its model) keeps
+        without it, when that is fewer than ``minimum`` (None: the pool keeps its minimum)."""
+        remaining = self.active_healthy_count(
+            worker.role, excluding=worker, model=worker.model_name
+        )
         return remaining if remaining < minimum else None
 
-    def active_healthy_count(self, role: Role, excluding: Worker | None = None) -> int:
+    def active_healthy_count(
+        self, role: Role, excluding: Worker | None = None, model: str | None = None
+    ) -> int:
+        """ACTIVE, healthy, admitting workers of ``role`` (of ``model`` when given)."""
         return sum(
             1
             for w in self._by_url.values()
@@ -412,6 +460,7 @@ class WorkerRegistry:
             and w.healthy
             and w.admitting
             and w is not excluding
+            and (model is None or w.model_name == model)
         )
 
     def converting(self) -> list[Worker]:
@@ -509,6 +558,16 @@ class WorkerRegistry:
         restarted process may be another build)."""
         if self.registered(worker):
             worker.has_extensions = has_extensions
+
+    def set_model(self, worker: Worker, model: str) -> None:
+        """The model the worker serves, as read from it or given for it."""
+        if worker.model != model:
+            if worker.model is not None:
+                self._metrics.worker_model.remove(worker.url, worker.model)
+            worker.model = model
+            self._metrics.worker_model.labels(worker.url, model).set(1)
+            self._export_pools()
+            self._tell_changed()
 
     def set_origin(self, worker: Worker, origin: Origin) -> None:
         """Where discovery found the worker (shown with it)."""
@@ -757,11 +816,17 @@ class WorkerRegistry:
             )
 
     def _export_pools(self) -> None:
+        sizes: dict[tuple[str, Role], int] = {}
+        for model in self.models():
+            for role in Role:
+                sizes[model, role] = 0
+        for w in self._by_url.values():
+            if w.state is WorkerState.ACTIVE:
+                sizes[w.model_name, w.role] += 1
         for role in Role:
             self._metrics.pool_size.labels(role.value).set(
-                sum(
-                    1
-                    for w in self._by_url.values()
-                    if w.role is role and w.state is WorkerState.ACTIVE
-                )
+                sum(n for (_, r), n in sizes.items() if r is role)
             )
+        self._metrics.model_pool_size.clear()
+        for (model, role), size in sizes.items():
+            self._metrics.model_pool_size.labels(model, role.value).set(size)

@@ -107,10 +107,12 @@ class Router:
         # Its spans: conversions, and the requests of the data plane in this process.
         self.tracing = start_tracing(config.tracing, "router")
         self.registry = WorkerRegistry(self.metrics, config.circuit)
-        for spec in config.prefill:
-            self.registry.add(spec.url, Role.PREFILL, spec.bootstrap_port, healthy=False)
-        for spec in config.decode:
-            self.registry.add(spec.url, Role.DECODE, healthy=False)
+        for role, specs in ((Role.PREFILL, config.prefill), (Role.DECODE, config.decode),
+                            (Role.REGULAR, config.regular)):  # fmt: skip
+            for spec in specs:
+                self.registry.add(
+                    spec.url, role, spec.bootstrap_port, healthy=False, model=spec.model
+                )
         self.health = HealthMonitor(self.registry, config.health)
         self.latency = LatencyRecorder()
         self._background: set[asyncio.Task] = set()

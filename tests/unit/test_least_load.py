@@ -32,7 +32,7 @@ A, B, C = "http://127.0.0.1:1001", "http://127.0.0.1:1002", "http://127.0.0.1:10
 
 
 def entry(url: str) -> WorkerEntry:
-    return WorkerEntry(url, Role.DECODE, 0, None, True, True, CircuitState.CLOSED, None, None)
+    return WorkerEntry(url, Role.DECODE, "", 0, None, True, True, CircuitState.CLOSED, None, None)
 
 
 def pools(*urls: str) -> SnapshotPools:

@@ -43,7 +43,7 @@ DECODE = "http://[::1]:30002"
 
 def entry(url: str = PREFILL, **changes: object) -> WorkerEntry:
     """A pickable prefill with a closed circuit, with ``changes``."""
-    base = WorkerEntry(PREFILL, Role.PREFILL, 3, 8998, True, True, CircuitState.CLOSED, None, None)
+    base = WorkerEntry(PREFILL, Role.PREFILL, "m", 3, 8998, True, True, CircuitState.CLOSED, None, None)
     return dataclasses.replace(base, url=url, **changes)
 
 
@@ -53,7 +53,7 @@ MESSAGES: list[Message] = [
         7,
         (
             entry(),
-            WorkerEntry(DECODE, Role.DECODE, 0, None, False, True, CircuitState.OPEN, 12.5, 1),
+            WorkerEntry(DECODE, Role.DECODE, "m", 0, None, False, True, CircuitState.OPEN, 12.5, 1),
         ),
     ),
     Snapshot(0, ()),

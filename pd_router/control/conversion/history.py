@@ -19,6 +19,7 @@ from typing import Any
 
 from pd_router.control.workers import Role, Worker
 from pd_router.metrics import RouterMetrics
+from pd_router.roles import PD_ROLES
 
 HISTORY_SIZE = 200
 PHASES = ("drain", "switch", "verify", "total")
@@ -183,7 +184,7 @@ class ConversionHistory:
         """Create every conversion series at 0 before the first conversion: a counter series
         that first appears at 1 is invisible to ``increase()``, so the first failed conversion
         would neither fire the alert nor mark the dashboard."""
-        for from_role in Role:
+        for from_role in PD_ROLES:
             for outcome in FINAL:
                 self._metrics.conversions_total.labels(
                     from_role.value, from_role.other.value, outcome.value

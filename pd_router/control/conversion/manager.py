@@ -48,6 +48,7 @@ from pd_router.control.errors import (
     AlreadyInRole,
     ConversionRefused,
     KnobNotAccepted,
+    NotConvertible,
     WorkerUnreachable,
 )
 from pd_router.control.worker_control import (
@@ -280,6 +281,8 @@ class ConversionManager:
 
     def _claim(self, worker: Worker, conversion_id: str, new_role: Role | None) -> Role:
         """Have the registry hand ``worker`` to the conversion; returns the target role."""
+        if not worker.role.disaggregated or new_role is Role.REGULAR:
+            raise NotConvertible(worker)
         target = new_role or worker.role.other
 
         def check() -> None:
@@ -296,6 +299,8 @@ class ConversionManager:
     def refusal(self, worker: Worker) -> str | None:
         """Why a conversion of ``worker`` would be refused whatever else runs (the worker
         cannot switch, or its pool would fall under its minimum); None if it would not be."""
+        if not worker.role.disaggregated:
+            return NotConvertible(worker).message
         try:
             self._refuse_switch_unsupported(worker)
             self._refuse_below_minimum(worker)
@@ -328,10 +333,11 @@ class ConversionManager:
         minimum = self._minimum[worker.role]
         remaining = self._registry.remaining_below(worker, minimum)
         if remaining is not None:
+            of_model = f" of {worker.model}" if len(self._registry.models()) > 1 else ""
             raise ConversionRefused(
                 f"min_{worker.role.value}",
                 f"converting {worker.url} would leave {remaining} active healthy "
-                f"{worker.role} worker(s); the minimum is {minimum}",
+                f"{worker.role} worker(s){of_model}; the minimum is {minimum}",
             )
 
     # --- the conversion ---------------------------------------------------------------------

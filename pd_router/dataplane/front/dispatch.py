@@ -17,8 +17,8 @@ from pd_router.dataplane.front.ids import RequestIds
 from pd_router.dataplane.front.reply import Reply
 from pd_router.dataplane.front.request import ClientRequest
 from pd_router.dataplane.path.collaborators import PathCollaborators
-from pd_router.dataplane.path.proxy import serve
 from pd_router.dataplane.path.requests import CHAT, COMPLETIONS, GENERATE, Endpoint
+from pd_router.dataplane.path.serve import serve
 from pd_router.errors import ClientClosedRequest, RouterError, error_body
 
 log = logging.getLogger("pd_router.dataplane.front")

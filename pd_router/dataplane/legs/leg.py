@@ -117,10 +117,12 @@ class Legs:
 
     def failure(self, role: Role, worker: Target, exc: BaseException) -> LegFailed:
         """A leg that carries the rendezvous failed with ``exc``: a first-byte timeout at the
-        rendezvous wait is the pair's failure, anything else the worker's."""
+        rendezvous wait is the pair's failure, anything else (and anything of a regular
+        worker's, which meets nobody) the worker's."""
         limits = self.limits
         if (
-            isinstance(exc, LegTimeout)
+            role is not Role.REGULAR
+            and isinstance(exc, LegTimeout)
             and exc.phase is Phase.FIRST_BYTE
             and limits.rendezvous_timeout_secs <= limits.first_byte_timeout_secs
         ):
@@ -344,12 +346,17 @@ async def _read(
 
 
 async def fetch_decode(
-    legs: Legs, worker: Target, url: str, payload: bytes, headers: dict[str, str]
+    legs: Legs,
+    worker: Target,
+    url: str,
+    payload: bytes,
+    headers: dict[str, str],
+    role: Role = Role.DECODE,
 ) -> LegResult:
-    """A non-streaming decode leg: its answer comes whole when the generation ends, so no
-    first-byte timeout applies, only the total (a frozen decode is found by the health probes).
-    LegFailed unless the status is 2xx."""
-    result = await _read(legs, Role.DECODE, worker, url, payload, headers, False)
+    """A non-streaming decode leg (or a regular worker's whole request, ``role``): its answer
+    comes whole when the generation ends, so no first-byte timeout applies, only the total (a
+    frozen decode is found by the health probes). LegFailed unless the status is 2xx."""
+    result = await _read(legs, role, worker, url, payload, headers, False)
     record_outcome(worker, None, legs.count_error)
     return result
 
@@ -368,15 +375,20 @@ async def fetch_prefill(
 
 
 async def open_stream(
-    legs: Legs, worker: Target, url: str, payload: bytes, headers: dict[str, str]
+    legs: Legs,
+    worker: Target,
+    url: str,
+    payload: bytes,
+    headers: dict[str, str],
+    role: Role = Role.DECODE,
 ) -> Response:
-    """POST ``payload`` to a streaming decode and return the response once its head arrived
-    with a 2xx status (the caller reads the body, records the outcome and releases or closes
-    it); LegFailed otherwise. Its first event carries the rendezvous: it is due within the
-    rendezvous wait (:meth:`Legs.failure` names a miss)."""
-    role = Role.DECODE
+    """POST ``payload`` to a streaming decode (or regular worker, ``role``) and return the
+    response once its head arrived with a 2xx status (the caller reads the body, records the
+    outcome and releases or closes it); LegFailed otherwise. A decode's first event carries the
+    rendezvous: it is due within the rendezvous wait (:meth:`Legs.failure` names a miss)."""
+    limits = legs.limits if role is Role.REGULAR else legs.meeting
     try:
-        response = await legs.pool.post(url, payload, headers, legs.meeting)
+        response = await legs.pool.post(url, payload, headers, limits)
     except asyncio.CancelledError:
         worker.circuit.release_trial()
         raise

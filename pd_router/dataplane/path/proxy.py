@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import orjson
 
-from pd_router.dataplane.front.reply import Answer, Reply, sse_error_event
+from pd_router.dataplane.front.reply import Answer, sse_error_event
 from pd_router.dataplane.legs.aborts import find_abort
 from pd_router.dataplane.legs.leg import (
     UPSTREAM_ERRORS,
@@ -50,17 +50,16 @@ from pd_router.dataplane.legs.leg import (
 )
 from pd_router.dataplane.legs.pool import Response
 from pd_router.dataplane.path.collaborators import PathCollaborators
-from pd_router.dataplane.path.fanout import Sampling, serve_samples
 from pd_router.dataplane.path.logprobs import merge_body, merged_events, prefill_logprobs
 from pd_router.dataplane.path.requests import (
     Endpoint,
     inject_bootstrap,
     item_rids,
     logprobs_requested,
-    parse_body,
     router_rid,
 )
 from pd_router.dataplane.routing.policies import prompt_key
+from pd_router.dataplane.routing.pools import Route
 from pd_router.dataplane.routing.retry import attempts, backoff_secs
 from pd_router.dataplane.routing.target import Target
 from pd_router.errors import (
@@ -88,43 +87,6 @@ SSE_HEAD = tuple(SSE_HEADERS.items())
 END_EVENT = b"data: [DONE]\n\n"
 
 
-async def serve(
-    path: PathCollaborators,
-    endpoint: Endpoint,
-    raw: bytes,
-    reply: Reply,
-    ids: tuple[str, str],
-    span: RequestSpan | None = None,
-) -> None:
-    """Answer one generation request (its whole body ``raw``) on ``reply``; ``ids``: the
-    request's id and the one its rids are made from; ``span``: its trace span (None: tracing
-    off)."""
-    started = asyncio.get_running_loop().time()
-    body = parse_body(raw)
-    items, samples = endpoint.count_items(body)
-    async with path.admission.admitted():
-        if samples > 1:
-            run = functools.partial(run_sample, path, endpoint, started, span)
-            await serve_samples(Sampling(endpoint, body, samples), reply, ids, run)
-            return
-        await Exchange(path, reply, ids, endpoint, body, items, started, span).run()
-
-
-async def run_sample(
-    path: PathCollaborators,
-    endpoint: Endpoint,
-    started: float,
-    span: RequestSpan | None,
-    reply: Answer,
-    ids: tuple[str, str],
-    body: dict[str, Any],
-    items: int | None,
-) -> None:
-    """One sample of a fanned-out request, served as a request of its own (its attempts'
-    legs in the request's span)."""
-    await Exchange(path, reply, ids, endpoint, body, items, started, span).run()
-
-
 async def guarded(main: asyncio.Task[T], guard: asyncio.Task) -> T:
     """``main``'s result, unless ``guard`` fails first: then ``main`` is cancelled and the
     guard's error raised (the prefill failing while the decode waits for its KV)."""
@@ -145,7 +107,55 @@ def retrieve(task: asyncio.Task) -> None:
         task.exception()
 
 
-class Exchange:
+class Routed:
+    """What every served request keeps across its attempts, PD or regular: its body, ids, the
+    route of its model, the prompt a cache-aware policy keys on, the rids workers know it by."""
+
+    def __init__(
+        self,
+        path: PathCollaborators,
+        reply: Answer,
+        ids: tuple[str, str],
+        endpoint: Endpoint,
+        body: dict[str, Any],
+        items: int | None,
+        started: float,
+        route: Route | None,
+    ) -> None:
+        self.path = path
+        self.reply = reply
+        self.route = route
+        self.endpoint = endpoint
+        self.body = body
+        self.items = items
+        self.started = started
+        self.request_id, self.upstream_id = ids
+        self.client_rid = body.get("rid")
+        self.stream = bool(body.get("stream"))
+        self._prompt_key: str | None = None
+
+    def headers(self, role: Role) -> dict[str, str]:
+        """The headers of a leg to a worker of ``role``."""
+        return {**self.path.leg_headers[role], "X-Request-Id": self.request_id}
+
+    def routing_prompt(self) -> str:
+        """The prompt a cache-aware policy keys on, computed on first use and kept for both
+        pools and every attempt."""
+        if self._prompt_key is None:
+            self._prompt_key = prompt_key(self.body)
+        return self._prompt_key
+
+    def payload(self, attempt: int) -> tuple[bytes, list[str]]:
+        """The body for this attempt (with the rid workers know it by) and its rids."""
+        if self.client_rid is not None:
+            rids = item_rids(self.client_rid, self.items)
+        else:
+            base = self.upstream_id if attempt == 0 else f"{self.upstream_id}-{attempt}"
+            self.body["rid"], rids = router_rid(self.endpoint, base, self.items)
+        return orjson.dumps(self.body), rids
+
+
+class Exchange(Routed):
     """One client request across its attempts."""
 
     def __init__(
@@ -158,23 +168,14 @@ class Exchange:
         items: int | None,
         started: float,
         span: RequestSpan | None = None,
+        route: Route | None = None,
     ) -> None:
-        self.path = path
-        self.reply = reply
-        self.endpoint = endpoint
-        self.body = body
-        self.items = items
-        self.started = started
-        self.request_id, self.upstream_id = ids
-        self.client_rid = body.get("rid")
-        request_id = {"X-Request-Id": self.request_id}
-        self.prefill_headers = {**path.leg_headers[Role.PREFILL], **request_id}
-        self.decode_headers = {**path.leg_headers[Role.DECODE], **request_id}
-        self.stream = bool(body.get("stream"))
+        super().__init__(path, reply, ids, endpoint, body, items, started, route)
+        self.prefill_headers = self.headers(Role.PREFILL)
+        self.decode_headers = self.headers(Role.DECODE)
         # When the current attempt's prefill answered (loop time), to split TTFT between pools.
         self.prefilled_at: float | None = None
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
-        self._prompt_key: str | None = None
         self.span: ExchangeSpan | None = span.exchange() if span is not None else None
         # The current attempt's leg spans (None: tracing off).
         self.leg_spans: LegSpans | None = None
@@ -260,30 +261,19 @@ class Exchange:
         pools = self.path.pools
         pairs = self.path.legs.pairs
         prompt = self.routing_prompt
-        prefill = pools.pick(Role.PREFILL, avoid, prompt)
-        decode = pools.pick(Role.DECODE, pairs.avoid(prefill, avoid), prompt)
+        route = self.route
+        prefill = pools.pick(Role.PREFILL, avoid, prompt, route)
+        decode = pools.pick(Role.DECODE, pairs.avoid(prefill, avoid), prompt, route)
         if pairs.blocks(prefill, decode):
-            other = pools.pick(Role.PREFILL, [*avoid, prefill], prompt)
+            other = pools.pick(Role.PREFILL, [*avoid, prefill], prompt, route)
             if other is not prefill:
-                return other, pools.pick(Role.DECODE, pairs.avoid(other, avoid), prompt)
+                return other, pools.pick(Role.DECODE, pairs.avoid(other, avoid), prompt, route)
         return prefill, decode
-
-    def routing_prompt(self) -> str:
-        """The prompt a cache-aware policy keys on, computed on first use and kept for both
-        pools and every attempt."""
-        if self._prompt_key is None:
-            self._prompt_key = prompt_key(self.body)
-        return self._prompt_key
 
     def prepare(self, attempt: int, prefill: Target) -> tuple[bytes, list[str]]:
         """The body for this attempt (new rooms, the rid workers know it by) and its rids."""
         inject_bootstrap(self.body, prefill, self.items)
-        if self.client_rid is not None:
-            rids = item_rids(self.client_rid, self.items)
-        else:
-            base = self.upstream_id if attempt == 0 else f"{self.upstream_id}-{attempt}"
-            self.body["rid"], rids = router_rid(self.endpoint, base, self.items)
-        return orjson.dumps(self.body), rids
+        return self.payload(attempt)
 
     def cleanup(
         self,
@@ -412,7 +402,9 @@ class Exchange:
             except ConnectionResetError:
                 client_gone = True
                 raise ClientClosedRequest("client closed the connection") from None
-            decode_done, client_gone = await self.relay(first, pieces, decode)
+            decode_done, client_gone = await relay(
+                self.path, self.reply, self.request_id, first, pieces, decode, Role.DECODE
+            )
             if not client_gone:
                 try:
                     await self.reply.end()
@@ -452,54 +444,54 @@ class Exchange:
         await self.reply.start(d_resp.status, (("Content-Type", content_type), *SSE_HEAD))
         self.observe_ttft()
 
-    async def relay(
-        self,
-        first: bytes,
-        pieces: AsyncIterator[bytes],
-        decode: Target,
-    ) -> tuple[bool, bool]:
-        """Copy the decode's stream to the client; returns (decode finished, client gone).
-        Events are counted by their blank-line ends, for the time per output token. The answer
-        counts as delivered (``reply.delivered``) from its end event on, or once the whole stream
-        was relayed."""
-        reply = self.reply
-        loop = asyncio.get_running_loop()
-        first_at = loop.time()
-        events = first.count(b"\n\n")
-        try:
-            await reply.write(first)
-            if first.endswith(END_EVENT):
-                reply.delivered = reply.status
-            async for piece in pieces:
-                events += piece.count(b"\n\n")
-                try:
-                    await reply.write(piece)
-                except ConnectionResetError:
-                    return False, True
-                if piece.endswith(END_EVENT):
-                    reply.delivered = reply.status
-        except ConnectionResetError:
-            return False, True
-        except UPSTREAM_ERRORS as exc:
-            failure = transport_failure(Role.DECODE, decode, exc)
-            record_outcome(decode, failure, self.path.metrics.count_upstream_error)
-            log.warning(
-                "decode stream broke after the first byte",
-                extra={
-                    "request_id": self.request_id,
-                    "worker": decode.url,
-                    "error": failure.message,
-                },
-            )
+
+async def relay(
+    path: PathCollaborators,
+    reply: Answer,
+    request_id: str,
+    first: bytes,
+    pieces: AsyncIterator[bytes],
+    worker: Target,
+    role: Role,
+) -> tuple[bool, bool]:
+    """Copy the stream of ``worker`` (the decode, or a regular worker) to the client; returns
+    (worker finished, client gone). Events are counted by their blank-line ends, for the time
+    per output token. The answer counts as delivered (``reply.delivered``) from its end event
+    on, or once the whole stream was relayed."""
+    loop = asyncio.get_running_loop()
+    first_at = loop.time()
+    events = first.count(b"\n\n")
+    try:
+        await reply.write(first)
+        if first.endswith(END_EVENT):
+            reply.delivered = reply.status
+        async for piece in pieces:
+            events += piece.count(b"\n\n")
             try:
-                await reply.write(sse_error(failure.message, 504 if failure.timed_out else 502))
+                await reply.write(piece)
             except ConnectionResetError:
                 return False, True
-            return False, False
-        reply.delivered = reply.status
-        record_outcome(decode, None, self.path.metrics.count_upstream_error)
-        self.path.latency.observe_stream(loop.time() - first_at, events)
-        return True, False
+            if piece.endswith(END_EVENT):
+                reply.delivered = reply.status
+    except ConnectionResetError:
+        return False, True
+    except UPSTREAM_ERRORS as exc:
+        failure = transport_failure(role, worker, exc)
+        record_outcome(worker, failure, path.metrics.count_upstream_error)
+        log.warning(
+            "%s stream broke after the first byte",
+            role.value,
+            extra={"request_id": request_id, "worker": worker.url, "error": failure.message},
+        )
+        try:
+            await reply.write(sse_error(failure.message, 504 if failure.timed_out else 502))
+        except ConnectionResetError:
+            return False, True
+        return False, False
+    reply.delivered = reply.status
+    record_outcome(worker, None, path.metrics.count_upstream_error)
+    path.latency.observe_stream(loop.time() - first_at, events)
+    return True, False
 
 
 async def join_unary(
@@ -520,28 +512,32 @@ async def join_unary(
 
 
 async def first_piece(
-    pieces: AsyncIterator[bytes], decode: Target, content_type: str, legs: Legs
+    pieces: AsyncIterator[bytes],
+    decode: Target,
+    content_type: str,
+    legs: Legs,
+    role: Role = Role.DECODE,
 ) -> bytes:
-    """The decode's first bytes; a stream that breaks or ends before them (or misses the
-    rendezvous wait), or whose first event is an abort the worker gave a 5xx status (a KV
-    hand-off that failed), is a retryable decode failure: nothing reached the client yet. Other
-    aborts go to the client as sent."""
+    """The decode's (or regular worker's, ``role``) first bytes; a stream that breaks or ends
+    before them (or misses the rendezvous wait), or whose first event is an abort the worker
+    gave a 5xx status (a KV hand-off that failed), is a retryable failure: nothing reached the
+    client yet. Other aborts go to the client as sent."""
     count_error = legs.count_error
     try:
         piece = await anext(pieces)
     except StopAsyncIteration:
         piece = b""
     except UPSTREAM_ERRORS as exc:
-        raise recorded(decode, legs.failure(Role.DECODE, decode, exc), count_error) from exc
+        raise recorded(decode, legs.failure(role, decode, exc), count_error) from exc
     if not piece:
         failure = LegFailed(
-            Role.DECODE, decode, "disconnect",
-            f"decode worker {decode.url} ended its stream without data", retryable=True,
+            role, decode, "disconnect",
+            f"{role.value} worker {decode.url} ended its stream without data", retryable=True,
         )  # fmt: skip
         raise recorded(decode, failure, count_error)
     abort = find_abort(piece, content_type)
     if abort is not None and abort.status is not None and abort.status >= 500:
-        failure = abort_failure(Role.DECODE, decode, abort)
+        failure = abort_failure(role, decode, abort)
         raise recorded(decode, failure, count_error)
     return piece
 

@@ -13,11 +13,34 @@ from pd_router.errors import NoWorkers
 from pd_router.roles import Role
 
 
+class Route:
+    """One model's pools: what a request for it picks from. ``regular``: the model has no
+    prefill or decode worker, so a request goes to one of its regular workers whole."""
+
+    __slots__ = ("model", "pools", "regular")
+
+    def __init__(self, model: str, members: Iterable[Target], regular: bool) -> None:
+        self.model = model
+        self.regular = regular
+        self.pools: dict[Role, list[Target]] = {role: [] for role in Role}
+        for member in members:
+            self.pools[member.role].append(member)
+
+
 class Pools(Protocol):
+    def route(self, model: object) -> Route:
+        """The pools of the model a request names (ModelNotFound, ModelRequired)."""
+        ...
+
     def pick(
-        self, role: Role, avoid: Iterable[Target] = (), prompt: Callable[[], str] | None = None
+        self,
+        role: Role,
+        avoid: Iterable[Target] = (),
+        prompt: Callable[[], str] | None = None,
+        route: Route | None = None,
     ) -> Target:
-        """A worker of ``role`` by its pool's policy (NoWorkers if none)."""
+        """A worker of ``role`` in ``route`` (None: the only model's) by its pool's policy
+        (NoWorkers if none)."""
         ...
 
     def acquire(self, target: Target) -> None: ...

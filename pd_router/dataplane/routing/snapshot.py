@@ -16,6 +16,13 @@ Router-wide in-flight: :attr:`Member.inflight` is this process's own count plus 
 data planes had in flight when the control process last summed their reports (pushed every
 report interval), so ``least_inflight`` and ``power_of_two`` balance the whole router's load.
 
+Models: each worker serves one model (the snapshot names it). Serving one model (every worker
+names the same, or none), the pools are that model's and a request's ``model`` is not looked
+at, as SGLang's ``mini_lb`` does not; serving several, a request picks its model's
+:class:`Route` by its ``model`` (:meth:`SnapshotPools.route`): an unknown name gets 404, none
+at all 400, and a worker that names no model serves none of them. A model with prefill or
+decode workers is served in PD; one with regular workers only, by one worker each request.
+
 Load reports: the workers' own counts of their requests (:class:`pd_router.wire.WorkerLoads`,
 sent only when a pool's policy routes by them) are set on the members as they come
 (:attr:`Member.load`, :attr:`Member.load_at`), and on a member that joins later.
@@ -35,7 +42,8 @@ from typing import Any
 
 from pd_router.circuit_state import CircuitState
 from pd_router.dataplane.routing.policies import Policy
-from pd_router.dataplane.routing.pools import choose
+from pd_router.dataplane.routing.pools import Route, choose
+from pd_router.errors import ModelNotFound, ModelRequired
 from pd_router.roles import Role, bootstrap_host
 from pd_router.wire import NO_SNAPSHOT, Snapshot, WorkerLoads, check_consistent
 
@@ -131,6 +139,7 @@ class Member:
         "load",
         "load_at",
         "local",
+        "model",
         "pickable",
         "reported",
         "role",
@@ -141,6 +150,7 @@ class Member:
     def __init__(self, url: str, role: Role, circuit: SharedCircuit) -> None:
         self.url = url
         self.role = role
+        self.model = ""
         # The registry's epoch of the worker: a role change through a conversion or one the
         # router adopted moves it on (a quarantined pair is released by it).
         self.epoch = 0
@@ -159,6 +169,28 @@ class Member:
         # The worker's requests by its last load report (None: none) and when it was read.
         self.load: int | None = None
         self.load_at = 0.0
+
+
+def routes_of(
+    snapshot: Snapshot, members: Iterable[Member]
+) -> tuple[dict[str, Route], Route | None]:
+    """The routes of ``snapshot`` by model name, and the one route every request takes when
+    the workers serve one model (or name none); ``members`` are the pickable ones."""
+    models: dict[str, list[Member]] = {}
+    pd: set[str] = set()
+    for entry in snapshot.workers:
+        models.setdefault(entry.model, [])
+        if entry.role is not Role.REGULAR:
+            pd.add(entry.model)
+    named = [model for model in models if model]
+    if len(named) <= 1:
+        route = Route(named[0] if named else "", members, regular=bool(models) and not pd)
+        return ({route.model: route} if named else {}), route
+    for member in members:
+        if member.model:
+            models[member.model].append(member)
+    routes = {model: Route(model, models[model], model not in pd) for model in named}
+    return routes, None
 
 
 UnavailableCallback = Callable[[str], None]
@@ -198,7 +230,10 @@ class SnapshotPools:
         self._members: dict[str, Member] = {}
         # Members no longer in the snapshot, kept while requests are in flight on them.
         self._gone: set[str] = set()
-        self._pools: dict[Role, list[Member]] = {role: [] for role in Role}
+        # The routes by model, and the one every request takes while the workers serve one
+        # model (None while they serve several).
+        self._routes: dict[str, Route] = {}
+        self._only: Route | None = Route("", (), regular=False)
         # The last load reports pushed, for members that join after them.
         self._loads: Mapping[str, tuple[int, float]] = {}
 
@@ -223,6 +258,7 @@ class SnapshotPools:
             elif member.role is not role:
                 self.policies[member.role].forget(url)
                 member.role = role
+            member.model = entry.model
             member.epoch = entry.epoch
             member.bootstrap_port = entry.bootstrap_port
             member.pickable = entry.pickable
@@ -237,10 +273,9 @@ class SnapshotPools:
                 del self._members[url]
             else:
                 self._gone.add(url)
-        self._pools = {
-            role: [m for m in self._members.values() if m.pickable and m.role is role]
-            for role in Role
-        }
+        self._routes, self._only = routes_of(
+            snapshot, [m for m in self._members.values() if m.pickable]
+        )
         self.version = snapshot.version
 
     def apply_inflight(self, totals: Mapping[str, int]) -> None:
@@ -263,16 +298,38 @@ class SnapshotPools:
 
     # --- the request path ------------------------------------------------------------------
 
+    def route(self, model: object) -> Route:
+        """The route of a request naming ``model`` (its body's field; None when absent): the
+        only one while the workers serve one model, else the model's; ModelNotFound (404) for
+        a name no worker serves, ModelRequired (400) for none."""
+        only = self._only
+        if only is not None:
+            return only
+        if model is None:
+            raise ModelRequired(list(self._routes))
+        route = self._routes.get(model) if isinstance(model, str) else None
+        if route is None:
+            raise ModelNotFound(str(model))
+        return route
+
+    def models(self) -> list[str]:
+        """The models the workers serve, named."""
+        return list(self._routes)
+
     def pick(
         self,
         role: Role,
         avoid: Iterable[Member] = (),
         prompt: Callable[[], str] | None = None,
+        route: Route | None = None,
     ) -> Member:
-        """A selectable member of ``role`` (its circuit allowing), the ones in ``avoid`` only
-        when nothing else is left; when every circuit keeps the pool out, the pickable members
-        not in ``avoid`` anyway (panic mode, :mod:`pd_router.control.circuit`)."""
-        pool = self._pools[role]
+        """A selectable member of ``role`` in ``route`` (None: the only one), its circuit
+        allowing; the ones in ``avoid`` only when nothing else is left; when every circuit
+        keeps the pool out, the pickable members not in ``avoid`` anyway (panic mode,
+        :mod:`pd_router.control.circuit`)."""
+        if route is None:
+            route = self._only or NO_ROUTE
+        pool = route.pools[role]
         return choose(
             role,
             [m for m in pool if m.circuit.allows()] or without(pool, avoid),
@@ -332,6 +389,10 @@ class SnapshotPools:
         )
         self._recorded.clear()
         return outcomes
+
+
+# What a request picks from while the workers serve several models and it names none.
+NO_ROUTE = Route("", (), regular=False)
 
 
 def set_load(member: Member, report: tuple[int, float] | None) -> None:

@@ -1,0 +1,192 @@
+"""One router, two models, on real processes: ``big`` served in PD (a prefill and two decodes)
+and ``small`` by two regular workers (``--disaggregation-mode null``). The router reads each
+worker's model from its ``/server_info`` (nothing in its configuration names one) and routes
+each request by its ``model``."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from pd_worker.cluster import WorkerCluster
+from tests.router_helpers import (
+    assert_paired,
+    generate_body,
+    running_router,
+    sse_events,
+    wait_until,
+    worker_metric,
+)
+
+BIG = "big"
+SMALL = "small"
+
+
+@pytest.fixture(scope="module")
+def big() -> Iterator[WorkerCluster]:
+    with WorkerCluster(prefill=1, decode=2, extra_args=("--served-model-name", BIG)) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+def small() -> Iterator[WorkerCluster]:
+    with WorkerCluster(
+        prefill=0, decode=0, regular=2, extra_args=("--served-model-name", SMALL)
+    ) as cluster:
+        yield cluster
+
+
+def both(big: WorkerCluster, small: WorkerCluster, **overrides):
+    regular = [{"url": url} for url in small.regular_urls]
+    return running_router(big, regular=regular, **overrides)
+
+
+def chat(model: str, text: str = "hello", **extra) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": 4,
+        **extra,
+    }
+
+
+async def requests_on(urls: list[str]) -> float:
+    return sum([await worker_metric(url, "num_requests_total") for url in urls])
+
+
+async def test_a_request_naming_the_pd_model_goes_to_its_prefill_and_a_decode(big, small):
+    async with both(big, small) as router, router.client() as http:
+        answer = await http.post("/generate", json=generate_body("to big", 4, model=BIG))
+    assert answer.status_code == 200, answer.text
+    assert assert_paired(answer.json(), "to big", 4) in big.prefill_urls[0]
+
+
+async def test_a_request_naming_the_regular_model_is_served_whole_by_one_regular_worker(
+    big, small
+):
+    before_small = await requests_on(small.regular_urls)
+    before_big = await requests_on(big.urls)
+    async with both(big, small) as router, router.client() as http:
+        answer = await http.post("/v1/chat/completions", json=chat(SMALL))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["model"] == SMALL
+    assert await requests_on(small.regular_urls) == before_small + 1
+    assert await requests_on(big.urls) == before_big
+
+
+async def test_a_stream_from_a_regular_worker_is_relayed_to_its_end(big, small):
+    async with both(big, small) as router, router.client() as http:
+        answer = await http.post("/v1/chat/completions", json=chat(SMALL, stream=True))
+    assert answer.status_code == 200, answer.text
+    events = sse_events(answer.text)
+    assert events[-1] == "[DONE]"
+    assert all(event["model"] == SMALL for event in events[:-1])
+
+
+async def test_a_model_no_worker_serves_gets_404_model_not_found(big, small):
+    async with both(big, small) as router, router.client() as http:
+        answer = await http.post("/v1/chat/completions", json=chat("medium"))
+    assert answer.status_code == 404
+    assert answer.json()["error"]["code"] == "model_not_found"
+
+
+async def test_a_request_naming_no_model_gets_400_while_several_are_served(big, small):
+    async with both(big, small) as router, router.client() as http:
+        answer = await http.post("/generate", json=generate_body("which model?", 4))
+    assert answer.status_code == 400
+    assert answer.json()["error"]["code"] == "model_required"
+
+
+async def test_v1_models_lists_every_model_served(big, small):
+    async with both(big, small) as router, router.client() as http:
+        listing = (await http.get("/v1/models")).json()
+        one = await http.get(f"/v1/models/{SMALL}")
+    assert sorted(model["id"] for model in listing["data"]) == [BIG, SMALL]
+    assert one.json()["id"] == SMALL
+
+
+async def test_the_workers_list_shows_the_model_each_worker_serves(big, small):
+    async with both(big, small) as router, router.client() as http:
+        workers = (await http.get("/workers")).json()["workers"]
+    models = {w["url"]: (w["model"], w["role"]) for w in workers}
+    assert models == {
+        **{url: (BIG, "prefill") for url in big.prefill_urls},
+        **{url: (BIG, "decode") for url in big.decode_urls},
+        **{url: (SMALL, "regular") for url in small.regular_urls},
+    }
+
+
+async def test_a_regular_worker_is_refused_a_conversion_with_409(big, small):
+    async with both(big, small) as router, router.client() as http:
+        answer = await http.post("/convert_pd_role", json={"server_url": small.regular_urls[0]})
+    assert answer.status_code == 409
+    assert answer.json()["error"]["reason"] == "not_convertible"
+
+
+async def test_a_conversion_in_the_pd_model_under_load_fails_no_request_of_either(big, small):
+    decode = big.decode_urls[1]
+    failures: list[str] = []
+    stop = asyncio.Event()
+
+    async def load(http: httpx.AsyncClient, body_of) -> int:
+        sent = 0
+        while not stop.is_set():
+            path, body = body_of(sent)
+            answer = await http.post(path, json=body)
+            sent += 1
+            if answer.status_code != 200:
+                failures.append(f"{answer.status_code} {answer.text[:200]}")
+        return sent
+
+    def to_big(i: int):
+        return "/generate", generate_body(f"big {i}", 4, model=BIG)
+
+    def to_small(i: int):
+        return "/v1/chat/completions", chat(SMALL, f"small {i}")
+
+    async with both(big, small) as router, router.client() as http:
+        loads = [asyncio.create_task(load(http, body)) for body in (to_big, to_small) * 2]
+        converted = await http.post(
+            "/convert_pd_role", json={"server_url": decode, "new_role": "prefill"}
+        )
+        await wait_until(lambda: router_prefills(router) == 2, 30.0, "the decode converted")
+        await asyncio.sleep(0.5)
+        stop.set()
+        sent = await asyncio.gather(*loads)
+        back = await http.post("/convert_pd_role", json={"server_url": decode})
+        await wait_until(lambda: router_prefills(router) == 1, 30.0, "the worker back")
+    assert converted.status_code == 200, converted.text
+    assert back.status_code == 200, back.text
+    assert failures == []
+    assert all(n > 0 for n in sent)
+
+
+def router_prefills(router) -> int:
+    return sum(
+        1
+        for w in router.state.registry
+        if w.role.value == "prefill" and w.model == BIG and w.state.value == "active"
+    )
+
+
+async def test_a_regular_worker_that_dies_has_its_requests_served_by_the_other(big, small):
+    extra = WorkerCluster(
+        prefill=0, decode=0, regular=1, extra_args=("--served-model-name", SMALL)
+    ).start()
+    try:
+        regular = [{"url": url} for url in [*small.regular_urls, *extra.regular_urls]]
+        async with running_router(big, regular=regular) as router, router.client() as http:
+            await wait_until(
+                lambda: all(w.healthy for w in router.state.registry), 10.0, "all healthy"
+            )
+            extra.kill(extra.regular_urls[0])
+            answers = [
+                await http.post("/v1/chat/completions", json=chat(SMALL, f"after {i}"))
+                for i in range(6)
+            ]
+    finally:
+        extra.stop()
+    assert [a.status_code for a in answers] == [200] * 6
