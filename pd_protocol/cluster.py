@@ -27,7 +27,8 @@ import orjson
 DEFAULT_PREFIX = "/pd-router"
 DEFAULT_LEASE_TTL_SECS = 5
 
-ROLES = ("prefill", "decode")
+# A regular (non-PD) worker is never converted; its record only says it is one.
+ROLES = ("prefill", "decode", "regular")
 STATES = ("active", "draining", "switching", "failed", "removing")
 
 

@@ -6,12 +6,14 @@ each request by its ``model``."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from pd_worker.cluster import WorkerCluster
+from tests.cli_process import serving
 from tests.router_helpers import (
     assert_paired,
     generate_body,
@@ -64,9 +66,7 @@ async def test_a_request_naming_the_pd_model_goes_to_its_prefill_and_a_decode(bi
     assert assert_paired(answer.json(), "to big", 4) in big.prefill_urls[0]
 
 
-async def test_a_request_naming_the_regular_model_is_served_whole_by_one_regular_worker(
-    big, small
-):
+async def test_a_request_naming_the_regular_model_is_served_whole_by_one_regular_worker(big, small):
     before_small = await requests_on(small.regular_urls)
     before_big = await requests_on(big.urls)
     async with both(big, small) as router, router.client() as http:
@@ -190,3 +190,30 @@ async def test_a_regular_worker_that_dies_has_its_requests_served_by_the_other(b
     finally:
         extra.stop()
     assert [a.status_code for a in answers] == [200] * 6
+
+
+def test_pd_router_with_worker_urls_alone_serves_as_a_regular_router(small):
+    """sglang-router's regular mode: ``--worker-urls A B``, no prefill and no decode; the one
+    model's requests need no ``model`` and go to the workers whole, without a warning about
+    the flag."""
+    with serving("--host", "127.0.0.1", "--worker-urls", *small.regular_urls) as router:
+        wait_ready(router.url)
+        answers = [
+            httpx.post(router.url + "/generate", json=generate_body(f"plain {i}", 4), timeout=30)
+            for i in range(4)
+        ]
+        chat_answer = httpx.post(
+            router.url + "/v1/chat/completions", json=chat("anything"), timeout=30
+        )
+        log = router.log()
+    assert [a.status_code for a in answers] == [200] * 4
+    assert all(a.json()["text"] for a in answers)
+    assert chat_answer.status_code == 200, chat_answer.text
+    assert "--worker-urls is accepted" not in log
+
+
+def wait_ready(url: str) -> None:
+    deadline = time.monotonic() + 15.0
+    while httpx.get(url + "/readiness", timeout=2.0).status_code != 200:
+        assert time.monotonic() < deadline, "router not ready"
+        time.sleep(0.05)

@@ -117,7 +117,8 @@ class PodLabels:
             return None
         if worker.state is not WorkerState.ACTIVE or worker.conversion_id is not None:
             return None
-        if labels.get(self._role_label.key) == self._role_label.values[worker.role]:
+        wanted = self._role_label.values.get(worker.role)
+        if wanted is None or labels.get(self._role_label.key) == wanted:
             return None
         return worker
 

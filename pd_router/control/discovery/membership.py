@@ -157,6 +157,8 @@ class Membership:
                 continue
             break
         self._registry.set_origin(worker, target.origin)
+        if target.origin.model_id:
+            self._registry.set_model(worker, target.origin.model_id)
         self._discovered.inc()
         log.info(
             "discovered %s as %s (%s)", target.url, role.value, target.origin,
