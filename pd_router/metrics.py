@@ -109,8 +109,8 @@ class RouterMetrics:
         )  # fmt: skip
         self.autopilot_desired_workers = Gauge(
             PREFIX + "autopilot_desired_workers",
-            "Workers per role the autopilot's last decision aims for.",
-            ["role"], registry=r,
+            "Workers per role the autopilot's last decision for a model's pools aims for.",
+            ["role", "model"], registry=r,
         )  # fmt: skip
         self.cluster_etcd_up = Gauge(
             PREFIX + "cluster_etcd_up",

@@ -119,17 +119,18 @@ class MetricsAsk:
 class Report:
     """A data plane's batch: ``version`` is the snapshot it routes from (its ack); its in-flight
     count per worker and when each idle one became idle; leg outcomes as runs ``(url,
-    succeeded, how many in a row)``; TTFT samples ``(seconds, prefilled after)``, TPOT samples
-    ``(seconds after the first, events)``, refusals per role; its open client connections."""
+    succeeded, how many in a row)``; TTFT samples ``(seconds, prefilled after, model)``, TPOT
+    samples ``(seconds after the first, events, model)``, refusals ``(model, role, count)``; its
+    open client connections."""
 
     TAG: ClassVar[str] = "report"
     version: int
     inflight: Mapping[str, int]
     idle_at: Mapping[str, float]
     outcomes: tuple[tuple[str, bool, int], ...]
-    ttft: tuple[tuple[float, float | None], ...]
-    tpot: tuple[tuple[float, int], ...]
-    refused: Mapping[str, int]
+    ttft: tuple[tuple[float, float | None, str], ...]
+    tpot: tuple[tuple[float, int, str], ...]
+    refused: tuple[tuple[str, str, int], ...]
     connections: int
 
 
@@ -386,9 +387,9 @@ DECODERS: dict[str, Callable[[Any], Any]] = {
         inflight=mapping(INT),
         idle_at=mapping(NUMBER),
         outcomes=rows(TEXT, BOOL, INT),
-        ttft=rows(NUMBER, maybe(NUMBER)),
-        tpot=rows(NUMBER, INT),
-        refused=mapping(INT),
+        ttft=rows(NUMBER, maybe(NUMBER), TEXT),
+        tpot=rows(NUMBER, INT, TEXT),
+        refused=rows(TEXT, TEXT, INT),
         connections=INT,
     ),
     Suspect.TAG: record(Suspect, url=TEXT),

@@ -18,10 +18,12 @@ PROMPT = "a steady mix " * 15 + "of prompts, each two hundred tokens long, and o
 
 class OpenLoad:
     """``rate`` requests a second of ``PROMPT`` and ``tokens``-token answers, every other one
-    streamed; each status is kept (0: no answer), a stream's once it ended."""
+    streamed (for ``model`` when given); each status is kept (0: no answer), a stream's once it
+    ended."""
 
-    def __init__(self, url: str, rate: float, tokens: int) -> None:
+    def __init__(self, url: str, rate: float, tokens: int, model: str | None = None) -> None:
         self._url = url
+        self._model = {} if model is None else {"model": model}
         self._rate = rate
         self._tokens = tokens
         self.statuses: list[int] = []
@@ -52,7 +54,7 @@ class OpenLoad:
             task.add_done_callback(self._tasks.discard)
 
     async def _one(self, n: int) -> None:
-        body = generate_body(f"{n} {PROMPT}", self._tokens, stream=n % 2 == 0)
+        body = generate_body(f"{n} {PROMPT}", self._tokens, stream=n % 2 == 0, **self._model)
         try:
             async with self._http.stream("POST", "/generate", json=body) as reply:
                 await reply.aread()

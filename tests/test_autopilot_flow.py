@@ -31,6 +31,8 @@ AUTOPILOT = {
     "decode_kv_usage": 0.9,
 }
 ADMIN_KEY = "autopilot-admin"
+# The model the reference workers serve by default (their /server_info names it).
+TOY_MODEL = "pd-worker/toy-model"
 
 
 async def split(http) -> tuple[int, int]:
@@ -68,7 +70,9 @@ async def test_prompt_traffic_makes_the_autopilot_convert_a_decode_with_no_faile
         assert await split(http) == (2, 1)
         action = {"action": "decode_to_prefill"}
         assert await sample(http, "pd_router_autopilot_decisions_total", **action) == 1.0
-        desired = await sample(http, "pd_router_autopilot_desired_workers", role="prefill")
+        desired = await sample(
+            http, "pd_router_autopilot_desired_workers", role="prefill", model=TOY_MODEL
+        )
         assert desired == 2.0
         (record,) = (await http.get("/conversions")).json()["conversions"]
         assert (record["started_by"], record["replica"]) == ("autopilot", None)

@@ -292,7 +292,7 @@ def test_a_worker_that_leaves_a_pool_leaves_that_pools_cache_aware_tree():
     pools = SnapshotPools(
         policies, index=0, wake=lambda: None, suspect=lambda url: None,
         stuck=lambda prefill, decode: None,
-        on_unavailable=lambda url: None, count_refusal=lambda role: None,
+        on_unavailable=lambda url: None, count_refusal=lambda role, model: None,
     )  # fmt: skip
     pools.apply(Snapshot(1, tuple(snapshot_entry(url, Role.PREFILL) for url in (A, B, C))))
     for url in (A, B, C):

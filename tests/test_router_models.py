@@ -14,6 +14,7 @@ import pytest
 
 from pd_worker.cluster import WorkerCluster
 from tests.cli_process import serving
+from tests.open_load import OpenLoad
 from tests.router_helpers import (
     assert_paired,
     generate_body,
@@ -217,3 +218,56 @@ def wait_ready(url: str) -> None:
     while httpx.get(url + "/readiness", timeout=2.0).status_code != 200:
         assert time.monotonic() < deadline, "router not ready"
         time.sleep(0.05)
+
+
+# As tests/test_autopilot_flow.py: 14 prompts a second of about 200 tokens, a token taking
+# 0.5 ms to prefill, leave one prefill short by half while two decodes hold a few answers.
+PROMPT_HEAVY = {"speed": 1.0, "prefill_secs_per_token": 0.0005}
+AUTOPILOT = {
+    "mode": "auto",
+    "interval_secs": 0.2,
+    "window_secs": 1.0,
+    "sustain_secs": 0.6,
+    "cooldown_secs": 60.0,
+    "tpot_slo_ms": 200.0,
+    "decode_kv_usage": 0.9,
+}
+
+
+async def test_the_autopilot_converts_within_the_model_whose_traffic_needs_it(cluster_factory):
+    """Two PD models of one prefill and two decodes each; prompt-heavy traffic to ``a`` only:
+    a decode of ``a`` becomes a prefill, ``b``'s pools stay as they were, and ``/autopilot``
+    tells each model's decisions apart."""
+    a, b = (
+        cluster_factory(prefill=1, decode=2, extra_args=served(name), **PROMPT_HEAVY)
+        for name in "ab"
+    )
+    prefill = [*a.prefill_urls, *b.prefill_urls]
+    decode = [*a.decode_urls, *b.decode_urls]
+    async with (
+        running_router(prefill=prefill, decode=decode, autopilot=AUTOPILOT) as router,
+        router.client() as http,
+    ):
+        async with OpenLoad(router.url, 14.0, 8, model="a") as load:
+            await wait_until(lambda: prefills_of(router, "a") == 2, 20.0, "a decode of a converted")
+            await asyncio.sleep(1.0)
+        state = (await http.get("/autopilot")).json()
+    assert load.failed == []
+    assert prefills_of(router, "b") == 1
+    converted = [d for d in state["models"]["a"]["decisions"] if d["action"] != "hold"]
+    assert [(d["action"], d["worker"] in a.decode_urls) for d in converted] == [
+        ("decode_to_prefill", True)
+    ]
+    assert state["models"]["b"]["decisions"] == []
+
+
+def served(model: str) -> tuple[str, ...]:
+    return ("--served-model-name", model)
+
+
+def prefills_of(router, model: str) -> int:
+    return sum(
+        1
+        for w in router.state.registry
+        if w.role.value == "prefill" and w.model == model and w.state.value == "active"
+    )

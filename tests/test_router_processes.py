@@ -448,7 +448,7 @@ def decode_pools(
         suspect=lambda url: None,
         stuck=lambda prefill, decode: None,
         on_unavailable=lambda url: None,
-        count_refusal=lambda role: None,
+        count_refusal=lambda role, model: None,
     )
     half_open = half_open or {}
     pools.apply(Snapshot(1, tuple(

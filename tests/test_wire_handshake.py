@@ -18,7 +18,7 @@ import pytest
 from pd_router.config import HealthConfig, load_config
 from pd_router.control.circuit import CircuitConfig
 from pd_router.control.health import HealthMonitor
-from pd_router.control.latency import LatencyRecorder
+from pd_router.control.latency import Latencies
 from pd_router.control.publisher import DataPlanes
 from pd_router.control.workers import Worker, WorkerRegistry
 from pd_router.dataplane.link.channel import HEADER, Channel
@@ -98,7 +98,7 @@ async def test_a_socket_channel_that_receives_a_malformed_message_is_closed():
 async def test_the_control_side_refuses_a_data_plane_of_another_version_and_closes_it(caplog):
     registry = WorkerRegistry(RouterMetrics(), CircuitConfig())
     dataplanes = DataPlanes(
-        registry, HealthMonitor(registry, HealthConfig()), LatencyRecorder(), forget_nothing
+        registry, HealthMonitor(registry, HealthConfig()), Latencies(), forget_nothing
     )
     control_end, plane_end = socket.socketpair()
     dataplanes.attach(0, await Channel.over(control_end))

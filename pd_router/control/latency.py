@@ -6,6 +6,9 @@ window once per interval. A stream's TTFT is split where the prefill answered: t
 then (the prefill pool's share: queueing, forward, KV handoff) and the wait from there to the
 first byte reaching the client (the decode pool's share: waiting for a batch slot, the first
 step). TPOT is a stream's time from its first to its last event over the events in between.
+
+Each model has its own rings (:class:`Latencies`): the autopilot of one model's pools reads
+only that model's requests.
 """
 
 from __future__ import annotations
@@ -42,6 +45,31 @@ class LatencyRecorder:
 
     def count_refusal(self, role: str) -> None:
         self.refused[role] = self.refused.get(role, 0) + 1
+
+
+class Latencies:
+    """A :class:`LatencyRecorder` per model (the request path's sink: each observation names
+    the model of its request; "" for a router whose workers name none)."""
+
+    def __init__(self, size: int = RING_SIZE) -> None:
+        self._size = size
+        self._models: dict[str, LatencyRecorder] = {}
+
+    def of(self, model: str) -> LatencyRecorder:
+        """The rings of ``model`` (empty ones for a model not seen yet)."""
+        recorder = self._models.get(model)
+        if recorder is None:
+            recorder = self._models[model] = LatencyRecorder(self._size)
+        return recorder
+
+    def observe_ttft(self, seconds: float, prefilled_after: float | None, model: str) -> None:
+        self.of(model).observe_ttft(seconds, prefilled_after)
+
+    def observe_stream(self, seconds_after_first: float, events: int, model: str) -> None:
+        self.of(model).observe_stream(seconds_after_first, events)
+
+    def count_refusal(self, role: str, model: str) -> None:
+        self.of(model).count_refusal(role)
 
 
 def percentile_ms(

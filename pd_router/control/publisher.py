@@ -53,7 +53,7 @@ from typing import Any
 
 from pd_router.control.circuit import CircuitState
 from pd_router.control.health import HealthMonitor
-from pd_router.control.latency import LatencyRecorder
+from pd_router.control.latency import Latencies
 from pd_router.control.trials import HalfOpenTrials
 from pd_router.control.workers import UnknownWorker, Worker, WorkerRegistry, WorkerState
 from pd_router.roles import Role
@@ -131,7 +131,7 @@ class DataPlanes:
         self,
         registry: WorkerRegistry,
         health: HealthMonitor,
-        latency: LatencyRecorder,
+        latency: Latencies,
         forget: Forget,
     ) -> None:
         self._registry = registry
@@ -322,13 +322,13 @@ class DataPlanes:
             else:
                 for _ in range(count):
                     worker.circuit.record_failure()
-        for seconds, prefilled_after in report.ttft:
-            self._latency.observe_ttft(seconds, prefilled_after)
-        for seconds, events in report.tpot:
-            self._latency.observe_stream(seconds, events)
-        for role, count in report.refused.items():
+        for seconds, prefilled_after, model in report.ttft:
+            self._latency.observe_ttft(seconds, prefilled_after, model)
+        for seconds, events, model in report.tpot:
+            self._latency.observe_stream(seconds, events, model)
+        for model, role, count in report.refused:
             for _ in range(count):
-                self._latency.count_refusal(role)
+                self._latency.count_refusal(role, model)
         self._recount()
 
     def _suspect(self, url: str) -> None:

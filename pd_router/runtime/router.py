@@ -37,7 +37,7 @@ from pd_router.control.conversion.manager import ConversionManager
 from pd_router.control.discovery.config import DiscoveryUnavailable
 from pd_router.control.discovery.start import Started, start_discovery
 from pd_router.control.health import HealthMonitor, WorkersUnreachable
-from pd_router.control.latency import LatencyRecorder
+from pd_router.control.latency import Latencies
 from pd_router.control.load_poller import LoadPoller
 from pd_router.control.publisher import DataPlanes
 from pd_router.control.worker_control import (
@@ -114,7 +114,7 @@ class Router:
                     spec.url, role, spec.bootstrap_port, healthy=False, model=spec.model
                 )
         self.health = HealthMonitor(self.registry, config.health)
-        self.latency = LatencyRecorder()
+        self.latency = Latencies()
         self._background: set[asyncio.Task] = set()
         self.session = worker_session(config, self.leg_setup)
         self._control_session = open_control_session(self.leg_setup.worker_ssl)

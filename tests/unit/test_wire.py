@@ -65,9 +65,9 @@ MESSAGES: list[Message] = [
         inflight={PREFILL: 1},
         idle_at={DECODE: 1234.5},
         outcomes=((PREFILL, True, 12), (PREFILL, False, 1)),
-        ttft=((0.25, 0.1), (0.5, None)),
-        tpot=((1.5, 30),),
-        refused={"decode": 2},
+        ttft=((0.25, 0.1, "m"), (0.5, None, "")),
+        tpot=((1.5, 30, "m"),),
+        refused=(("m", "decode", 2),),
         connections=5,
     ),
     Suspect(DECODE),
@@ -243,7 +243,7 @@ def pools() -> SnapshotPools:
         suspect=lambda url: None,
         stuck=lambda prefill, decode: None,
         on_unavailable=lambda url: None,
-        count_refusal=lambda role: None,
+        count_refusal=lambda role, model: None,
     )
 
 

@@ -1,6 +1,11 @@
 """The autopilot's controller: samples the router and the workers on an interval, feeds the
 policy, keeps its last decisions, and in ``auto`` mode starts the conversions it decides.
 
+Each model served in PD has its own pilot (:class:`ModelPilot`: a policy, its decisions, what
+it last saw): its pools, its requests' latencies and its refusals are its own, and a
+conversion it decides moves a worker between that model's pools only. Regular workers have no
+pilot: they have nothing to convert.
+
 A sample reads the registry (ACTIVE, healthy workers of each pool and the router's in-flight
 count on each), every one of those workers' ``GET /v1/loads`` over the router's shared session
 (a worker that does not answer within the health timeout counts with its router-side figures
@@ -32,14 +37,20 @@ from pd_router.control.autopilot.policy import (
 from pd_router.control.autopilot.signals import ROLES, Sample, WorkerSignals, worker_from_loads
 from pd_router.control.conversion.history import ConversionRequest
 from pd_router.control.errors import ClusterUnavailable, ConversionRefused, WorkerUnreachable
-from pd_router.control.latency import percentile_ms, tpot_attained, ttft_attained
+from pd_router.control.latency import (
+    Latencies,
+    LatencyRecorder,
+    percentile_ms,
+    tpot_attained,
+    ttft_attained,
+)
 from pd_router.control.worker_calls import call
 from pd_router.control.workers import RegistryError, Role, Worker, WorkerState
+from pd_router.roles import PD_ROLES
 
 if TYPE_CHECKING:
     from pd_router.config import RouterConfig
     from pd_router.control.conversion.manager import ConversionManager
-    from pd_router.control.latency import LatencyRecorder
     from pd_router.control.workers import WorkerRegistry
     from pd_router.metrics import RouterMetrics
 
@@ -59,6 +70,43 @@ def conversions_for(decision: Decision) -> list[ConversionRequest]:
     ]
 
 
+class ModelPilot:
+    """The autopilot of one model's pools: its policy, its decisions, what it last saw."""
+
+    def __init__(self, model: str, config: RouterConfig, autopilot: AutopilotConfig) -> None:
+        conversion = config.conversion
+        self.model = model
+        self.policy = AutopilotPolicy(
+            autopilot,
+            conversion.min_prefill,
+            conversion.min_decode,
+            max_moves=conversion.max_concurrent,
+        )
+        # Conversions decided (applied or recommended), oldest first; holds are only kept as
+        # the latest decision, or the history would be a column of "within target".
+        self.decisions: deque[Decision] = deque(maxlen=autopilot.history)
+        self.last_decision: Decision | None = None
+        self.last_sample: Sample | None = None
+        self.last_error: str | None = None
+        self.refused_seen: dict[str, int] = {}
+
+    def reconfigure(self, config: AutopilotConfig) -> None:
+        self.policy.reconfigure(config)
+        if config.history != self.decisions.maxlen:
+            self.decisions = deque(self.decisions, maxlen=config.history)
+
+    def to_json(self) -> dict[str, Any]:
+        last = self.last_decision
+        return {
+            "loads": {role: load.to_json() for role, load in self.policy.loads.items()},
+            "last_sample": self.last_sample.to_json() if self.last_sample else None,
+            "last_error": self.last_error,
+            "last_judgement": self.policy.last_judgement,
+            "last_decision": decision_json(last) if last else None,
+            "decisions": [decision_json(d) for d in reversed(self.decisions)],
+        }
+
+
 class Autopilot:
     """One per router; runs from ``Router.start`` to ``Router.stop``."""
 
@@ -66,7 +114,7 @@ class Autopilot:
         self,
         config: RouterConfig,
         registry: WorkerRegistry,
-        latency: LatencyRecorder,
+        latency: Latencies,
         metrics: RouterMetrics,
         *,
         session: aiohttp.ClientSession,
@@ -83,20 +131,9 @@ class Autopilot:
         self._conversions = conversions
         self._is_leader = is_leader
         self._probe_timeout = aiohttp.ClientTimeout(total=config.health.timeout_secs)
-        conversion = config.conversion
-        self.policy = AutopilotPolicy(
-            config.autopilot,
-            conversion.min_prefill,
-            conversion.min_decode,
-            max_moves=conversion.max_concurrent,
-        )
-        # Conversions decided (applied or recommended), oldest first; holds are only kept as
-        # the latest decision, or the history would be a column of "within target".
-        self.decisions: deque[Decision] = deque(maxlen=config.autopilot.history)
-        self.last_decision: Decision | None = None
-        self.last_sample: Sample | None = None
-        self.last_error: str | None = None
-        self._refused_seen: dict[str, int] = {}
+        self._router_config = config
+        self._config = config.autopilot
+        self._pilots: dict[str, ModelPilot] = {}
         self._task: asyncio.Task | None = None
         # Every action's series exists at 0 from the start: a counter series that first
         # appears at 1 is invisible to increase(), so the first conversion would not show.
@@ -105,17 +142,40 @@ class Autopilot:
 
     @property
     def config(self) -> AutopilotConfig:
-        return self.policy.config
+        return self._config
 
     def configure(self, changes: dict[str, Any]) -> AutopilotConfig:
-        """Apply ``PUT /autopilot`` changes (mode, targets, ...), validated like the config
-        file; ConfigError names the offending key."""
+        """Apply ``PUT /autopilot`` changes (mode, targets, ...) to every model's pilot,
+        validated like the config file; ConfigError names the offending key."""
         config = build_autopilot({**dataclasses.asdict(self.config), **changes})
-        self.policy.reconfigure(config)
-        if config.history != self.decisions.maxlen:
-            self.decisions = deque(self.decisions, maxlen=config.history)
+        self._config = config
+        for pilot in self._pilots.values():
+            pilot.reconfigure(config)
         log.info("autopilot configured", extra={"mode": config.mode})
         return config
+
+    def pilots(self) -> list[ModelPilot]:
+        """A pilot per model served in PD (made as a model appears)."""
+        pilots = []
+        for model in self._registry.models():
+            if not any(self._registry.in_role(role, model=model) for role in PD_ROLES):
+                continue
+            pilot = self._pilots.get(model)
+            if pilot is None:
+                pilot = self._pilots[model] = ModelPilot(model, self._router_config, self.config)
+            pilots.append(pilot)
+        return pilots
+
+    @property
+    def decisions(self) -> list[Decision]:
+        """The conversions every model's pilot decided, oldest first."""
+        return sorted((d for p in self._pilots.values() for d in p.decisions), key=lambda d: d.at)
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The latest decision of any model's pilot."""
+        decisions = [p.last_decision for p in self._pilots.values() if p.last_decision]
+        return max(decisions, key=lambda d: d.at) if decisions else None
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -139,27 +199,31 @@ class Autopilot:
 
     # --- one interval -----------------------------------------------------------------------
 
-    async def tick(self) -> Decision:
-        """Sample, decide, record, and act when the mode says so."""
-        sample = await self.sample()
-        decision = self.policy.step(sample)
-        self.last_sample = sample
-        self._record(decision)
-        for request in conversions_for(decision):
-            await self._start(request)
-        return decision
+    async def tick(self) -> list[Decision]:
+        """Sample, decide, record, and act when the mode says so: for each model's pools."""
+        decisions = []
+        for pilot in self.pilots():
+            sample = await self.sample(pilot)
+            decision = pilot.policy.step(sample)
+            pilot.last_sample = sample
+            self._record(pilot, decision)
+            for request in conversions_for(decision):
+                await self._start(pilot, request)
+            decisions.append(decision)
+        return decisions
 
-    async def sample(self) -> Sample:
+    async def sample(self, pilot: ModelPilot) -> Sample:
+        """What ``pilot``'s model's pools look like now: its workers, its requests' latencies."""
         pools = [
             w
-            for role in Role
-            for w in self._registry.in_role(role, (WorkerState.ACTIVE,))
+            for role in PD_ROLES
+            for w in self._registry.in_role(role, (WorkerState.ACTIVE,), pilot.model)
             if w.healthy and w.admitting
         ]
         workers = await asyncio.gather(*(self._worker_signals(w) for w in pools))
         config = self.config
         since = time.monotonic() - config.window_secs
-        latency = self._latency
+        latency = self._latency.of(pilot.model)
         ttft_slo, tpot_slo = config.ttft_slo_ms, config.tpot_slo_ms
         return Sample(
             at=time.monotonic(),
@@ -167,7 +231,7 @@ class Autopilot:
             prefill_p90_ms=percentile_ms(latency.prefill, since),
             decode_wait_p90_ms=percentile_ms(latency.decode_wait, since),
             tpot_p90_ms=percentile_ms(latency.tpot, since),
-            no_worker_503s=self._new_refusals(),
+            no_worker_503s=self._new_refusals(pilot, latency),
             converting=bool(self._registry.converting()) or bool(self._conversions.active()),
             ttft_attained=None if ttft_slo is None else ttft_attained(latency, since, ttft_slo),
             tpot_attained=None if tpot_slo is None else tpot_attained(latency, since, tpot_slo),
@@ -184,24 +248,27 @@ class Autopilot:
             return WorkerSignals(worker.url, role, inflight=inflight)
         return worker_from_loads(worker.url, role, inflight, body)
 
-    def _new_refusals(self) -> dict[str, int]:
-        counts = dict(self._latency.refused)
-        new = {role: counts.get(role, 0) - self._refused_seen.get(role, 0) for role in ROLES}
-        self._refused_seen = counts
+    @staticmethod
+    def _new_refusals(pilot: ModelPilot, latency: LatencyRecorder) -> dict[str, int]:
+        counts = dict(latency.refused)
+        seen = pilot.refused_seen
+        new = {role: counts.get(role, 0) - seen.get(role, 0) for role in ROLES}
+        pilot.refused_seen = counts
         return {role: n for role, n in new.items() if n > 0}
 
-    def _record(self, decision: Decision) -> None:
-        self.last_decision = decision
+    def _record(self, pilot: ModelPilot, decision: Decision) -> None:
+        pilot.last_decision = decision
         if decision.converts:
-            self.decisions.append(decision)
+            pilot.decisions.append(decision)
         metrics = self._metrics
         metrics.autopilot_decisions_total.labels(decision.action).inc()
         for role, count in decision.desired.items():
-            metrics.autopilot_desired_workers.labels(role).set(count)
+            metrics.autopilot_desired_workers.labels(role, pilot.model).set(count)
         if decision.converts:
             log.info(
                 "autopilot decision",
                 extra={
+                    "model": pilot.model,
                     "action": decision.action,
                     "worker": decision.worker,
                     "mode": decision.mode,
@@ -209,30 +276,27 @@ class Autopilot:
                 },
             )
 
-    async def _start(self, request: ConversionRequest) -> None:
+    async def _start(self, pilot: ModelPilot, request: ConversionRequest) -> None:
         try:
             conversion = await self._conversions.start(request)
         except (ConversionRefused, WorkerUnreachable, ClusterUnavailable, RegistryError) as exc:
-            self.last_error = f"conversion of {request.worker} refused: {exc}"
-            log.warning("autopilot conversion refused", extra={"error": self.last_error})
+            pilot.last_error = f"conversion of {request.worker} refused: {exc}"
+            log.warning("autopilot conversion refused", extra={"error": pilot.last_error})
             return
-        self.last_error = None
+        pilot.last_error = None
         log.info("autopilot started conversion", extra={"conversion": conversion.id})
 
     def to_json(self) -> dict[str, Any]:
-        """What ``GET /autopilot`` answers: mode, targets, the loads and the last sample it
-        saw, its latest decision and the conversions it decided (newest first)."""
-        last = self.last_decision
-        return {
-            "mode": self.config.mode,
-            "config": dataclasses.asdict(self.config),
-            "loads": {role: load.to_json() for role, load in self.policy.loads.items()},
-            "last_sample": self.last_sample.to_json() if self.last_sample else None,
-            "last_error": self.last_error,
-            "last_judgement": self.policy.last_judgement,
-            "last_decision": decision_json(last) if last else None,
-            "decisions": [decision_json(d) for d in reversed(self.decisions)],
-        }
+        """What ``GET /autopilot`` answers: mode, targets, and for its model's pools (one
+        model) or for each model (``models``, several), the loads and the last sample it saw,
+        its latest decision and the conversions it decided (newest first)."""
+        pilots = self.pilots()
+        config = self.config
+        state: dict[str, Any] = {"mode": config.mode, "config": dataclasses.asdict(config)}
+        if len(pilots) == 1:
+            return {**state, **pilots[0].to_json()}
+        empty = ModelPilot("", self._router_config, config).to_json()
+        return {**state, **empty, "models": {p.model: p.to_json() for p in pilots}}
 
 
 def decision_json(decision: Decision) -> dict[str, Any]:

@@ -57,22 +57,23 @@ class Reports:
         self._last_connections = 0
         self._interval = interval
         self._urgent = asyncio.Event()
-        self._ttft: list[tuple[float, float | None]] = []
-        self._tpot: list[tuple[float, int]] = []
-        self._refused: dict[str, int] = {}
+        self._ttft: list[tuple[float, float | None, str]] = []
+        self._tpot: list[tuple[float, int, str]] = []
+        self._refused: dict[tuple[str, str], int] = {}
         self._last_counts: dict[str, int] = {}
         self._sent_at = self._metrics_sent_at = time.monotonic()
 
     # --- the latency sink (LatencyRecorder's methods the request path calls) ----------------
 
-    def observe_ttft(self, seconds: float, prefilled_after: float | None) -> None:
-        self._ttft.append((seconds, prefilled_after))
+    def observe_ttft(self, seconds: float, prefilled_after: float | None, model: str) -> None:
+        self._ttft.append((seconds, prefilled_after, model))
 
-    def observe_stream(self, seconds_after_first: float, events: int) -> None:
-        self._tpot.append((seconds_after_first, events))
+    def observe_stream(self, seconds_after_first: float, events: int, model: str) -> None:
+        self._tpot.append((seconds_after_first, events, model))
 
-    def count_refusal(self, role: str) -> None:
-        self._refused[role] = self._refused.get(role, 0) + 1
+    def count_refusal(self, role: str, model: str) -> None:
+        key = (model, role)
+        self._refused[key] = self._refused.get(key, 0) + 1
 
     # --- sending ----------------------------------------------------------------------------
 
@@ -113,7 +114,7 @@ class Reports:
                 outcomes=outcomes,
                 ttft=tuple(self._ttft),
                 tpot=tuple(self._tpot),
-                refused=self._refused,
+                refused=tuple((model, role, n) for (model, role), n in self._refused.items()),
                 connections=connections,
             )
         )

@@ -134,6 +134,12 @@ class Routed:
         self.stream = bool(body.get("stream"))
         self._prompt_key: str | None = None
 
+    @property
+    def model(self) -> str:
+        """The model the request is served by ("" when its workers name none)."""
+        route = self.route
+        return "" if route is None else route.model
+
     def headers(self, role: Role) -> dict[str, str]:
         """The headers of a leg to a worker of ``role``."""
         return {**self.path.leg_headers[role], "X-Request-Id": self.request_id}
@@ -299,7 +305,7 @@ class Exchange(Routed):
         if self.stream:
             prefilled = self.prefilled_at
             self.path.latency.observe_ttft(
-                seconds, None if prefilled is None else prefilled - self.started
+                seconds, None if prefilled is None else prefilled - self.started, self.model
             )
 
     def prefill_ended(self, prefill: Target, task: asyncio.Task) -> None:
@@ -402,9 +408,7 @@ class Exchange(Routed):
             except ConnectionResetError:
                 client_gone = True
                 raise ClientClosedRequest("client closed the connection") from None
-            decode_done, client_gone = await relay(
-                self.path, self.reply, self.request_id, first, pieces, decode, Role.DECODE
-            )
+            decode_done, client_gone = await relay(self, first, pieces, decode, Role.DECODE)
             if not client_gone:
                 try:
                     await self.reply.end()
@@ -446,9 +450,7 @@ class Exchange(Routed):
 
 
 async def relay(
-    path: PathCollaborators,
-    reply: Answer,
-    request_id: str,
+    request: Routed,
     first: bytes,
     pieces: AsyncIterator[bytes],
     worker: Target,
@@ -458,6 +460,7 @@ async def relay(
     (worker finished, client gone). Events are counted by their blank-line ends, for the time
     per output token. The answer counts as delivered (``reply.delivered``) from its end event
     on, or once the whole stream was relayed."""
+    path, reply, request_id = request.path, request.reply, request.request_id
     loop = asyncio.get_running_loop()
     first_at = loop.time()
     events = first.count(b"\n\n")
@@ -490,7 +493,7 @@ async def relay(
         return False, False
     reply.delivered = reply.status
     record_outcome(worker, None, path.metrics.count_upstream_error)
-    path.latency.observe_stream(loop.time() - first_at, events)
+    path.latency.observe_stream(loop.time() - first_at, events, request.model)
     return True, False
 
 

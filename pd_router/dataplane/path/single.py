@@ -137,9 +137,7 @@ class Forward(Routed):
             except ConnectionResetError:
                 raise ClientClosedRequest("client closed the connection") from None
             self.observe_ttft()
-            done, gone = await relay(
-                self.path, self.reply, self.request_id, first, pieces, worker, REGULAR
-            )
+            done, gone = await relay(self, first, pieces, worker, REGULAR)
             if not gone:
                 with contextlib.suppress(ConnectionResetError):
                     await self.reply.end()

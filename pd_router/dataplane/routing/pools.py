@@ -61,19 +61,21 @@ def choose(
     avoid: Iterable[Target],
     policy: Policy,
     prompt: Callable[[], str] | None,
-    count_refusal: Callable[[str], None],
+    count_refusal: Callable[[str, str], None],
+    model: str = "",
 ) -> Target:
     """The pick of a pool, wherever its workers come from: one of ``workers`` (the selectable
     ones, or when none is, those kept out only by their circuits), preferring those not in
     ``avoid`` (they already failed this request), chosen by ``policy``; NoWorkers (and a
-    refusal counted) if there is none. ``prompt`` is called only for a policy that needs it."""
+    refusal of ``model`` counted) if there is none. ``prompt`` is called only for a policy
+    that needs it."""
     if avoid and len(workers) > 1:
         avoided = set(avoid)
         fresh = [w for w in workers if w not in avoided]
         if fresh:
             workers = fresh
     if not workers:
-        count_refusal(role.value)
+        count_refusal(role.value, model)
         raise NoWorkers(f"no available {role.value} worker (none active, healthy and closed)")
     if policy.needs_prompt and prompt is not None:
         return policy.select(workers, prompt())

@@ -215,7 +215,7 @@ class SnapshotPools:
         suspect: Callable[[str], None],
         stuck: Callable[[str, str], None],
         on_unavailable: UnavailableCallback,
-        count_refusal: Callable[[str], None],
+        count_refusal: Callable[[str, str], None],
     ) -> None:
         self.policies = policies
         self.index = index
@@ -337,6 +337,7 @@ class SnapshotPools:
             self.policies[role],
             prompt,
             self._count_refusal,
+            route.model,
         )
 
     def member(self, url: str) -> Member | None:
