@@ -43,6 +43,7 @@ class Card:
     pool: str
     role: str
     state: str
+    model: str | None = None  # the model group it is shown in (None: the router serves one)
     text: str = ""
     inflight: str = ""
 
@@ -59,15 +60,18 @@ class RenderedPage(HTMLParser):
         super().__init__()
         self._stack: list[dict[str, str]] = []
         self._pool = ""
+        self._model: str | None = None
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {k: v or "" for k, v in attrs}
         self._stack.append({"tag": tag, **a})
         if tag == "div" and "pool" in a.get("class", "").split():
             self._pool = a["data-role"]
+            self._model = a.get("data-model")
         if "data-worker-url" in a:
             url = a["data-worker-url"]
-            self.cards[url] = Card(url, self._pool, a["data-role"], a["data-state"])
+            card = Card(url, self._pool, a["data-role"], a["data-state"], self._model)
+            self.cards[url] = card
 
     def handle_endtag(self, tag: str) -> None:
         while self._stack and self._stack.pop()["tag"] != tag:
@@ -184,6 +188,7 @@ async def test_page_in_chromium_shows_every_live_worker_in_its_pool(router, clus
         assert card.state == "active"
         assert "healthy" in card.text.split()
         assert card.inflight == "0"
+        assert card.model is None and "model" not in card.text.split()
 
 
 @needs_chromium
@@ -381,3 +386,78 @@ async def test_status_watch_keeps_going_while_the_router_is_unreachable(free_por
     assert len(pictures) == 2
     assert all("router not reachable" in picture for picture in pictures)
     assert returncode == 0
+
+
+BIG = "big"
+SMALL = "small"
+
+
+@pytest.fixture(scope="module")
+def big(module_cluster_factory) -> WorkerCluster:
+    """A model served in PD."""
+    return module_cluster_factory(prefill=1, decode=2, extra_args=("--served-model-name", BIG))
+
+
+@pytest.fixture(scope="module")
+def small(module_cluster_factory) -> WorkerCluster:
+    """A model served by regular (non-PD) workers only."""
+    return module_cluster_factory(
+        prefill=0, decode=0, regular=2, extra_args=("--served-model-name", SMALL)
+    )
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def two_models(big: WorkerCluster, small: WorkerCluster) -> AsyncIterator[RouterUnderTest]:
+    """One router over both; each worker's model is read from its ``/server_info``."""
+    regular = [{"url": url} for url in small.regular_urls]
+    async with running_router(big, regular=regular) as router:
+
+        async def models_read() -> bool:
+            return set((await status(router)).get("models", {})) == {BIG, SMALL}
+
+        await wait_until(models_read, RENDER_TIMEOUT_SECS, "every worker's model read")
+        yield router
+
+
+async def test_status_of_one_model_has_no_per_model_pools(router):
+    assert "models" not in await status(router)
+
+
+async def test_status_counts_each_models_pools_when_several_are_served(two_models, big, small):
+    body = await status(two_models)
+    counts = {
+        model: {role: (pool["active"], len(pool["workers"])) for role, pool in pools.items()}
+        for model, pools in body["models"].items()
+    }
+    assert counts == {BIG: {"prefill": (1, 1), "decode": (2, 2)}, SMALL: {"regular": (2, 2)}}
+    assert {role: pool["active"] for role, pool in body["pools"].items()} == {
+        "prefill": 1,
+        "decode": 2,
+        "regular": 2,
+    }
+
+
+@needs_chromium
+async def test_page_in_chromium_groups_the_pools_by_model_and_names_each_cards_model(
+    two_models, big, small
+):
+    page = await render(two_models.url + "/dashboard")
+    assert page.live.startswith("live"), page.live
+    shown = {url: (card.model, card.pool, card.role) for url, card in page.cards.items()}
+    assert shown == {
+        **{url: (BIG, "prefill", "prefill") for url in big.prefill_urls},
+        **{url: (BIG, "decode", "decode") for url in big.decode_urls},
+        **{url: (SMALL, "regular", "regular") for url in small.regular_urls},
+    }
+    for url, card in page.cards.items():
+        assert f"model {card.model}" in " ".join(card.text.split()), url
+
+
+@needs_chromium
+async def test_page_in_chromium_offers_no_conversion_of_a_regular_worker(two_models, big, small):
+    page = await render(two_models.url + "/dashboard")
+    for url in small.regular_urls:
+        assert "Convert" not in page.cards[url].text
+        assert "no conversion" not in page.cards[url].text
+    for url in big.decode_urls:
+        assert "Convert to prefill" in page.cards[url].text

@@ -1,7 +1,8 @@
 """The router's own status page: ``GET /dashboard`` (one self-contained HTML page) and
 ``GET /status`` (the JSON it polls).
 
-For operators without Grafana: the page shows the pools, each worker's state, role, in-flight
+For operators without Grafana: the page shows the pools (per model when the router serves
+several: ``models`` maps each to its pools), each worker's state, role, model, in-flight
 count and health (an unhealthy worker listed first in its pool and marked unhealthy before its
 state), the recent conversions, the autopilot's mode and last decisions (with their
 reasons), and converts a worker through the router's own ``POST /convert_pd_role``. Everything
@@ -9,7 +10,7 @@ comes from the registry, the conversion manager and the autopilot, so the page a
 status`` show exactly what the router routes on.
 
 With an admin key configured, ``/status`` without the key shows no more than ``/metrics`` does
-(pools, and each worker's url, role, state, health, circuit and in-flight count): no worker
+(pools, and each worker's url, role, model, state, health, circuit and in-flight count): no worker
 errors, bootstrap ports, epochs, conversion records or autopilot decisions. The page itself
 holds no data and stays open; it asks for the key when an action needs it.
 """
@@ -28,6 +29,7 @@ from pd_router.api.keys import AUTOPILOT, CONFIG, CONVERSIONS, REGISTRY
 from pd_router.control.autopilot.controller import Autopilot
 from pd_router.control.conversion.manager import Conversion, ConversionManager
 from pd_router.control.workers import Role, Worker, WorkerRegistry, WorkerState
+from pd_router.roles import PD_ROLES
 
 RECENT_CONVERSIONS = 20
 # The worker fields /metrics exposes as well (labels or values): all /status shows without the
@@ -35,7 +37,7 @@ RECENT_CONVERSIONS = 20
 # ``convert_refused`` too: without it the page, before the key is entered, offered a Convert the
 # router refuses (the last prefill); why is built from what the pools already show.
 PUBLIC_WORKER_FIELDS = (
-    "id", "url", "role", "state", "healthy", "inflight", "circuit", "convert_refused",
+    "id", "url", "role", "model", "state", "healthy", "inflight", "circuit", "convert_refused",
 )  # fmt: skip
 
 # The page loads nothing from elsewhere; the browser enforces it.
@@ -81,9 +83,16 @@ def status_snapshot(
     autopilot: Autopilot,
     admin_api_key: str | None,
 ) -> dict[str, Any]:
-    """Pools, workers and recent conversions as the router sees them right now."""
+    """Pools, workers and recent conversions as the router sees them right now; serving
+    several models, each model's pools too (one model: none, the page as before). Workers
+    whose model is not read yet (an unreachable one) make no model of their own, as on the
+    request path; with several models they show under ""."""
+    models = registry.models()
+    several = sum(1 for model in models if model) > 1
+    per_model = {"models": models_summary(registry, models)} if several else {}
     return {
         "pools": {role.value: pool_summary(registry, role) for role in registry.roles()},
+        **per_model,
         "workers": unhealthy_first([worker_summary(conversions, worker) for worker in registry]),
         "conversions": recent_conversions(conversions),
         "conversions_available": True,
@@ -130,12 +139,32 @@ def autopilot_summary(autopilot: Autopilot) -> dict[str, Any]:
     }
 
 
-def pool_summary(registry: WorkerRegistry, role: Role) -> dict[str, Any]:
-    members = registry.in_role(role)
+def models_summary(registry: WorkerRegistry, models: list[str]) -> dict[str, Any]:
+    """Each model's pools: its prefill and decode pools when it is served in PD, its regular
+    pool when regular workers serve it (a model may have both)."""
+    return {
+        model: {
+            role.value: pool_summary(registry, role, model) for role in model_roles(registry, model)
+        }
+        for model in models
+    }
+
+
+def model_roles(registry: WorkerRegistry, model: str) -> tuple[Role, ...]:
+    """The pools ``model`` has: prefill and decode if a worker serves it in PD (both, so an
+    emptied one shows), regular if a regular worker serves it."""
+    pd = PD_ROLES if any(registry.in_role(role, model=model) for role in PD_ROLES) else ()
+    regular = (Role.REGULAR,) if registry.in_role(Role.REGULAR, model=model) else ()
+    return pd + regular
+
+
+def pool_summary(registry: WorkerRegistry, role: Role, model: str | None = None) -> dict[str, Any]:
+    """Counts and worker ids of ``role``'s pool (of ``model`` when given, of all otherwise)."""
+    members = registry.in_role(role, model=model)
     return {
         "active": sum(1 for w in members if w.state is WorkerState.ACTIVE),
-        "healthy": registry.active_healthy_count(role),
-        "selectable": len(registry.selectable(role)),
+        "healthy": registry.active_healthy_count(role, model=model),
+        "selectable": len(registry.selectable(role, model)),
         "workers": [w.id for w in members],
     }
 
