@@ -14,7 +14,7 @@ import pytest
 from pd_router.cli import admin_client, admin_http
 from pd_router.cli.convert import convert as cli_convert
 from tests.conversion_helpers import live_roles, pools
-from tests.router_helpers import running_router
+from tests.router_helpers import running_router, wait_until
 
 KEY = "s3cret-admin-key-7f2c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -96,6 +96,7 @@ async def test_cli_status_prints_the_pools_every_worker_and_recent_conversions(r
     assert pool_rows["prefill"][0] == "3" and pool_rows["decode"][0] == "1"
     for url in cluster.urls:
         assert url in text
+    assert "model" not in text.split("Workers\n", 1)[1].split()[:4]
     recent = text.split("Recent conversions\n", 1)[1].splitlines()
     (row,) = [line.split() for line in recent if decode in line]
     assert row[1:6] == [decode, "decode", "prefill", "operator", "succeeded"]
@@ -130,3 +131,36 @@ async def test_worker_refusing_the_control_call_keeps_its_role_and_stays_healthy
             w for w in (await http.get("/workers")).json()["workers"] if w["url"] == prefill
         )
         assert (entry["role"], entry["state"], entry["healthy"]) == ("prefill", "active", True)
+
+
+async def test_cli_status_counts_the_pools_per_model_and_names_each_workers_model(
+    module_cluster_factory,
+):
+    big = module_cluster_factory(prefill=1, decode=2, extra_args=("--served-model-name", "big"))
+    small = module_cluster_factory(
+        prefill=0, decode=0, regular=2, extra_args=("--served-model-name", "small")
+    )
+    regular = [{"url": url} for url in small.regular_urls]
+    async with running_router(big, regular=regular, admin_api_key=KEY) as router:
+
+        async def models_read() -> bool:
+            async with router.client(headers=AUTH) as http:
+                workers = (await http.get("/workers")).json()["workers"]
+            return all(w["model"] for w in workers)
+
+        await wait_until(models_read, 10.0, "every worker's model read")
+        code, text = await cli(admin_client.status, ["--router", router.url])
+    assert code == 0, text
+    pools, workers = text.split("Pools\n", 1)[1].split("\nWorkers\n", 1)
+    assert [line.split() for line in pools.splitlines()] == [
+        ["model", "pool", "active", "active+healthy", "workers"],
+        ["big", "prefill", "1", "1", "1"],
+        ["big", "decode", "2", "2", "2"],
+        ["small", "regular", "2", "2", "2"],
+    ]
+    rows = {row[1]: row[2:4] for row in map(str.split, workers.splitlines()[1:6])}
+    assert rows == {
+        **{url: ["big", "prefill"] for url in big.prefill_urls},
+        **{url: ["big", "decode"] for url in big.decode_urls},
+        **{url: ["small", "regular"] for url in small.regular_urls},
+    }

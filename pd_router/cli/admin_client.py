@@ -220,25 +220,34 @@ def render_autopilot(state: dict[str, Any]) -> str:
 def render_status(workers: list[dict[str, Any]], conversions: list[dict[str, Any]] | None) -> str:
     """Pools, workers (unhealthy ones first, their state shown as UNHEALTHY whatever their
     conversion state, with the last probe error below the table) and recent conversions
-    (None: hidden, as without the admin key)."""
+    (None: hidden, as without the admin key). Serving several models, the pools are counted
+    per model and each worker's model is shown; one model reads as it always did."""
     workers = sorted(workers, key=lambda worker: bool(worker.get("healthy")))
     unhealthy = [w for w in workers if not w.get("healthy")]
-    pools = []
-    for role in ("prefill", "decode"):
-        members = [w for w in workers if w.get("role") == role]
-        active = [w for w in members if w.get("state") == "active"]
-        healthy = [w for w in active if w.get("healthy")]
-        pools.append([role, str(len(active)), str(len(healthy)), str(len(members))])
+    models = list(dict.fromkeys(_model(w) for w in workers))
+    per_model = sum(1 for model in models if model) > 1
+    model_column = ["model"] if per_model else []
     parts = [
         "Pools\n",
-        _table(["pool", "active", "active+healthy", "workers"], pools),
+        _pools_table(workers, models) if per_model else _pools_table(workers, None),
         "\nWorkers\n",
         _table(
-            ["id", "url", "role", "state", "epoch", "healthy", "in-flight", "circuit"],
+            [
+                "id",
+                "url",
+                *model_column,
+                "role",
+                "state",
+                "epoch",
+                "healthy",
+                "in-flight",
+                "circuit",
+            ],
             [
                 [
                     str(w.get("id", "")),
                     str(w.get("url", "")),
+                    *([_model(w) or "?"] if per_model else []),
                     str(w.get("role", "")),
                     _state(w),
                     str(w.get("epoch", "")),
@@ -276,6 +285,40 @@ def render_status(workers: list[dict[str, Any]], conversions: list[dict[str, Any
         else "(hidden without the admin key)\n",
     ]
     return "".join(parts)
+
+
+def _pools_table(workers: list[dict[str, Any]], models: list[str] | None) -> str:
+    """One row per pool: prefill and decode (and regular once a regular worker is listed);
+    per model when ``models`` is given, each with the pools it has."""
+    if models is None:
+        rows = [_pool_row(workers, role) for role in _roles(workers)]
+        return _table(["pool", "active", "active+healthy", "workers"], rows)
+    rows = []
+    for model in models:
+        members = [w for w in workers if _model(w) == model]
+        rows.extend([model or "?", *_pool_row(members, role)] for role in _roles(members))
+    return _table(["model", "pool", "active", "active+healthy", "workers"], rows)
+
+
+def _roles(workers: list[dict[str, Any]]) -> list[str]:
+    """The pools ``workers`` form: prefill and decode unless every one is a regular worker
+    (none listed: both, empty), regular if any is."""
+    roles = {w.get("role") for w in workers}
+    pd = ["prefill", "decode"] if roles - {"regular"} or not roles else []
+    return pd + (["regular"] if "regular" in roles else [])
+
+
+def _pool_row(workers: list[dict[str, Any]], role: str) -> list[str]:
+    members = [w for w in workers if w.get("role") == role]
+    active = [w for w in members if w.get("state") == "active"]
+    healthy = [w for w in active if w.get("healthy")]
+    return [role, str(len(active)), str(len(healthy)), str(len(members))]
+
+
+def _model(worker: dict[str, Any]) -> str:
+    """The model a worker serves ("" when the router has not read it yet: no model of its
+    own, as on the request path)."""
+    return str(worker.get("model") or "")
 
 
 def _state(worker: dict[str, Any]) -> str:
