@@ -478,7 +478,8 @@ PEER_OPTIONS: Mapping[str, Option] = MappingProxyType({o.names[0]: o for o in (
     warned("--kv-connector-annotation", SMG, STR, NO_DISCOVERY),
     warned("--kv-engine-id-annotation", SMG, STR, NO_DISCOVERY),
     option("--model-id-from", SMG, STR, "discovery.model_id_from",
-           note="`namespace`, `label:KEY` or `annotation:KEY`, shown with each worker"),
+           note="`namespace`, `label:KEY` or `annotation:KEY`: the model a discovered worker "
+           "serves (routed by), shown with it"),
     warned("--model-alias", SMG, REPEAT,
            "pd-router serves the model names its workers report; it keeps no aliases"),
     # EPD, multimodal, RL, mesh.

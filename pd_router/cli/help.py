@@ -14,6 +14,7 @@ from pd_router.config import RouterConfig
 
 USAGE = (
     "pd-router [serve] --prefill URL [BOOTSTRAP_PORT] ... --decode URL ... [OPTIONS]\n"
+    "       pd-router [serve] --worker-urls URL ... [OPTIONS]\n"
     "       pd-router {demo,status,convert,autopilot} [OPTIONS]"
 )
 SHORT_USAGE = "pd-router [serve|demo|status|convert|autopilot] [OPTIONS]"
@@ -36,7 +37,9 @@ EVERYDAY_PEER_OPTIONS = {
     "--prefill": "a prefill worker (repeat for each); BOOTSTRAP_PORT a number, 'none' or left "
     "out (then read from the worker's /server_info)",
     "--decode": "a decode worker (repeat for each)",
-    "--policy": "how a worker is picked in both pools (an alias of the peers' logs what runs "
+    "--worker-urls": "regular (non-PD) workers, each serving a request whole (alone: "
+    "sglang-router's regular mode; beside --prefill/--decode: another model's pool)",
+    "--policy": "how a worker is picked in every pool (an alias of the peers' logs what runs "
     "instead)",
     "--prefill-policy": "the prefill pool's policy (wins over --policy)",
     "--decode-policy": "the decode pool's policy (wins over --policy)",
