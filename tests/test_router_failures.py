@@ -12,6 +12,7 @@ import time
 import pytest
 
 from pd_worker.tokens import expected_text
+from tests.fault_cluster import clear_faults, module_cluster  # noqa: F401 (fixtures)
 from tests.router_helpers import (
     assert_paired,
     fault,
@@ -28,16 +29,7 @@ TOKENS = 4
 SLOW_TOKENS = 300  # about 3 s of decoding at speed 1: long enough to break a stream midway
 
 
-@pytest.fixture(scope="module")
-def cluster(module_cluster_factory):
-    return module_cluster_factory(prefill=2, decode=2, speed=0.0)
-
-
-@pytest.fixture(autouse=True)
-async def clear_faults(cluster):
-    yield
-    for url in cluster.urls:
-        await fault(url, clear=True)
+cluster = module_cluster(prefill=2, decode=2, speed=0.0)
 
 
 @pytest.fixture

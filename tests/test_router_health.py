@@ -7,25 +7,16 @@ import logging
 import socket
 
 import httpx
-import pytest
 
 from pd_router.control.workers import Role
 from pd_worker.cluster import WorkerCluster
+from tests.fault_cluster import clear_faults, module_cluster  # noqa: F401 (fixtures)
 from tests.router_helpers import assert_paired, fault, generate_body, running_router, wait_until
 
 TOKENS = 3
 
 
-@pytest.fixture(scope="module")
-def cluster(module_cluster_factory):
-    return module_cluster_factory(prefill=1, decode=1, speed=0.0)
-
-
-@pytest.fixture(autouse=True)
-async def clear_faults(cluster):
-    yield
-    for url in cluster.urls:
-        await fault(url, clear=True)
+cluster = module_cluster(prefill=1, decode=1, speed=0.0)
 
 
 async def test_failing_health_probes_take_a_worker_out_and_back(cluster):

@@ -17,6 +17,7 @@ import pytest
 from pd_router.dataplane.legs.connection import WorkerUnavailable
 from pd_worker.cluster import WorkerCluster
 from pd_worker.tokens import expected_text
+from tests.fault_cluster import clear_faults, module_cluster  # noqa: F401 (fixtures)
 from tests.router_helpers import (
     assert_paired,
     fault,
@@ -40,16 +41,7 @@ QUIET = {
 CLIENT_TIMEOUT = 20.0  # well past every leg timeout above, well below the 1800 s total
 
 
-@pytest.fixture(scope="module")
-def cluster(module_cluster_factory) -> WorkerCluster:
-    return module_cluster_factory(prefill=2, decode=2, speed=1.0)
-
-
-@pytest.fixture(autouse=True)
-async def clear_faults(cluster):
-    yield
-    for url in cluster.urls:
-        await fault(url, clear=True)
+cluster = module_cluster(prefill=2, decode=2, speed=1.0)
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ pytest.importorskip(
 )
 
 from tests.conversion_helpers import convert
+from tests.fault_cluster import clear_faults, module_cluster  # noqa: F401 (fixtures)
 from tests.otlp_receiver import ReceivedSpan, otlp_receiver
 from tests.router_helpers import fault, generate_body
 from tests.router_process import router_process
@@ -33,16 +34,7 @@ CLIENT_SPAN = "b7ad6b7169203331"
 CLOSE = {"Connection": "close"}
 
 
-@pytest.fixture(scope="module")
-def cluster(module_cluster_factory):
-    return module_cluster_factory(prefill=1, decode=1, speed=0.0)
-
-
-@pytest.fixture(autouse=True)
-async def clear_faults(cluster):
-    yield
-    for url in cluster.urls:
-        await fault(url, clear=True)
+cluster = module_cluster(prefill=1, decode=1, speed=0.0)
 
 
 @pytest.fixture
