@@ -5,6 +5,7 @@ cluster."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 import time
@@ -34,13 +35,15 @@ pytestmark = [
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 RATE_INTERVAL = "10s"  # what Grafana puts in $__rate_interval at a 1 s scrape interval
+ALL_MODELS = ".*"  # what Grafana puts in $model with All picked (the variable's allValue)
 START_TIMEOUT_SECS = 30.0
+MODEL = "toy"  # the one model the workers serve
 
 
 def live_queries() -> Iterator[tuple[str, str]]:
-    """Every dashboard query as Grafana sends it at a 1 s scrape interval."""
+    """Every dashboard query as Grafana sends it at a 1 s scrape interval, every model picked."""
     for where, expr in dashboard_queries(load_dashboard()):
-        yield where, expr.replace("$__rate_interval", RATE_INTERVAL)
+        yield where, expr.replace("$__rate_interval", RATE_INTERVAL).replace("$model", ALL_MODELS)
 
 
 def prometheus_config(router: str, workers: list[str]) -> dict[str, Any]:
@@ -62,7 +65,31 @@ def host_port(url: str) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(module_cluster_factory) -> WorkerCluster:
-    return module_cluster_factory(prefill=2, decode=2)
+    return module_cluster_factory(prefill=2, decode=2, extra_args=("--served-model-name", MODEL))
+
+
+@contextlib.asynccontextmanager
+async def scraping(router: str, workers: list[str]) -> AsyncIterator[httpx.AsyncClient]:
+    """Prometheus (its HTTP API) scraping the router and ``workers`` (urls), each target
+    scraped twice already."""
+    with tempfile.TemporaryDirectory(prefix="pd-router-prometheus-") as workdir:
+        config = Path(workdir) / "prometheus.yml"
+        config.write_text(
+            yaml.safe_dump(prometheus_config(host_port(router), [host_port(u) for u in workers]))
+        )
+        port = free_port()
+        process = await asyncio.create_subprocess_exec(
+            PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={workdir}/data",
+            f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10.0) as api:
+                await wait_for_scrapes(api, len(workers) + 1)
+                yield api
+        finally:
+            process.terminate()
+            await asyncio.wait_for(process.wait(), 10.0)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -73,33 +100,13 @@ async def prometheus(cluster: WorkerCluster) -> AsyncIterator[httpx.AsyncClient]
     async with running_router(cluster) as router, router.client() as http:
         for i in range(4):
             assert (await http.post("/generate", json=generate_body(f"p {i}"))).status_code == 200
-        with tempfile.TemporaryDirectory(prefix="pd-router-prometheus-") as workdir:
-            config = Path(workdir) / "prometheus.yml"
-            config.write_text(
-                yaml.safe_dump(
-                    prometheus_config(host_port(router.url), [host_port(u) for u in cluster.urls])
-                )
-            )
-            port = free_port()
-            process = await asyncio.create_subprocess_exec(
-                PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={workdir}/data",
-                f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn",
-                stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
-            )  # fmt: skip
-            try:
-                async with httpx.AsyncClient(
-                    base_url=f"http://127.0.0.1:{port}", timeout=10.0
-                ) as api:
-                    await wait_for_scrapes(api, len(cluster.urls) + 1)
-                    for role in ("decode", "prefill"):
-                        body = {"server_url": cluster.prefill_urls[1], "new_role": role}
-                        response = await http.post("/convert_pd_role", json=body)
-                        assert response.status_code == 200, response.text
-                    await wait_for_conversions_scraped(api, 2)
-                    yield api
-            finally:
-                process.terminate()
-                await asyncio.wait_for(process.wait(), 10.0)
+        async with scraping(router.url, cluster.urls) as api:
+            for role in ("decode", "prefill"):
+                body = {"server_url": cluster.prefill_urls[1], "new_role": role}
+                response = await http.post("/convert_pd_role", json=body)
+                assert response.status_code == 200, response.text
+            await wait_for_conversions_scraped(api, 2)
+            yield api
 
 
 async def wait_for_scrapes(api: httpx.AsyncClient, targets: int) -> None:
@@ -175,6 +182,21 @@ async def test_pool_size_panel_shows_two_prefill_and_two_decode(prometheus):
     }
 
 
+async def test_pool_sizes_by_model_panel_shows_the_models_two_prefill_and_two_decode(prometheus):
+    (expr,) = [e for where, e in live_queries() if where.startswith("panel 'Pool sizes by model' ")]
+    result = await query(prometheus, expr)
+    assert {(r["metric"]["model"], r["metric"]["role"]): float(r["value"][1]) for r in result} == {
+        (MODEL, "prefill"): 2.0,
+        (MODEL, "decode"): 2.0,
+    }
+
+
+async def test_model_variable_lists_the_model_the_workers_serve(prometheus):
+    (expr,) = [e for where, e in live_queries() if where == "variable model"]
+    result = await query(prometheus, expr)
+    assert {r["metric"]["model"] for r in result} == {MODEL}
+
+
 async def test_worker_role_panel_maps_each_worker_to_its_role(prometheus, cluster):
     (expr,) = [e for where, e in live_queries() if where.startswith("panel 'Worker role' ")]
     result = await query(prometheus, expr)
@@ -191,3 +213,36 @@ async def test_conversion_annotation_marks_the_conversions_just_made(prometheus)
     directions = {(r["metric"]["from_role"], r["metric"]["to_role"]) for r in result}
     assert directions == {("prefill", "decode"), ("decode", "prefill")}
     assert {r["metric"]["outcome"] for r in result} == {"succeeded"}
+
+
+async def test_per_model_panels_show_each_models_pools_on_a_two_model_router(
+    module_cluster_factory,
+):
+    big = module_cluster_factory(prefill=1, decode=2, extra_args=("--served-model-name", "big"))
+    small = module_cluster_factory(
+        prefill=0, decode=0, regular=2, extra_args=("--served-model-name", "small")
+    )
+    regular = [{"url": url} for url in small.regular_urls]
+    async with (
+        running_router(big, regular=regular) as router,
+        scraping(router.url, big.urls + small.regular_urls) as api,
+    ):
+
+        async def every_model_scraped() -> bool:
+            result = await query(api, "pd_router_worker_model")
+            return {r["metric"].get("model") for r in result} == {"big", "small"}
+
+        await wait_until(every_model_scraped, START_TIMEOUT_SECS, "both models scraped")
+        panels = {where.split(" ", 1)[1]: expr for where, expr in live_queries()}
+        pools = await query(api, panels["'Pool sizes by model' A"])
+        inflight = await query(api, panels["'In flight by model' A"])
+    assert {(r["metric"]["model"], r["metric"]["role"]): float(r["value"][1]) for r in pools} == {
+        ("big", "prefill"): 1.0,
+        ("big", "decode"): 2.0,
+        ("small", "regular"): 2.0,
+    }
+    assert {(r["metric"]["model"], r["metric"]["role"]) for r in inflight} == {
+        ("big", "prefill"),
+        ("big", "decode"),
+        ("small", "regular"),
+    }
