@@ -14,7 +14,8 @@ import pytest
 from pd_router.cli import admin_client, admin_http
 from pd_router.cli.convert import convert as cli_convert
 from tests.conversion_helpers import live_roles, pools
-from tests.router_helpers import running_router, wait_until
+from tests.model_clusters import big_and_small, models_and_roles, regular_entries, wait_for_models
+from tests.router_helpers import running_router
 
 KEY = "s3cret-admin-key-7f2c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -136,19 +137,9 @@ async def test_worker_refusing_the_control_call_keeps_its_role_and_stays_healthy
 async def test_cli_status_counts_the_pools_per_model_and_names_each_workers_model(
     module_cluster_factory,
 ):
-    big = module_cluster_factory(prefill=1, decode=2, extra_args=("--served-model-name", "big"))
-    small = module_cluster_factory(
-        prefill=0, decode=0, regular=2, extra_args=("--served-model-name", "small")
-    )
-    regular = [{"url": url} for url in small.regular_urls]
-    async with running_router(big, regular=regular, admin_api_key=KEY) as router:
-
-        async def models_read() -> bool:
-            async with router.client(headers=AUTH) as http:
-                workers = (await http.get("/workers")).json()["workers"]
-            return all(w["model"] for w in workers)
-
-        await wait_until(models_read, 10.0, "every worker's model read")
+    big, small = big_and_small(module_cluster_factory)
+    async with running_router(big, regular=regular_entries(small), admin_api_key=KEY) as router:
+        await wait_for_models(router, AUTH)
         code, text = await cli(admin_client.status, ["--router", router.url])
     assert code == 0, text
     pools, workers = text.split("Pools\n", 1)[1].split("\nWorkers\n", 1)
@@ -158,9 +149,5 @@ async def test_cli_status_counts_the_pools_per_model_and_names_each_workers_mode
         ["big", "decode", "2", "2", "2"],
         ["small", "regular", "2", "2", "2"],
     ]
-    rows = {row[1]: row[2:4] for row in map(str.split, workers.splitlines()[1:6])}
-    assert rows == {
-        **{url: ["big", "prefill"] for url in big.prefill_urls},
-        **{url: ["big", "decode"] for url in big.decode_urls},
-        **{url: ["small", "regular"] for url in small.regular_urls},
-    }
+    rows = {row[1]: tuple(row[2:4]) for row in map(str.split, workers.splitlines()[1:6])}
+    assert rows == models_and_roles(big, small)

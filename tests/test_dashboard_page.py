@@ -21,6 +21,14 @@ import pytest_asyncio
 from router_helpers import RouterUnderTest, generate_body, running_router, wait_until
 
 from pd_worker.cluster import WorkerCluster
+from tests.model_clusters import (
+    BIG,
+    SMALL,
+    big_and_small,
+    models_and_roles,
+    regular_entries,
+    wait_for_models,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -388,34 +396,17 @@ async def test_status_watch_keeps_going_while_the_router_is_unreachable(free_por
     assert returncode == 0
 
 
-BIG = "big"
-SMALL = "small"
-
-
 @pytest.fixture(scope="module")
-def big(module_cluster_factory) -> WorkerCluster:
-    """A model served in PD."""
-    return module_cluster_factory(prefill=1, decode=2, extra_args=("--served-model-name", BIG))
-
-
-@pytest.fixture(scope="module")
-def small(module_cluster_factory) -> WorkerCluster:
-    """A model served by regular (non-PD) workers only."""
-    return module_cluster_factory(
-        prefill=0, decode=0, regular=2, extra_args=("--served-model-name", SMALL)
-    )
+def models(module_cluster_factory) -> tuple[WorkerCluster, WorkerCluster]:
+    return big_and_small(module_cluster_factory)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def two_models(big: WorkerCluster, small: WorkerCluster) -> AsyncIterator[RouterUnderTest]:
-    """One router over both; each worker's model is read from its ``/server_info``."""
-    regular = [{"url": url} for url in small.regular_urls]
-    async with running_router(big, regular=regular) as router:
-
-        async def models_read() -> bool:
-            return set((await status(router)).get("models", {})) == {BIG, SMALL}
-
-        await wait_until(models_read, RENDER_TIMEOUT_SECS, "every worker's model read")
+async def two_models(models) -> AsyncIterator[RouterUnderTest]:
+    """One router over ``big`` (PD) and ``small`` (regular workers)."""
+    big, small = models
+    async with running_router(big, regular=regular_entries(small)) as router:
+        await wait_for_models(router)
         yield router
 
 
@@ -423,7 +414,7 @@ async def test_status_of_one_model_has_no_per_model_pools(router):
     assert "models" not in await status(router)
 
 
-async def test_status_counts_each_models_pools_when_several_are_served(two_models, big, small):
+async def test_status_counts_each_models_pools_when_several_are_served(two_models):
     body = await status(two_models)
     counts = {
         model: {role: (pool["active"], len(pool["workers"])) for role, pool in pools.items()}
@@ -439,25 +430,23 @@ async def test_status_counts_each_models_pools_when_several_are_served(two_model
 
 @needs_chromium
 async def test_page_in_chromium_groups_the_pools_by_model_and_names_each_cards_model(
-    two_models, big, small
+    two_models, models
 ):
     page = await render(two_models.url + "/dashboard")
     assert page.live.startswith("live"), page.live
-    shown = {url: (card.model, card.pool, card.role) for url, card in page.cards.items()}
-    assert shown == {
-        **{url: (BIG, "prefill", "prefill") for url in big.prefill_urls},
-        **{url: (BIG, "decode", "decode") for url in big.decode_urls},
-        **{url: (SMALL, "regular", "regular") for url in small.regular_urls},
-    }
+    shown = {url: (card.model, card.role) for url, card in page.cards.items()}
+    assert shown == models_and_roles(*models)
+    assert all(card.pool == card.role for card in page.cards.values())
     for url, card in page.cards.items():
         assert f"model {card.model}" in " ".join(card.text.split()), url
 
 
 @needs_chromium
-async def test_page_in_chromium_offers_no_conversion_of_a_regular_worker(two_models, big, small):
+async def test_page_in_chromium_offers_no_conversion_of_a_regular_worker(two_models, models):
     page = await render(two_models.url + "/dashboard")
-    for url in small.regular_urls:
-        assert "Convert" not in page.cards[url].text
-        assert "no conversion" not in page.cards[url].text
-    for url in big.decode_urls:
-        assert "Convert to prefill" in page.cards[url].text
+    for url, (_, role) in models_and_roles(*models).items():
+        if role == "regular":
+            assert "Convert" not in page.cards[url].text
+            assert "no conversion" not in page.cards[url].text
+        elif role == "decode":
+            assert "Convert to prefill" in page.cards[url].text

@@ -20,6 +20,7 @@ from dashboard_helpers import dashboard_queries, load_dashboard
 from router_helpers import generate_body, running_router, wait_until
 
 from pd_worker.cluster import WorkerCluster, free_port
+from tests import model_clusters as two
 
 yaml = pytest.importorskip("yaml", reason="PyYAML (test extra) writes the Prometheus config")
 
@@ -218,31 +219,26 @@ async def test_conversion_annotation_marks_the_conversions_just_made(prometheus)
 async def test_per_model_panels_show_each_models_pools_on_a_two_model_router(
     module_cluster_factory,
 ):
-    big = module_cluster_factory(prefill=1, decode=2, extra_args=("--served-model-name", "big"))
-    small = module_cluster_factory(
-        prefill=0, decode=0, regular=2, extra_args=("--served-model-name", "small")
-    )
-    regular = [{"url": url} for url in small.regular_urls]
+    big, small = two.big_and_small(module_cluster_factory)
     async with (
-        running_router(big, regular=regular) as router,
+        running_router(big, regular=two.regular_entries(small)) as router,
         scraping(router.url, big.urls + small.regular_urls) as api,
     ):
+        await two.wait_for_models(router)
 
         async def every_model_scraped() -> bool:
             result = await query(api, "pd_router_worker_model")
-            return {r["metric"].get("model") for r in result} == {"big", "small"}
+            return {r["metric"].get("model") for r in result} == {two.BIG, two.SMALL}
 
         await wait_until(every_model_scraped, START_TIMEOUT_SECS, "both models scraped")
         panels = {where.split(" ", 1)[1]: expr for where, expr in live_queries()}
         pools = await query(api, panels["'Pool sizes by model' A"])
         inflight = await query(api, panels["'In flight by model' A"])
     assert {(r["metric"]["model"], r["metric"]["role"]): float(r["value"][1]) for r in pools} == {
-        ("big", "prefill"): 1.0,
-        ("big", "decode"): 2.0,
-        ("small", "regular"): 2.0,
+        (two.BIG, "prefill"): 1.0,
+        (two.BIG, "decode"): 2.0,
+        (two.SMALL, "regular"): 2.0,
     }
-    assert {(r["metric"]["model"], r["metric"]["role"]) for r in inflight} == {
-        ("big", "prefill"),
-        ("big", "decode"),
-        ("small", "regular"),
-    }
+    assert {(r["metric"]["model"], r["metric"]["role"]) for r in inflight} == set(
+        two.models_and_roles(big, small).values()
+    )
