@@ -63,6 +63,7 @@ class RenderedPage(HTMLParser):
     cards: dict[str, Card] = field(default_factory=dict)
     conversions: dict[str, str] = field(default_factory=dict)
     live: str = ""
+    autopilot: str = ""  # the autopilot's latest decision, as the page words it
 
     def __post_init__(self) -> None:
         super().__init__()
@@ -99,6 +100,8 @@ class RenderedPage(HTMLParser):
                 break
         if self._stack and self._stack[-1].get("id") == "live":
             self.live += data
+        if self._stack and self._stack[-1].get("id") == "autopilot-last":
+            self.autopilot += data
 
 
 async def render(url: str) -> RenderedPage:
@@ -403,9 +406,11 @@ def models(module_cluster_factory) -> tuple[WorkerCluster, WorkerCluster]:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def two_models(models) -> AsyncIterator[RouterUnderTest]:
-    """One router over ``big`` (PD) and ``small`` (regular workers)."""
+    """One router over ``big`` (PD) and ``small`` (regular workers), its autopilot
+    recommending (it converts nothing)."""
     big, small = models
-    async with running_router(big, regular=regular_entries(small)) as router:
+    autopilot = {"mode": "recommend", "interval_secs": 0.05, "window_secs": 0.05}
+    async with running_router(big, regular=regular_entries(small), autopilot=autopilot) as router:
         await wait_for_models(router)
         yield router
 
@@ -450,3 +455,14 @@ async def test_page_in_chromium_offers_no_conversion_of_a_regular_worker(two_mod
             assert "no conversion" not in page.cards[url].text
         elif role == "decode":
             assert "Convert to prefill" in page.cards[url].text
+
+
+@needs_chromium
+async def test_page_in_chromium_names_the_model_of_the_autopilots_latest_decision(two_models):
+    async def decided() -> bool:
+        return (await status(two_models))["autopilot"]["last_decision"] is not None
+
+    await wait_until(decided, RENDER_TIMEOUT_SECS, "an autopilot decision")
+    assert (await status(two_models))["autopilot"]["last_decision"]["model"] == BIG
+    page = await render(two_models.url + "/dashboard")
+    assert page.autopilot.startswith(f"latest: {BIG}: "), page.autopilot

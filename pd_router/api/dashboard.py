@@ -96,7 +96,7 @@ def status_snapshot(
         "workers": unhealthy_first([worker_summary(conversions, worker) for worker in registry]),
         "conversions": recent_conversions(conversions),
         "conversions_available": True,
-        "autopilot": autopilot_summary(autopilot),
+        "autopilot": autopilot_summary(autopilot, name_models=several),
         "admin_key_required": admin_api_key is not None,
         "redacted": False,
         "time": time.time(),
@@ -129,14 +129,30 @@ def public_snapshot(snapshot: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def autopilot_summary(autopilot: Autopilot) -> dict[str, Any]:
-    """The autopilot's mode, latest decision and recent conversion decisions (newest first)."""
-    state = autopilot.to_json()
+def autopilot_summary(autopilot: Autopilot, name_models: bool) -> dict[str, Any]:
+    """The autopilot's mode, latest decision and recent conversion decisions (newest first),
+    those of every model's pilot; with ``name_models`` (the router serves several models, even
+    if one of them in PD) each decision names the ``model`` whose pilot made it."""
+    pilots = [
+        (pilot.model if name_models else None, pilot.to_json()) for pilot in autopilot.pilots()
+    ]
+    latest = [
+        with_model(state["last_decision"], model)
+        for model, state in pilots
+        if state["last_decision"]
+    ]
+    decisions = [with_model(d, model) for model, state in pilots for d in state["decisions"]]
+    decisions.sort(key=lambda decision: decision["time"], reverse=True)
     return {
-        "mode": state["mode"],
-        "last_decision": state["last_decision"],
-        "decisions": state["decisions"][:RECENT_CONVERSIONS],
+        "mode": autopilot.config.mode,
+        "last_decision": max(latest, key=lambda decision: decision["time"], default=None),
+        "decisions": decisions[:RECENT_CONVERSIONS],
     }
+
+
+def with_model(decision: dict[str, Any], model: str | None) -> dict[str, Any]:
+    """A decision naming the model whose pilot made it (None: the router serves one)."""
+    return decision if model is None else {**decision, "model": model}
 
 
 def models_summary(registry: WorkerRegistry, models: list[str]) -> dict[str, Any]:
