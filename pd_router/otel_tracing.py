@@ -185,6 +185,20 @@ class RequestSpan:
             self.retries += 1
         return LegSpans(self._tracer, self._context, attempt, urls, path, headers)
 
+    def regular_leg(
+        self, attempt: int, url: str, path: str, model: Any, headers: dict[str, str]
+    ) -> RegularLegSpan:
+        """The leg span of an attempt to the regular worker at ``url`` on ``path``; its
+        ``traceparent`` is added to a copy of ``headers``."""
+        attributes: dict[str, str] = {"pd.regular.url": url}
+        if isinstance(model, str):
+            attributes["gen_ai.request.model"] = model
+        self.span.set_attributes(attributes)
+        if attempt > 1:
+            self.retries += 1
+        span = leg_span(self._tracer, self._context, "regular", url + path, attempt)
+        return RegularLegSpan(span, propagated(headers, span))
+
     def finish(self, status: int) -> None:
         """End the span with the status the client got (499: it went away)."""
         span = self.span
@@ -216,6 +230,41 @@ class ExchangeSpan:
         ``path``; ``headers``: the prefill's and the decode's."""
         self.attempts += 1
         return self._request.legs(self.attempts, (prefill, decode), path, model, headers)
+
+    def regular_attempt(
+        self, url: str, path: str, model: Any, headers: dict[str, str]
+    ) -> RegularLegSpan:
+        """The leg span of the next attempt, to the regular worker at ``url``."""
+        self.attempts += 1
+        return self._request.regular_leg(self.attempts, url, path, model, headers)
+
+
+class RegularLegSpan:
+    """The one leg of an attempt to a regular worker, and the headers that carry it."""
+
+    __slots__ = ("headers", "span")
+
+    def __init__(self, span: Span, headers: dict[str, str]) -> None:
+        self.span = span
+        self.headers = headers
+
+    def ended(self, error: BaseException | None, relayed: bool | None) -> None:
+        """The attempt ended: with ``error`` (None: answered); ``relayed``: whether a stream
+        reached its end (None: not a stream)."""
+        attributes: dict[str, str | int] = {"pd.leg.outcome": OK}
+        if isinstance(error, asyncio.CancelledError):
+            attributes["pd.leg.outcome"] = CANCELLED
+        elif error is not None:
+            attributes["pd.leg.outcome"] = FAILED
+            attributes["error.type"] = getattr(error, "kind", type(error).__name__)
+            status = getattr(error, "status", None)
+            if isinstance(status, int):
+                attributes["http.response.status_code"] = status
+            self.span.set_status(Status(StatusCode.ERROR, str(error)))
+        elif relayed is False:
+            attributes["pd.leg.outcome"] = INCOMPLETE
+        self.span.set_attributes(attributes)
+        self.span.end()
 
 
 class LegSpans:

@@ -23,6 +23,7 @@ from tests.router_helpers import (
     wait_until,
     worker_metric,
 )
+from tests.router_process import router_process
 
 BIG = "big"
 SMALL = "small"
@@ -271,3 +272,33 @@ def prefills_of(router, model: str) -> int:
         for w in router.state.registry
         if w.role.value == "prefill" and w.model == model and w.state.value == "active"
     )
+
+
+async def test_a_traced_request_to_a_regular_worker_has_its_leg_span_and_traceparent(big, small):
+    otlp = pytest.importorskip("tests.otlp_receiver", reason="needs the otel extra (make install)")
+    async with otlp.otlp_receiver() as receiver:
+        tracing = {"enabled": True, "endpoint": receiver.endpoint}
+        regular = [{"url": url} for url in small.regular_urls]
+        async with (
+            router_process(
+                prefill=big.prefill_urls,
+                decode=big.decode_urls,
+                regular=regular,
+                tracing=tracing,
+            ) as router,
+            router.client() as http,
+        ):
+            answer = await http.post("/v1/chat/completions", json=chat(SMALL, "traced"))
+            assert answer.status_code == 200, answer.text
+            spans = await receiver.wait_for(lambda spans: len(spans) >= 2)
+    (request,) = [s for s in spans if s.kind == "server"]
+    (leg,) = [s for s in spans if s.parent_id == request.span_id]
+    assert request.attributes["gen_ai.request.model"] == SMALL
+    assert (leg.name, leg.attributes["pd.leg.outcome"]) == ("regular leg", "ok")
+    worker = leg.attributes["url.full"].removesuffix("/v1/chat/completions")
+    assert worker in small.regular_urls
+    async with httpx.AsyncClient(timeout=5.0) as plain:
+        received = (await plain.get(worker + "/trace_headers")).json()["requests"]
+    assert ("00", request.trace_id, leg.span_id) in {
+        tuple(e["traceparent"].split("-")[:3]) for e in received if "traceparent" in e
+    }

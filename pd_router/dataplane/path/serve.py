@@ -38,7 +38,7 @@ async def serve(
     items, samples = endpoint.count_items(body)
     async with path.admission.admitted():
         if route.regular:
-            await Forward(path, reply, ids, endpoint, body, items, started, route).run()
+            await Forward(path, reply, ids, endpoint, body, items, started, route, span).run()
             return
         if samples > 1:
             run = functools.partial(run_sample, path, endpoint, started, span, route)

@@ -37,6 +37,9 @@ from pd_router.errors import ClientClosedRequest, NoWorkers
 from pd_router.roles import Role
 
 if TYPE_CHECKING:
+    from pd_router.otel_tracing import ExchangeSpan, RequestSpan
+
+if TYPE_CHECKING:
     pass
 
 log = logging.getLogger("pd_router.dataplane.single")
@@ -57,9 +60,11 @@ class Forward(Routed):
         items: int | None,
         started: float,
         route: Route,
+        span: RequestSpan | None = None,
     ) -> None:
         super().__init__(path, reply, ids, endpoint, body, items, started, route)
         self.regular_headers = self.headers(REGULAR)
+        self.span: ExchangeSpan | None = span.exchange() if span is not None else None
 
     async def run(self) -> None:
         retry = self.path.retry
@@ -77,10 +82,7 @@ class Forward(Routed):
                 return
             payload, rids = self.payload(attempt)
             try:
-                if self.stream:
-                    await self.stream_attempt(worker, payload, rids)
-                else:
-                    await self.unary_attempt(worker, payload, rids)
+                await self.attempt(worker, payload, rids)
                 return
             except LegFailed as failure:
                 failure.__traceback__ = None
@@ -101,17 +103,43 @@ class Forward(Routed):
             self.path.metrics.count_retry()
             await asyncio.sleep(backoff_secs(retry, attempt))
 
+    async def attempt(self, worker: Target, payload: bytes, rids: list[str]) -> None:
+        """One attempt on ``worker``; with tracing on, in a leg span whose ``traceparent``
+        the worker gets."""
+        span = self.span
+        if span is None:
+            await self.send(worker, payload, rids, self.regular_headers)
+            return
+        model = self.body.get("model")
+        leg = span.regular_attempt(worker.url, self.endpoint.path, model, self.regular_headers)
+        try:
+            relayed = await self.send(worker, payload, rids, leg.headers)
+        except BaseException as error:
+            leg.ended(error, None)
+            raise
+        leg.ended(None, relayed)
+
+    async def send(
+        self, worker: Target, payload: bytes, rids: list[str], headers: dict[str, str]
+    ) -> bool | None:
+        """Send the attempt and answer the client; whether a stream reached its end (None:
+        not a stream)."""
+        if self.stream:
+            return await self.stream_attempt(worker, payload, rids, headers)
+        await self.unary_attempt(worker, payload, rids, headers)
+        return None
+
     def observe_ttft(self) -> None:
         self.path.metrics.observe_ttft(asyncio.get_running_loop().time() - self.started)
 
-    async def unary_attempt(self, worker: Target, payload: bytes, rids: list[str]) -> None:
+    async def unary_attempt(
+        self, worker: Target, payload: bytes, rids: list[str], headers: dict[str, str]
+    ) -> None:
         pools = self.path.pools
         pools.acquire(worker)
         url = worker.url + self.endpoint.path
         try:
-            result = await fetch_decode(
-                self.path.legs, worker, url, payload, self.regular_headers, REGULAR
-            )
+            result = await fetch_decode(self.path.legs, worker, url, payload, headers, REGULAR)
         except asyncio.CancelledError:
             self.path.abort(worker, rids)
             raise
@@ -120,7 +148,10 @@ class Forward(Routed):
         self.observe_ttft()
         await self.reply.send(result.status, result.body, result.content_type)
 
-    async def stream_attempt(self, worker: Target, payload: bytes, rids: list[str]) -> None:
+    async def stream_attempt(
+        self, worker: Target, payload: bytes, rids: list[str], headers: dict[str, str]
+    ) -> bool:
+        """Relay the worker's stream; whether it reached its end."""
         pools = self.path.pools
         legs = self.path.legs
         pools.acquire(worker)
@@ -128,7 +159,7 @@ class Forward(Routed):
         response: Response | None = None
         done = False
         try:
-            response = await open_stream(legs, worker, url, payload, self.regular_headers, REGULAR)
+            response = await open_stream(legs, worker, url, payload, headers, REGULAR)
             pieces: AsyncIterator[bytes] = response.chunks()
             first = await first_piece(pieces, worker, response.content_type, legs, REGULAR)
             content_type = response.content_type or "text/event-stream"
@@ -151,3 +182,4 @@ class Forward(Routed):
                 else:
                     response.close()
             pools.release(worker)
+        return done
