@@ -15,7 +15,7 @@ from pd_router.cli import admin_client, admin_http
 from pd_router.cli.convert import convert as cli_convert
 from tests.conversion_helpers import live_roles, pools
 from tests.model_clusters import big_and_small, models_and_roles, regular_entries, wait_for_models
-from tests.router_helpers import running_router
+from tests.router_helpers import running_router, wait_until
 
 KEY = "s3cret-admin-key-7f2c"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -151,3 +151,37 @@ async def test_cli_status_counts_the_pools_per_model_and_names_each_workers_mode
     ]
     rows = {row[1]: tuple(row[2:4]) for row in map(str.split, workers.splitlines()[1:6])}
     assert rows == models_and_roles(big, small)
+
+
+async def test_cli_autopilot_shows_each_pd_models_pools_and_decisions(module_cluster_factory):
+    big, _ = big_and_small(module_cluster_factory)
+    medium = module_cluster_factory(
+        prefill=1, decode=1, extra_args=("--served-model-name", "medium")
+    )
+    autopilot = {"mode": "recommend", "interval_secs": 0.05, "window_secs": 0.05}
+    async with running_router(
+        prefill=big.prefill_urls + medium.prefill_urls,
+        decode=big.decode_urls + medium.decode_urls,
+        autopilot=autopilot,
+        admin_api_key=KEY,
+    ) as router:
+
+        async def both_decided() -> bool:
+            async with router.client(headers=AUTH) as http:
+                models = (await http.get("/autopilot")).json().get("models", {})
+            return set(models) == {"big", "medium"} and all(
+                pilot["last_decision"] for pilot in models.values()
+            )
+
+        await wait_until(both_decided, 10.0, "a decision of each model's pilot")
+        code, text = await cli(admin_client.autopilot, ["--router", router.url])
+    assert code == 0, text
+    sections = dict(section.split("\n", 1) for section in text.split("\nModel ")[1:])
+    assert set(sections) == {"big", "medium"}
+    for model, (prefill, decode) in (("big", (1, 2)), ("medium", (1, 1))):
+        pools = sections[model].split("Pools\n", 1)[1].split("\n\n", 1)[0].splitlines()[1:3]
+        assert [row.split()[:2] for row in pools] == [
+            ["prefill", str(prefill)],
+            ["decode", str(decode)],
+        ], sections[model]
+        assert "Latest: hold" in sections[model]

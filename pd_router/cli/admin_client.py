@@ -158,17 +158,28 @@ def _autopilot_text(http: httpx.Client) -> str:
 
 
 def render_autopilot(state: dict[str, Any]) -> str:
-    """Mode and targets, each pool's load against its target, the latest decision and the
-    conversions decided (newest first), each with its reason."""
+    """Mode and targets, then each pool's load against its target, the latest decision and the
+    conversions decided (newest first), each with its reason: once, or per model when the
+    router runs a pilot for each of several models (``models``)."""
     config = state.get("config", {})
     in_effect = (
         "ttft_slo_ms" if config.get("ttft_slo_ms") is not None else "prefill_queue_tokens",
         "tpot_slo_ms" if config.get("tpot_slo_ms") is not None else "decode_kv_usage",
     )
     targets = ", ".join(f"{key}={config.get(key)}" for key in in_effect)
+    header = f"autopilot: {state.get('mode')}  ({targets})\n"
+    models = state.get("models")
+    if not isinstance(models, dict):
+        return header + _render_pilot(state)
+    return header + "".join(
+        f"\nModel {model or '?'}\n{_render_pilot(pilot)}" for model, pilot in models.items()
+    )
+
+
+def _render_pilot(state: dict[str, Any]) -> str:
+    """One pilot's pools, latest decision and decisions."""
     loads = state.get("loads", {})
     parts = [
-        f"autopilot: {state.get('mode')}  ({targets})\n",
         "\nPools\n",
         _table(
             ["role", "workers", "needs", "measure", "value", "target", "over_for_s"],
