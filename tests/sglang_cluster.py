@@ -65,7 +65,8 @@ PD_FLAGS = (
     "--enable-pd-role-switch",
 )  # fmt: skip
 # SGLang 0.5.23 crashes a server with a radix cache after prefill -> decode (docs/sglang-bugs.md):
-# every switchable server of the shared cluster runs without one, as docs/real-sglang.md says.
+# every plain switchable server of the shared fleet runs without one; the server_patch ones keep
+# it, as docs/server_patch.md advises (tests/test_sglang_bugs.py proves the patch on them).
 NO_RADIX = ("--disable-radix-cache",)
 
 
@@ -295,13 +296,14 @@ def pd_args(prefill: Sequence[SGLangServer], decode: Sequence[SGLangServer]) -> 
 
 
 def router_ready(url: str, *, prefill: int, decode: int, timeout: float = 60.0) -> None:
-    """Until the router at ``url`` can pick among ``prefill`` and ``decode`` workers."""
+    """Until the router at ``url`` can pick among ``prefill`` and ``decode`` workers (its other
+    pools, if any, are no concern of a PD fleet)."""
     deadline = time.monotonic() + timeout
     want = {"prefill": prefill, "decode": decode}
     while True:
         try:
             selectable = httpx.get(url + "/workers", timeout=5.0).json()["selectable"]
-            if selectable == want:
+            if {role: selectable.get(role) for role in want} == want:
                 return
         except httpx.HTTPError:
             selectable = None
@@ -321,9 +323,9 @@ def eventually(check: Callable[[], bool], timeout: float, what: str) -> None:
 @dataclass
 class Fleet:
     """The shared real-SGLang servers: a colocated reference (same weights, no PD) and a 2P2D
-    whose second prefill and decode run through server_patch (the router speaks the extension
-    protocol to those and SGLang's native one to the others). Tests that convert put every
-    server back in its first role before they end."""
+    whose second prefill and decode run through server_patch with the radix cache on (the router
+    speaks the extension protocol to those and SGLang's native one to the others). Tests that
+    convert put every server back in its first role before they end."""
 
     reference: SGLangServer
     prefill: list[SGLangServer]
@@ -363,16 +365,11 @@ class Fleet:
 
 @pytest.fixture(scope="session")
 def sglang_fleet() -> Iterator[Fleet]:
-    """Six real SGLang servers for the whole session (about two minutes to start on 2 cores)."""
+    """Six real SGLang servers for the whole session (about 80 s to start on 2 cores, their
+    schedulers forked: tests/sglang_cpu/cpu_shim/sitecustomize.py)."""
     reference = server("colocated", None, extra=NO_RADIX)
-    prefill = [
-        server("p0", "prefill", extra=NO_RADIX),
-        server("p1", "prefill", patched=True, extra=NO_RADIX),
-    ]
-    decode = [
-        server("d0", "decode", extra=NO_RADIX),
-        server("d1", "decode", patched=True, extra=NO_RADIX),
-    ]
+    prefill = [server("p0", "prefill", extra=NO_RADIX), server("p1", "prefill", patched=True)]
+    decode = [server("d0", "decode", extra=NO_RADIX), server("d1", "decode", patched=True)]
     radix_prefill = server("p-radix", "prefill")
     with running([reference, *prefill, *decode, radix_prefill]):
         yield Fleet(reference, prefill, decode, radix_prefill)

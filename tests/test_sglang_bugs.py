@@ -9,10 +9,10 @@ before keeps its old rank endpoint: its requests from that prefill hang at boots
 ``POST /pd_forget_prefill`` on the decode drops it; pd-router calls it on every decode when a
 worker becomes a prefill again.
 
-The tests share two servers under server_patch (the machine has two cores), launched with the
-radix cache on (the default a GPU user gets), with the tiny Llama and the CPU recipe of
-tests/sglang_cluster.py. Bug a's crash of plain SGLang is reproduced through the router by
-tests/test_sglang_failures.py, which then sees the router take the dead server out.
+The tests use the shared fleet's two server_patch servers (tests/sglang_cluster.py), launched
+with the radix cache on (the default a GPU user gets), and put them back in their first roles.
+Bug a's crash of plain SGLang is reproduced through the router by tests/test_sglang_failures.py,
+which then sees the router take the dead server out.
 """
 
 from __future__ import annotations
@@ -27,10 +27,9 @@ import httpx
 import pytest
 
 from tests.router_process import router_process
-from tests.sglang_cluster import SGLangServer, running, server
+from tests.sglang_cluster import Fleet, SGLangServer
 
-# Starting two servers takes one to three minutes on two shared cores.
-pytestmark = [pytest.mark.real_sglang, pytest.mark.timeout(600)]
+pytestmark = pytest.mark.real_sglang
 
 GREEDY = {"temperature": 0, "max_new_tokens": 8}
 # Prompts sharing a 20-token prefix: the second one matches the first in a radix tree.
@@ -106,12 +105,13 @@ async def cache_hit_rate(target: SGLangServer) -> float:
 
 
 @pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[SGLangServer, SGLangServer]]:
-    """A prefill and a decode under server_patch, radix cache on; each test sets the roles it
-    needs, ``pair[0]`` is the one launched as prefill."""
-    servers = [server(f"patched-{mode}", mode, patched=True) for mode in ("prefill", "decode")]
-    with running(servers) as (p, d):
-        yield p, d
+def pair(sglang_fleet: Fleet) -> Iterator[tuple[SGLangServer, SGLangServer]]:
+    """The fleet's prefill and decode under server_patch, radix cache on; each test sets the
+    roles it needs, ``pair[0]`` is the one launched as prefill. The prefill's round trips here
+    leave its old endpoint with any decode that talked to it before (bug b), so every decode
+    goes around a round trip of its own afterwards: the tests after these meet a clean fleet."""
+    yield sglang_fleet.prefill[1], sglang_fleet.decode[1]
+    sglang_fleet.refresh_decodes()
 
 
 async def test_server_patch_keeps_a_radix_server_serving_after_prefill_to_decode(
