@@ -58,6 +58,8 @@ class Pools:
     at: float = 0.0
     counters: dict[str, list[float]] = field(default_factory=dict)
     attained: float | None = None
+    # The router's wait after prefill p90 (None: no stream seen).
+    decode_wait_ms: float | None = None
 
     def sample(self) -> Sample:
         self.at += STEP
@@ -73,7 +75,7 @@ class Pools:
         ]
         return Sample(
             at=self.at, workers=tuple(workers), ttft_attained=self.attained,
-            tpot_attained=self.attained,
+            tpot_attained=self.attained, decode_wait_p90_ms=self.decode_wait_ms,
         )  # fmt: skip
 
     def _prefill(self, url: str, served: float) -> WorkerSignals:
@@ -214,6 +216,18 @@ def test_a_wrong_split_gives_way_to_the_balanced_one():
     decisions = run(policy(), pools, 6)
     assert conversions(decisions) == [PREFILL_TO_DECODE]
     assert pools.prefills == 2
+
+
+def test_decodes_over_their_servers_are_short_only_once_the_wait_after_prefill_passes_the_slo():
+    """A burst the decodes drain within the TTFT SLO counts its queue for a slot as need but
+    delays no answer past it: no prefill is taken for it until the wait passes the SLO."""
+    autopilot = policy()
+    pools = Pools(prompt_rate=16_000.0, wanting=48.0, prefills=3, decode_wait_ms=800.0)
+    decisions = run(autopilot, pools, 6)
+    assert conversions(decisions) == []
+    assert "but absorbs it: wait after prefill p90 at most 800 ms" in decisions[-1].reason
+    pools.decode_wait_ms = 2400.0
+    assert conversions(run(autopilot, pools, 6)) == [PREFILL_TO_DECODE]
 
 
 def test_a_steady_mix_reaches_the_best_split_from_either_wrong_start_and_holds():
