@@ -302,3 +302,16 @@ async def test_a_traced_request_to_a_regular_worker_has_its_leg_span_and_tracepa
     assert ("00", request.trace_id, leg.span_id) in {
         tuple(e["traceparent"].split("-")[:3]) for e in received if "traceparent" in e
     }
+
+
+async def test_a_worker_not_read_yet_makes_no_model_of_its_own(big, free_port):
+    """An unreachable decode's model is never read: the router still serves one model,
+    ready, a request naming none routed as before."""
+    nobody = f"http://127.0.0.1:{free_port()}"
+    decode = [*big.decode_urls, nobody]
+    async with running_router(big, decode=decode) as router, router.client() as http:
+        readiness = await http.get("/readiness")
+        answer = await http.post("/generate", json=generate_body("no model named", 4))
+    assert readiness.status_code == 200, readiness.text
+    assert "models" not in readiness.json()
+    assert answer.status_code == 200, answer.text

@@ -69,22 +69,28 @@ async def handle_readiness(request: web.Request) -> web.Response:
         for w in registry
         if w.state is WorkerState.ACTIVE and not w.healthy
     ]
-    models = {model: model_readiness(registry, model) for model in registry.models()}
-    ready = bool(models) and all(entry["ready"] for entry in models.values())
+    names = registry.models()
+    if len(names) > 1:
+        models = {model: model_readiness(registry, model) for model in names}
+        ready = all(entry["ready"] for entry in models.values())
+    else:
+        models = {}
+        ready = bool(names) and model_readiness(registry, None)["ready"]
     body = {
         "ready": ready,
         "status": "ready" if ready else "not ready",
         "healthy": counts,
         "unhealthy": unhealthy,
     }
-    if len(models) > 1:
+    if models:
         body["models"] = models
     return json_response(body, 200 if ready else 503)
 
 
-def model_readiness(registry: WorkerRegistry, model: str) -> dict:
-    """Whether ``model`` can be served (a PD model: an active healthy prefill and decode; a
-    model of regular workers only: one of them), with its counts."""
+def model_readiness(registry: WorkerRegistry, model: str | None) -> dict:
+    """Whether ``model`` (None: the only one, all workers) can be served (a PD model: an
+    active healthy prefill and decode; a model of regular workers only: one of them), with its
+    counts."""
     counts = {role.value: registry.active_healthy_count(role, model=model) for role in Role}
     if any(registry.in_role(role, model=model) for role in PD_ROLES):
         ready = all(counts[role.value] for role in PD_ROLES)

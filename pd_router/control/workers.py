@@ -436,9 +436,13 @@ class WorkerRegistry:
         return PD_ROLES
 
     def models(self) -> list[str]:
-        """The models the workers serve, in order of registration ("" for workers that name
-        none or are not read yet)."""
-        return list(dict.fromkeys(w.model_name for w in self._by_url.values()))
+        """The models the workers name, in order of registration; [""] when workers name none
+        (or are not read yet), [] without workers. A worker not read yet is no model of its
+        own, as on the request path."""
+        named = list(dict.fromkeys(w.model for w in self._by_url.values() if w.model))
+        if named:
+            return named
+        return [""] if self._by_url else []
 
     def remaining_below(self, worker: Worker, minimum: int) -> int | None:
         """How many active healthy workers ``worker``'s pool (its role, its model) keeps
@@ -816,17 +820,16 @@ class WorkerRegistry:
             )
 
     def _export_pools(self) -> None:
-        sizes: dict[tuple[str, Role], int] = {}
-        for model in self.models():
-            for role in Role:
-                sizes[model, role] = 0
-        for w in self._by_url.values():
-            if w.state is WorkerState.ACTIVE:
-                sizes[w.model_name, w.role] += 1
+        """``pool_size`` per role, and ``model_pool_size`` per model and role (a worker not
+        read yet in neither model's)."""
+        active = [w for w in self._by_url.values() if w.state is WorkerState.ACTIVE]
         for role in Role:
-            self._metrics.pool_size.labels(role.value).set(
-                sum(n for (_, r), n in sizes.items() if r is role)
-            )
+            self._metrics.pool_size.labels(role.value).set(sum(1 for w in active if w.role is role))
+        sizes = {(model, role): 0 for model in self.models() for role in Role}
+        for w in active:
+            key = (w.model_name, w.role)
+            if key in sizes:
+                sizes[key] += 1
         self._metrics.model_pool_size.clear()
         for (model, role), size in sizes.items():
             self._metrics.model_pool_size.labels(model, role.value).set(size)
