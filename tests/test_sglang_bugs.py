@@ -109,7 +109,10 @@ def pair(sglang_fleet: Fleet) -> Iterator[tuple[SGLangServer, SGLangServer]]:
     """The fleet's prefill and decode under server_patch, radix cache on; each test sets the
     roles it needs, ``pair[0]`` is the one launched as prefill. The prefill's round trips here
     leave its old endpoint with any decode that talked to it before (bug b), so every decode
-    goes around a round trip of its own afterwards: the tests after these meet a clean fleet."""
+    goes around a round trip of its own afterwards: the tests after these meet a clean fleet.
+    The patched decode's switch waits there while SGLang still holds the KV of the bug b test's
+    hung request (30 s, deferred release), which a later test's switch would otherwise meet:
+    its /pd_role reads idle meanwhile, its switch is refused."""
     yield sglang_fleet.prefill[1], sglang_fleet.decode[1]
     sglang_fleet.refresh_decodes()
 
