@@ -144,3 +144,12 @@ def test_static_splits_given_replace_the_sweep(sim) -> None:
 
     static = fleet_sim.setups(512, "static", static_splits=[336, 320])
     assert [(s.prefill, s.decode) for s in static] == [(320, 192), (336, 176)]
+
+
+def test_a_decode_step_given_replaces_the_profiles_fixed_part(sim) -> None:
+    import fleet_sim
+
+    default = fleet_sim.fleet_timing(32)
+    slower = fleet_sim.fleet_timing(32, decode_step_ms=9.5)
+    assert slower.decode_step_secs(1) - default.decode_step_secs(1) == pytest.approx(0.0005)
+    assert slower.max_running_requests == 32
