@@ -24,6 +24,8 @@ from tests.router_helpers import (
     worker_metric,
 )
 from tests.router_process import router_process
+from tests.test_autopilot_flow import AUTOPILOT as FAST_AUTOPILOT
+from tests.test_autopilot_flow import TIMING as PROMPT_HEAVY_TIMING
 
 BIG = "big"
 SMALL = "small"
@@ -221,32 +223,19 @@ def wait_ready(url: str) -> None:
         time.sleep(0.05)
 
 
-# As tests/test_autopilot_flow.py: 14 prompts a second of about 200 tokens, a token taking
-# 0.5 ms to prefill, leave one prefill short by half while two decodes hold a few answers.
-PROMPT_HEAVY = {"speed": 1.0, "prefill_secs_per_token": 0.0005}
-AUTOPILOT = {
-    "mode": "auto",
-    "interval_secs": 0.2,
-    "window_secs": 1.0,
-    "sustain_secs": 0.6,
-    "cooldown_secs": 60.0,
-    "tpot_slo_ms": 200.0,
-    "decode_kv_usage": 0.9,
-}
-
-
 async def test_the_autopilot_converts_within_the_model_whose_traffic_needs_it(cluster_factory):
-    """Two PD models of one prefill and two decodes each; prompt-heavy traffic to ``a`` only:
+    """Two PD models of one prefill and two decodes each; prompt-heavy traffic to ``a`` only
+    (as tests/test_autopilot_flow.py's, which leaves one prefill short by half):
     a decode of ``a`` becomes a prefill, ``b``'s pools stay as they were, and ``/autopilot``
     tells each model's decisions apart."""
     a, b = (
-        cluster_factory(prefill=1, decode=2, extra_args=served(name), **PROMPT_HEAVY)
+        cluster_factory(prefill=1, decode=2, extra_args=served(name), **PROMPT_HEAVY_TIMING)
         for name in "ab"
     )
     prefill = [*a.prefill_urls, *b.prefill_urls]
     decode = [*a.decode_urls, *b.decode_urls]
     async with (
-        running_router(prefill=prefill, decode=decode, autopilot=AUTOPILOT) as router,
+        running_router(prefill=prefill, decode=decode, autopilot=FAST_AUTOPILOT) as router,
         router.client() as http,
     ):
         async with OpenLoad(router.url, 14.0, 8, model="a") as load:
