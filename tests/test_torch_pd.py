@@ -54,6 +54,13 @@ def cluster(module_cluster_factory):
     return module_cluster_factory(prefill=2, decode=2, engine="torch", kv_transfer="mooncake")
 
 
+@pytest.fixture(scope="module")
+def tcp_cluster(module_cluster_factory):
+    """A 1P1D moving KV over plain TCP: the fallback's own pair, and a decode on another
+    transport than the mooncake cluster's prefills."""
+    return module_cluster_factory(prefill=1, decode=1, engine="torch", kv_transfer="tcp")
+
+
 @pytest.fixture
 async def router(cluster):
     prefill, decode = await live_roles(cluster)
@@ -158,15 +165,20 @@ async def test_conversions_under_load_keep_outputs_and_tensors(router, cluster, 
 
 
 async def test_prefill_dying_after_publishing_kv_fails_that_request_and_decode_keeps_serving(
-    module_cluster_factory, reference
+    cluster, module_cluster_factory, reference
 ):
-    cluster = module_cluster_factory(prefill=2, decode=1, engine="torch", kv_transfer="mooncake")
-    doomed, spare = cluster.prefill_urls
-    decode = cluster.decode_urls[0]
+    doomed_cluster = module_cluster_factory(
+        prefill=1, decode=0, engine="torch", kv_transfer="mooncake"
+    )
+    doomed = doomed_cluster.prefill_urls[0]
+    prefills, decodes = await live_roles(cluster)
+    spare, decode = prefills[0], decodes[0]
     slots = (await torch_states([decode]))[decode]["free_slots"]
     await fault(doomed, exit_after_kv_publish=True)
     async with (
-        running_router(prefill=[(doomed, cluster.bootstrap_port(doomed))], decode=[decode]) as r,
+        running_router(
+            prefill=[(doomed, doomed_cluster.bootstrap_port(doomed))], decode=[decode]
+        ) as r,
         r.client() as http,
     ):
         body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": TOKENS}}
@@ -197,13 +209,10 @@ async def _free_slots(url: str, expected: int) -> bool:
     return (await torch_states([url]))[url]["free_slots"] == expected
 
 
-async def test_decode_on_another_kv_transfer_than_its_prefill_fails_saying_so(
-    cluster, module_cluster_factory
-):
+async def test_decode_on_another_kv_transfer_than_its_prefill_fails_saying_so(cluster, tcp_cluster):
     prefill = (await live_roles(cluster))[0][0]
-    tcp = module_cluster_factory(prefill=0, decode=1, engine="torch", kv_transfer="tcp")
     async with (
-        running_router(prefill=[prefill], decode=tcp.decode_urls) as r,
+        running_router(prefill=[prefill], decode=tcp_cluster.decode_urls) as r,
         r.client() as http,
     ):
         body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": TOKENS}}
@@ -214,10 +223,9 @@ async def test_decode_on_another_kv_transfer_than_its_prefill_fails_saying_so(
     assert "start every worker with the same --kv-transfer" in message
 
 
-async def test_plain_tcp_fallback_moves_the_same_kv(module_cluster_factory, reference):
-    cluster = module_cluster_factory(prefill=1, decode=1, engine="torch", kv_transfer="tcp")
-    assert {s["transport"] for s in (await torch_states(cluster.urls)).values()} == {"tcp"}
-    async with running_router(cluster) as r, r.client() as http:
+async def test_plain_tcp_fallback_moves_the_same_kv(tcp_cluster, reference):
+    assert {s["transport"] for s in (await torch_states(tcp_cluster.urls)).values()} == {"tcp"}
+    async with running_router(tcp_cluster) as r, r.client() as http:
         outputs = await asyncio.gather(
             *(generated_ids(http, prompt, stream=n % 2 == 1) for n, prompt in enumerate(PROMPTS))
         )
