@@ -124,9 +124,11 @@ async def test_status_without_the_key_shows_only_what_metrics_shows(cluster):
     assert public["redacted"] is True
     assert full["redacted"] is False
     for worker in public["workers"]:
-        # convert_refused: why a Convert would be refused (the pools' minimums), not a secret.
+        # convert_refused: why a Convert would be refused (the pools' minimums), not a secret;
+        # model: what /metrics shows as pd_router_worker_model.
         assert set(worker) == {
-            "id", "url", "role", "state", "healthy", "inflight", "circuit", "convert_refused",
+            "id", "url", "role", "model", "state", "healthy", "inflight", "circuit",
+            "convert_refused",
         }  # fmt: skip
     assert {"bootstrap_port", "epoch", "last_error"} <= set(full["workers"][0])
     assert public["pools"] == full["pools"]
