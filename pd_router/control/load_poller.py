@@ -7,8 +7,10 @@ A round reads every ACTIVE, healthy worker of those pools at once, each call bou
 land: a worker that does not answer in time, or answers something else than SGLang's shape,
 has no report (its policy judges it by the router's in-flight count) until it answers again. A
 feed the engines push (sglang #32925, per-rank loads) would replace this module by calling the
-same method; every consumer (the data planes' policies through the publisher, the autopilot)
-reads the registry.
+same method; the data planes' policies read the registry's reports (through the publisher).
+The autopilot reads each worker's whole ``/v1/loads`` (its capacity counters, its queues) once
+per sample on its own interval (:mod:`pd_router.control.autopilot.controller`): the same
+numbers, not the same reading.
 
 The interval adapts: while the reports move (a worker's running + waiting changed, or a worker
 gained or lost its report) the next round comes after :data:`MIN_INTERVAL_SECS`; each round that
