@@ -39,8 +39,9 @@ Probes off (``enabled = false``, the peers' ``--disable-health-check``): no work
 probed; each counts as healthy from its registration on, so the router learns of a failing
 worker only from its requests (the circuit breaker, the retries). A prefill without a configured
 bootstrap port still has it read once from its ``/server_info`` (the default, 8998, when that
-fails): pairing needs it. Role drift goes unnoticed unless a leg's 421 asks for a reading
-(:meth:`HealthMonitor.suspect`).
+fails): pairing needs it. No other worker's model is read then: it is the one its configuration
+names, or none (a router serving one model). Role drift goes unnoticed unless a leg's 421 asks
+for a reading (:meth:`HealthMonitor.suspect`).
 
 Circuit recovery: a worker the probes saw recover (unhealthy -> healthy, a drain ending, a
 restart) gets its circuit closed: the failures it counted were the outage the probes saw. A
@@ -245,7 +246,7 @@ class HealthMonitor:
         bring the registry in line with the reading; returns the worker's health. With probes
         off the worker is taken as healthy without a call."""
         if not self._config.enabled:
-            if needs_server_info(worker):
+            if worker.role is Role.PREFILL and worker.bootstrap_port is None:
                 await self._learn_once(worker)
             if not worker.healthy:
                 self._registry.mark_recovered(worker)
@@ -424,8 +425,9 @@ class HealthMonitor:
         return True, None, False
 
     async def _learn_once(self, worker: Worker) -> None:
-        """Read the prefill's bootstrap port and the worker's model once (probes off); the
-        default port and no model name if that fails."""
+        """Read a prefill's bootstrap port once (probes off: no other call reaches a worker,
+        so the model of a worker is the one given, or the one this reading names); the default
+        port and no model name if that fails."""
         if self._session is None:
             raise RuntimeError("health monitor not started")
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_secs)
