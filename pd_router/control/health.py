@@ -7,7 +7,8 @@ that cannot even be opened (refused: no process listens) is proof enough, and ma
 at once, from a probe or from a leg that could not connect (:meth:`HealthMonitor.suspect`).
 The first probe of a worker decides at once (at start-up an unreachable worker is registered
 unhealthy and is picked up when it comes up). A prefill whose bootstrap port is unknown gets it
-from its ``/server_info`` before it counts as healthy.
+from its ``/server_info`` before it counts as healthy; the model a worker serves is read from
+the same endpoint by its probes until one answers (one without it names no model).
 
 Role drift. A worker's role can change without this router: a second router converts it, an
 operator calls its ``/pd_role_switch``, or it crashes and SGLang brings it back in its launch role
@@ -417,8 +418,10 @@ class HealthMonitor:
                 await resp.read()
                 if resp.status != 200:
                     return False, f"health probe answered {resp.status}", False
-            if needs_server_info(worker):
+            if worker.role is Role.PREFILL and worker.bootstrap_port is None:
                 self._learn(worker, await self._server_info(worker, timeout))
+            elif worker.model is None:
+                await self._learn_model(worker, timeout)
         except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
             refused = isinstance(exc, aiohttp.ClientConnectorError)
             return False, f"health probe failed: {type(exc).__name__}: {exc}", refused
@@ -452,6 +455,21 @@ class HealthMonitor:
         if worker.model is None:
             self._registry.set_model(worker, served_model(info))
 
+    async def _learn_model(self, worker: Worker, limit: aiohttp.ClientTimeout) -> None:
+        """Read the worker's model from its ``/server_info``; a worker that has none (4xx)
+        names no model, one that does not answer now is read again at the next probe (its
+        health is its ``/health``'s to say)."""
+        try:
+            info = await self._server_info(worker, limit)
+        except aiohttp.ClientResponseError as exc:
+            if exc.status >= 500:
+                return
+            info = {}
+        except (aiohttp.ClientError, TimeoutError, orjson.JSONDecodeError) as exc:
+            log.debug("model of %s not read: %s", worker.url, exc)
+            return
+        self._registry.set_model(worker, served_model(info))
+
     async def _server_info(self, worker: Worker, limit: aiohttp.ClientTimeout) -> dict:
         async with self._started_session.get(worker.url + "/server_info", timeout=limit) as resp:
             if resp.status != 200:
@@ -460,12 +478,6 @@ class HealthMonitor:
                 )
             info = orjson.loads(await resp.read())
         return info if isinstance(info, dict) else {}
-
-
-def needs_server_info(worker: Worker) -> bool:
-    """Whether the worker's ``/server_info`` still has something to tell (a prefill's bootstrap
-    port, the model)."""
-    return worker.model is None or (worker.role is Role.PREFILL and worker.bootstrap_port is None)
 
 
 def served_model(info: dict) -> str:
