@@ -230,6 +230,20 @@ def test_decodes_over_their_servers_are_short_only_once_the_wait_after_prefill_p
     assert conversions(run(autopilot, pools, 6)) == [PREFILL_TO_DECODE]
 
 
+def test_a_prefill_is_not_taken_while_the_queue_would_wait_past_half_the_ttft_slo_on_the_rest():
+    """Three prefills clearing a queue of 2M prompt tokens while the decode is short: one
+    prefill fewer keeps up with the arrivals, but the queue would keep requests waiting 90 s
+    or more on two; once it cleared, the prefill goes."""
+    autopilot = policy()
+    pools = Pools(prompt_rate=14_000.0, wanting=48.0, prefills=3, queued=2_000_000.0)
+    decisions = run(autopilot, pools, 6)
+    assert conversions(decisions) == []
+    assert "but the prefills' queue would keep requests waiting" in decisions[-1].reason
+    assert "on 2, over 1.0 s" in decisions[-1].reason
+    pools.queued = 0.0
+    assert conversions(run(autopilot, pools, 6)) == [PREFILL_TO_DECODE]
+
+
 def test_a_steady_mix_reaches_the_best_split_from_either_wrong_start_and_holds():
     for start in (1, 7):
         pools = Pools(prompt_rate=32_000.0, wanting=100.0, prefills=start, size=8)

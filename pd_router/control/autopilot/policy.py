@@ -66,6 +66,9 @@ REFUSED_RATIO = 2.0
 # A needy pool that needs this many times its servers may take one from a donor that would
 # keep up at its limit (without the margin).
 FAR_OVER = 2.0
+# The share of the TTFT SLO that the prefills' standing queue may cost on the prefills a move
+# keeps.
+QUEUE_WAIT_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -498,7 +501,10 @@ class AutopilotPolicy:
         :meth:`_donor_bound`): a move serves both pools with margin or is not made (a fleet
         short everywhere only moves its shortage around, and each move's drain costs it
         more). As many move at once as keep that true, up to the way to the best split and
-        ``max_moves``. Without:
+        ``max_moves``. A prefill donor must also leave the queue standing now to the prefills
+        it keeps for no longer than ``QUEUE_WAIT_SHARE`` of the TTFT SLO: its need counts
+        the arrivals, not the queue, and a prefill moved while the others still clear a burst
+        leaves every request queued behind it late. Without:
         one server, and the donor's utilisation x N/(N-1), latency as measured, must stay
         under ``margin`` of its target."""
         if self.needs is None:
@@ -520,21 +526,42 @@ class AutopilotPolicy:
             )
         bound = self._donor_bound(needy)
         sign = 1 if needy.role == PREFILL else -1
-        movable = 0
+        movable, short = 0, ""
         for moves in range(1, min(abs(target - prefills), self.max_moves, self._enough(needy)) + 1):
             kept = donor.size - moves
             at = self._loads_at(prefills + sign * moves)[donor.role == DECODE]
             need = max(at * kept, self._peak(donor.role))
             if need > kept * bound:
+                short = (
+                    f"{donor.role} would need {need:.1f} of {kept} with one server moved, not "
+                    f"under {bound:.0%} of them"
+                )
+                break
+            wait, budget = self._queue_wait(donor.role, kept), self._queue_budget()
+            if wait > budget:
+                short = (
+                    f"the prefills' queue would keep requests waiting {wait:.1f} s on {kept}, "
+                    f"over {budget:.1f} s"
+                )
                 break
             movable = moves
         if movable == 0:
-            kept = donor.size - 1
-            return 0, (
-                f"but {donor.role} would need {need:.1f} of {kept} with one server moved, not "
-                f"under {bound:.0%} of them"
-            )
+            return 0, f"but {short}"
         return movable, None
+
+    def _queue_wait(self, role: str, kept: int) -> float:
+        """Seconds the prompt tokens queued now would take ``kept`` prefills to prefill (what
+        the last request queued waits before its forward, arrivals left aside); 0 for
+        decodes, whose queue for a slot their need already counts."""
+        needs = self.needs
+        assert needs is not None
+        return needs.queued / (kept * needs.prefill_rate) if role == PREFILL else 0.0
+
+    def _queue_budget(self) -> float:
+        """The wait a prefill donor's queue may cost the prefills it keeps: ``QUEUE_WAIT_SHARE``
+        of the TTFT SLO (unbounded without one)."""
+        slo = self.config.ttft_slo_ms
+        return float("inf") if slo is None else QUEUE_WAIT_SHARE * slo / 1000
 
     def _donor_bound(self, needy: PoolLoad) -> float:
         """The share of the servers it keeps that the donor's need may reach: ``1 -
