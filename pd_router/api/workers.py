@@ -35,9 +35,7 @@ async def handle_list_workers(request: web.Request) -> web.Response:
     return json_response(
         {
             "workers": [w.as_dict() for w in registry],
-            "selectable": {
-                role.value: len(registry.selectable(role)) for role in registry.roles()
-            },
+            "selectable": {role.value: len(registry.selectable(role)) for role in registry.roles()},
         }
     )
 

@@ -43,7 +43,9 @@ DECODE = "http://[::1]:30002"
 
 def entry(url: str = PREFILL, **changes: object) -> WorkerEntry:
     """A pickable prefill with a closed circuit, with ``changes``."""
-    base = WorkerEntry(PREFILL, Role.PREFILL, "m", 3, 8998, True, True, CircuitState.CLOSED, None, None)
+    base = WorkerEntry(
+        PREFILL, Role.PREFILL, "m", 3, 8998, True, True, CircuitState.CLOSED, None, None
+    )
     return dataclasses.replace(base, url=url, **changes)
 
 
