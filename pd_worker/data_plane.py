@@ -83,7 +83,11 @@ class TimingPlane:
         self._timing = timing
 
     def make_role(self, host: RoleHost, role: str) -> Role:
-        roles = {"prefill": PrefillRole, "decode": DecodeRole, REGULAR_MODE: RegularRole}
+        roles: dict[str, Callable[[RoleHost], Role]] = {
+            "prefill": PrefillRole,
+            "decode": DecodeRole,
+            REGULAR_MODE: RegularRole,
+        }
         return roles[role](host)
 
     async def before_send(self, room: Room) -> None:

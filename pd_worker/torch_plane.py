@@ -48,7 +48,7 @@ class TorchPlane:
         self._compute = asyncio.Lock()
 
     def make_role(self, host: RoleHost, role: str) -> Role:
-        roles = {
+        roles: dict[str, Callable[[RoleHost, TorchPlane], Role]] = {
             "prefill": TorchPrefillRole,
             "decode": TorchDecodeRole,
             REGULAR_MODE: TorchRegularRole,

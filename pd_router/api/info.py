@@ -76,7 +76,7 @@ async def handle_readiness(request: web.Request) -> web.Response:
     else:
         models = {}
         ready = bool(names) and model_readiness(registry, None)["ready"]
-    body = {
+    body: dict[str, Any] = {
         "ready": ready,
         "status": "ready" if ready else "not ready",
         "healthy": counts,

@@ -5,7 +5,7 @@ calls it for each role)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 from pd_router.dataplane.routing.policies import Policy
 from pd_router.dataplane.routing.target import Target
@@ -13,22 +13,31 @@ from pd_router.errors import NoWorkers
 from pd_router.roles import Role
 
 
-class Route:
+class InRole(Protocol):
+    """What a route holds: workers with a role (a snapshot's members)."""
+
+    role: Role
+
+
+T = TypeVar("T", bound=InRole)
+
+
+class Route(Generic[T]):
     """One model's pools: what a request for it picks from. ``regular``: the model has no
     prefill or decode worker, so a request goes to one of its regular workers whole."""
 
     __slots__ = ("model", "pools", "regular")
 
-    def __init__(self, model: str, members: Iterable[Target], regular: bool) -> None:
+    def __init__(self, model: str, members: Iterable[T], regular: bool) -> None:
         self.model = model
         self.regular = regular
-        self.pools: dict[Role, list[Target]] = {role: [] for role in Role}
+        self.pools: dict[Role, list[T]] = {role: [] for role in Role}
         for member in members:
             self.pools[member.role].append(member)
 
 
 class Pools(Protocol):
-    def route(self, model: object) -> Route:
+    def route(self, model: object) -> Route[Any]:
         """The pools of the model a request names (ModelNotFound, ModelRequired)."""
         ...
 
@@ -37,7 +46,7 @@ class Pools(Protocol):
         role: Role,
         avoid: Iterable[Target] = (),
         prompt: Callable[[], str] | None = None,
-        route: Route | None = None,
+        route: Route[Any] | None = None,
     ) -> Target:
         """A worker of ``role`` in ``route`` (None: the only model's) by its pool's policy
         (NoWorkers if none)."""

@@ -173,7 +173,7 @@ class Member:
 
 def routes_of(
     snapshot: Snapshot, members: Iterable[Member]
-) -> tuple[dict[str, Route], Route | None]:
+) -> tuple[dict[str, Route[Member]], Route[Member] | None]:
     """The routes of ``snapshot`` by model name, and the one route every request takes when
     the workers serve one model (or name none); ``members`` are the pickable ones."""
     models: dict[str, list[Member]] = {}
@@ -232,8 +232,8 @@ class SnapshotPools:
         self._gone: set[str] = set()
         # The routes by model, and the one every request takes while the workers serve one
         # model (None while they serve several).
-        self._routes: dict[str, Route] = {}
-        self._only: Route | None = Route("", (), regular=False)
+        self._routes: dict[str, Route[Member]] = {}
+        self._only: Route[Member] | None = NO_ROUTE
         # The last load reports pushed, for members that join after them.
         self._loads: Mapping[str, tuple[int, float]] = {}
 
@@ -298,7 +298,7 @@ class SnapshotPools:
 
     # --- the request path ------------------------------------------------------------------
 
-    def route(self, model: object) -> Route:
+    def route(self, model: object) -> Route[Member]:
         """The route of a request naming ``model`` (its body's field; None when absent): the
         only one while the workers serve one model, else the model's; ModelNotFound (404) for
         a name no worker serves, ModelRequired (400) for none."""
@@ -321,7 +321,7 @@ class SnapshotPools:
         role: Role,
         avoid: Iterable[Member] = (),
         prompt: Callable[[], str] | None = None,
-        route: Route | None = None,
+        route: Route[Member] | None = None,
     ) -> Member:
         """A selectable member of ``role`` in ``route`` (None: the only one), its circuit
         allowing; the ones in ``avoid`` only when nothing else is left; when every circuit
@@ -393,7 +393,7 @@ class SnapshotPools:
 
 
 # What a request picks from while the workers serve several models and it names none.
-NO_ROUTE = Route("", (), regular=False)
+NO_ROUTE: Route[Member] = Route("", (), regular=False)
 
 
 def set_load(member: Member, report: tuple[int, float] | None) -> None:
