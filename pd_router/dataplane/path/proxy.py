@@ -109,7 +109,8 @@ def retrieve(task: asyncio.Task) -> None:
 
 class Routed:
     """What every served request keeps across its attempts, PD or regular: its body, ids, the
-    route of its model, the prompt a cache-aware policy keys on, the rids workers know it by."""
+    route of its model, its trace span (None: tracing off), the prompt a cache-aware policy
+    keys on, the rids workers know it by."""
 
     def __init__(
         self,
@@ -120,7 +121,8 @@ class Routed:
         body: dict[str, Any],
         items: int | None,
         started: float,
-        route: Route | None,
+        route: Route | None = None,
+        span: RequestSpan | None = None,
     ) -> None:
         self.path = path
         self.reply = reply
@@ -133,6 +135,7 @@ class Routed:
         self.client_rid = body.get("rid")
         self.stream = bool(body.get("stream"))
         self._prompt_key: str | None = None
+        self.span: ExchangeSpan | None = span.exchange() if span is not None else None
 
     @property
     def model(self) -> str:
@@ -173,16 +176,15 @@ class Exchange(Routed):
         body: dict[str, Any],
         items: int | None,
         started: float,
-        span: RequestSpan | None = None,
         route: Route | None = None,
+        span: RequestSpan | None = None,
     ) -> None:
-        super().__init__(path, reply, ids, endpoint, body, items, started, route)
+        super().__init__(path, reply, ids, endpoint, body, items, started, route, span)
         self.prefill_headers = self.headers(Role.PREFILL)
         self.decode_headers = self.headers(Role.DECODE)
         # When the current attempt's prefill answered (loop time), to split TTFT between pools.
         self.prefilled_at: float | None = None
         self.merge = endpoint.native and logprobs_requested(body.get("return_logprob"))
-        self.span: ExchangeSpan | None = span.exchange() if span is not None else None
         # The current attempt's leg spans (None: tracing off).
         self.leg_spans: LegSpans | None = None
 

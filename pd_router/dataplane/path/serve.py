@@ -44,7 +44,7 @@ async def serve(
             run = functools.partial(run_sample, path, endpoint, started, span, route)
             await serve_samples(Sampling(endpoint, body, samples), reply, ids, run)
             return
-        await Exchange(path, reply, ids, endpoint, body, items, started, span, route).run()
+        await Exchange(path, reply, ids, endpoint, body, items, started, route, span).run()
 
 
 async def run_sample(
@@ -60,4 +60,4 @@ async def run_sample(
 ) -> None:
     """One sample of a fanned-out request, served as a request of its own (its attempts'
     legs in the request's span)."""
-    await Exchange(path, reply, ids, endpoint, body, items, started, span, route).run()
+    await Exchange(path, reply, ids, endpoint, body, items, started, route, span).run()

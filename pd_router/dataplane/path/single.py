@@ -16,12 +16,10 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pd_router.dataplane.front.reply import Answer
 from pd_router.dataplane.legs.leg import LegFailed, fetch_decode, open_stream
 from pd_router.dataplane.legs.pool import Response
-from pd_router.dataplane.path.collaborators import PathCollaborators
 from pd_router.dataplane.path.proxy import (
     SSE_HEAD,
     Routed,
@@ -29,15 +27,13 @@ from pd_router.dataplane.path.proxy import (
     first_piece,
     relay,
 )
-from pd_router.dataplane.path.requests import Endpoint
-from pd_router.dataplane.routing.pools import Route
 from pd_router.dataplane.routing.retry import attempts, backoff_secs
 from pd_router.dataplane.routing.target import Target
 from pd_router.errors import ClientClosedRequest, NoWorkers
 from pd_router.roles import Role
 
 if TYPE_CHECKING:
-    from pd_router.otel_tracing import ExchangeSpan, RequestSpan
+    pass
 
 if TYPE_CHECKING:
     pass
@@ -49,22 +45,6 @@ REGULAR = Role.REGULAR
 
 class Forward(Routed):
     """One client request to a regular worker, across its attempts."""
-
-    def __init__(
-        self,
-        path: PathCollaborators,
-        reply: Answer,
-        ids: tuple[str, str],
-        endpoint: Endpoint,
-        body: dict[str, Any],
-        items: int | None,
-        started: float,
-        route: Route,
-        span: RequestSpan | None = None,
-    ) -> None:
-        super().__init__(path, reply, ids, endpoint, body, items, started, route)
-        self.regular_headers = self.headers(REGULAR)
-        self.span: ExchangeSpan | None = span.exchange() if span is not None else None
 
     async def run(self) -> None:
         retry = self.path.retry
@@ -107,11 +87,11 @@ class Forward(Routed):
         """One attempt on ``worker``; with tracing on, in a leg span whose ``traceparent``
         the worker gets."""
         span = self.span
+        headers = self.headers(REGULAR)
         if span is None:
-            await self.send(worker, payload, rids, self.regular_headers)
+            await self.send(worker, payload, rids, headers)
             return
-        model = self.body.get("model")
-        leg = span.regular_attempt(worker.url, self.endpoint.path, model, self.regular_headers)
+        leg = span.regular_attempt(worker.url, self.endpoint.path, self.body.get("model"), headers)
         try:
             relayed = await self.send(worker, payload, rids, leg.headers)
         except BaseException as error:
