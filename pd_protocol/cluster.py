@@ -32,6 +32,12 @@ ROLES = ("prefill", "decode", "regular")
 STATES = ("active", "draining", "switching", "failed", "removing")
 
 
+def record_role(mode: str) -> str:
+    """The role a record names for a server in SGLang's disaggregation ``mode``: a regular
+    server's ``null`` is ``regular``."""
+    return "regular" if mode == "null" else mode
+
+
 class BadRecord(ValueError):
     """A stored value that is not a worker record (written by something else)."""
 

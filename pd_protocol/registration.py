@@ -43,6 +43,7 @@ from pd_protocol.cluster import (
     BadRecord,
     ClusterKeys,
     WorkerRecord,
+    record_role,
 )
 from pd_protocol.etcd_client import (
     GRPC_NOT_FOUND,
@@ -85,8 +86,9 @@ def registered_record(
 
     A stored record may carry a router's conversion state: it is kept, with the live role and
     bootstrap port put in; the epoch counts role changes, so it moves on when the live role is
-    not the stored one.
+    not the stored one. A regular server's live role, SGLang's ``null``, is put as ``regular``.
     """
+    role = record_role(role)
     if stored is None:
         return WorkerRecord(url=url, role=role, bootstrap_port=bootstrap_port, source="self")
     if stored.state == "removing":

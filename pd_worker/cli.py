@@ -247,11 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     registration = _registration(parser, args)
-    if registration is not None and config.regular:
-        parser.error(
-            "--etcd: a self-registered record names a prefill or decode role; "
-            "--disaggregation-mode null cannot register"
-        )
     if config.engine == "torch":
         _check_model_config(parser, config.model_config)
     try:

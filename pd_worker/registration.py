@@ -3,8 +3,9 @@
 The record is put once the HTTP listener serves (a router that sees it can reach the worker)
 and its lease is revoked on a graceful shutdown. The role and bootstrap port it reports are
 the engine's live ones, so a record written again after an in-process role switch carries the
-new role. ``/metrics`` says meanwhile whether the registration holds and how long the worker
-went without one (:class:`pd_worker.metrics.RegistrationCollector`).
+new role (a regular server's, ``null``, is put as ``regular``). ``/metrics`` says meanwhile
+whether the registration holds and how long the worker went without one
+(:class:`pd_worker.metrics.RegistrationCollector`).
 """
 
 from __future__ import annotations

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import subprocess
-import sys
 
 import httpx
 import orjson
@@ -293,13 +291,3 @@ async def test_the_torch_engine_serves_a_regular_worker(cluster_factory, client)
     local = (await client.post(cluster.decode_urls[0] + "/generate", json=body)).json()
     assert len(alone["output_ids"]) == 5
     assert alone["output_ids"] == local["output_ids"]
-
-
-def test_a_regular_worker_cannot_register_itself_in_etcd():
-    result = subprocess.run(
-        [sys.executable, "-m", "pd_worker", "serve", "--disaggregation-mode", "null",
-         "--etcd", "http://127.0.0.1:2379", "--cluster", "c"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
-    assert result.returncode == 2
-    assert "--disaggregation-mode null cannot register" in result.stderr

@@ -50,6 +50,27 @@ async def test_a_self_registered_worker_joins_every_replicas_pool_in_its_role(
             assert (await workers_of(router.url))[url]["role"] == "decode"
 
 
+async def test_a_self_registered_regular_worker_serves_its_model_through_every_replica(
+    cluster_factory: ClusterFactory, etcd_server: EtcdServer
+) -> None:
+    configured = cluster_factory(prefill=1, decode=1, speed=0.0)
+    async with replicas(configured, etcd_server, 2) as routers:
+        registered = cluster_factory(
+            prefill=0, decode=0, regular=1, speed=0.0, etcd=etcd_server.url,
+            cluster_name=CLUSTER, etcd_lease_ttl=LEASE_TTL_SECS,
+            extra_args=("--served-model-name", "alone"),
+        )  # fmt: skip
+        url = registered.regular_urls[0]
+        await wait_until(lambda: _listed_by_all(routers, url, True), 10.0, "listed by all")
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            for router in routers:
+                assert (await workers_of(router.url))[url]["role"] == "regular"
+                body = {"model": "alone", "prompt": "hi", "max_tokens": 3}
+                reply = await http.post(router.url + "/v1/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["model"] == "alone"
+
+
 async def test_a_killed_self_registered_worker_leaves_every_replicas_pool(
     cluster_factory: ClusterFactory, etcd_server: EtcdServer
 ) -> None:

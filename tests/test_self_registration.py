@@ -122,6 +122,11 @@ def test_a_first_record_is_the_live_role_from_the_worker_itself() -> None:
     assert record == WorkerRecord(url=URL, role="decode", bootstrap_port=9000, source="self")
 
 
+def test_a_regular_servers_null_mode_is_put_as_the_regular_role() -> None:
+    record = registered_record(URL, "null", None, None)
+    assert record == WorkerRecord(url=URL, role="regular", bootstrap_port=None, source="self")
+
+
 def test_a_stored_record_in_the_live_role_keeps_its_epoch() -> None:
     stored = WorkerRecord(url=URL, role="decode", bootstrap_port=9000, epoch=3, source="api")
     record = registered_record(URL, "decode", 9000, stored)

@@ -111,6 +111,20 @@ async def test_a_worker_started_with_etcd_appears_with_its_role_and_bootstrap_po
         assert kv.lease != 0
 
 
+async def test_a_regular_worker_started_with_etcd_appears_as_regular_with_no_bootstrap_port(
+    etcd_server: EtcdServer, cluster_factory: ClusterFactory, etcd: EtcdClient
+) -> None:
+    cluster = cluster_factory(
+        prefill=0, decode=0, regular=1, etcd=etcd_server.url, cluster_name=CLUSTER,
+        etcd_lease_ttl=TTL,
+    )  # fmt: skip
+    url = cluster.regular_urls[0]
+    kv = await _registered(etcd, url)
+    assert WorkerRecord.decode(kv.value) == WorkerRecord(
+        url=url, role="regular", bootstrap_port=None, source="self"
+    )
+
+
 async def test_a_killed_workers_record_goes_within_the_lease_ttl(
     registered_cluster: Callable[..., WorkerCluster], etcd: EtcdClient
 ) -> None:
