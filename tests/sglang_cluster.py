@@ -107,10 +107,19 @@ def tiny_model() -> Path:
     return target
 
 
+# SGLang 0.5.23 holds the KV of a decode request aborted before its transfer ended until the
+# prefill acknowledges the abort, or this many seconds (its default 30): a request stuck at a
+# stale endpoint (bug b) is acknowledged by no one, and meanwhile the decode refuses every switch
+# as not idle while its /v1/loads and /pd_role read idle. A transfer of the tiny model's KV on
+# loopback takes milliseconds, so a few seconds still outlast any real one.
+DEFERRED_KV_RELEASE_SECS = 5
+
+
 def environment() -> dict[str, str]:
     """SGLang on the CPU: its CPU engine, the stub libcuda, the import-time shim, loopback
     addresses for bootstrap, ZMQ and mooncake, one torch thread per server (several servers
-    share two cores; one count everywhere keeps outputs identical across servers)."""
+    share two cores; one count everywhere keeps outputs identical across servers), and the
+    deferred KV release of :data:`DEFERRED_KV_RELEASE_SECS`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA", "PYTHON"))}
     env |= {
         "SGLANG_USE_CPU_ENGINE": "1",
@@ -120,6 +129,7 @@ def environment() -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
+        "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(DEFERRED_KV_RELEASE_SECS),
     }
     return env
 

@@ -37,7 +37,7 @@ SHARED_PREFIX = "The quick brown fox jumps over the lazy dog and then the cat sa
 PROMPTS = [f"{SHARED_PREFIX} {i}" for i in range(3)]
 # Longer than a request needs on these servers (under a second), far shorter than a hang.
 HUNG_SECS = 20.0
-SWITCH_IDLE_SECS = 60.0  # a failed transfer's KV is held up to 30 s (deferred release)
+SWITCH_IDLE_SECS = 60.0  # a failed transfer's KV is held a while (DEFERRED_KV_RELEASE_SECS)
 LEAK = "pool memory leak detected"
 # SGLang's /health runs a generation through the scheduler: seconds on a busy CPU.
 REAL_HEALTH = {"interval_secs": 0.5, "timeout_secs": 10.0, "failure_threshold": 3}
@@ -111,8 +111,8 @@ def pair(sglang_fleet: Fleet) -> Iterator[tuple[SGLangServer, SGLangServer]]:
     leave its old endpoint with any decode that talked to it before (bug b), so every decode
     goes around a round trip of its own afterwards: the tests after these meet a clean fleet.
     The patched decode's switch waits there while SGLang still holds the KV of the bug b test's
-    hung request (30 s, deferred release), which a later test's switch would otherwise meet:
-    its /pd_role reads idle meanwhile, its switch is refused."""
+    hung request (tests/sglang_cluster.py's DEFERRED_KV_RELEASE_SECS), which a later test's
+    switch would otherwise meet: its /pd_role reads idle meanwhile, its switch is refused."""
     yield sglang_fleet.prefill[1], sglang_fleet.decode[1]
     sglang_fleet.refresh_decodes()
 
