@@ -35,17 +35,24 @@ GREEDY = {"temperature": 0, "max_new_tokens": 8}
 # Prompts sharing a 20-token prefix: the second one matches the first in a radix tree.
 SHARED_PREFIX = "The quick brown fox jumps over the lazy dog and then the cat sat on the mat"
 PROMPTS = [f"{SHARED_PREFIX} {i}" for i in range(3)]
-# Longer than a request needs on these servers (under a second), far shorter than a hang.
-HUNG_SECS = 20.0
+# What a request that should be answered may take: a request needs under a second on these
+# servers, several when other work shares the cores.
+ANSWER_SECS = 20.0
+# The wait that shows a request hangs: eight times what one needs even on a busy machine, and
+# waited out in full by the test that proves bug b (a hung request never ends by itself).
+HUNG_SECS = 8.0
 SWITCH_IDLE_SECS = 60.0  # a failed transfer's KV is held a while (DEFERRED_KV_RELEASE_SECS)
 LEAK = "pool memory leak detected"
 # SGLang's /health runs a generation through the scheduler: seconds on a busy CPU.
 REAL_HEALTH = {"interval_secs": 0.5, "timeout_secs": 10.0, "failure_threshold": 3}
 
 
-async def pd_generate(prefill: SGLangServer, decode: SGLangServer, text: str) -> str:
+async def pd_generate(
+    prefill: SGLangServer, decode: SGLangServer, text: str, wait: float = ANSWER_SECS
+) -> str:
     """One PD request sent by hand, as a router sends it: the same body, with the prefill's
-    bootstrap address and a fresh room, to both servers at once; the decode's text."""
+    bootstrap address and a fresh room, to both servers at once; the decode's text, or
+    httpx.TimeoutException after ``wait`` seconds without an answer."""
     body = {
         "text": text,
         "sampling_params": GREEDY,
@@ -53,7 +60,7 @@ async def pd_generate(prefill: SGLangServer, decode: SGLangServer, text: str) ->
         "bootstrap_port": prefill.bootstrap_port,
         "bootstrap_room": random.randrange(1 << 62),
     }
-    async with httpx.AsyncClient(timeout=HUNG_SECS) as http:
+    async with httpx.AsyncClient(timeout=wait) as http:
         _, reply = await asyncio.gather(
             http.post(prefill.url + "/generate", json=body),
             http.post(decode.url + "/generate", json=body),
@@ -153,7 +160,7 @@ async def test_a_round_tripped_prefill_leaves_an_old_decode_hanging_at_bootstrap
     await switch(p, "prefill")
     try:
         with pytest.raises(httpx.TimeoutException):
-            await pd_generate(p, d, PROMPTS[0])
+            await pd_generate(p, d, PROMPTS[0], wait=HUNG_SECS)
     finally:
         await forget(d, p)
 
@@ -189,7 +196,7 @@ async def test_router_makes_decodes_forget_a_worker_converted_back_to_prefill(
             convert = {"server_url": p.url, "new_role": role}
             reply = await http.post("/convert_pd_role", json=convert)
             assert reply.status_code == 200, reply.text
-        reply = await http.post("/generate", json=body, timeout=HUNG_SECS)
+        reply = await http.post("/generate", json=body, timeout=ANSWER_SECS)
         assert reply.status_code == 200, reply.text
         assert reply.json()["text"] == before
         assert f"decode {d.url} forgot the endpoints of prefill {p.url}" in router.log_text()
