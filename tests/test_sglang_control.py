@@ -73,9 +73,16 @@ def test_extension_endpoints_answered_by_real_sglang(sglang_fleet: Fleet) -> Non
         return httpx.get(d1.url + "/pd_role", timeout=10).json()
 
     # The requests of the tests before may still be finishing on the decode (their answers
-    # reached the router before the scheduler released them).
-    eventually(lambda: pd_role()["idle"], 30, "the decode idle")
-    role = pd_role()
+    # reached the router before the scheduler released them), and the module's router keeps
+    # probing it (SGLang's /health is a generation): the reading checked is the idle one.
+    readings: list[dict[str, Any]] = []
+
+    def idle() -> bool:
+        readings.append(pd_role())
+        return bool(readings[-1]["idle"])
+
+    eventually(idle, 30, "the decode idle")
+    role = readings[-1]
     assert role["role"] == "decode" and role["idle"] and role["switch_supported"]
     assert role["bootstrap_port"] == d1.bootstrap_port
     epoch = role["epoch"]
