@@ -113,13 +113,20 @@ def tiny_model() -> Path:
 # as not idle while its /v1/loads and /pd_role read idle. A transfer of the tiny model's KV on
 # loopback takes milliseconds, so a few seconds still outlast any real one.
 DEFERRED_KV_RELEASE_SECS = 5
+# When a scheduler dies (SIGTERM to a server's process group, bug a's crash), SGLang's launcher
+# sleeps 5 s "to let GPU activity settle" before py-spy and CUDA core dumps; on the CPU it then
+# finds nothing to dump. Both dumps off, it stops at once.
+NO_CRASH_DIAGNOSTICS = {
+    "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0",
+    "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0",
+}
 
 
 def environment() -> dict[str, str]:
     """SGLang on the CPU: its CPU engine, the stub libcuda, the import-time shim, loopback
     addresses for bootstrap, ZMQ and mooncake, one torch thread per server (several servers
-    share two cores; one count everywhere keeps outputs identical across servers), and the
-    deferred KV release of :data:`DEFERRED_KV_RELEASE_SECS`."""
+    share two cores; one count everywhere keeps outputs identical across servers), the
+    deferred KV release of :data:`DEFERRED_KV_RELEASE_SECS`, no crash diagnostics."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CUDA", "PYTHON"))}
     env |= {
         "SGLANG_USE_CPU_ENGINE": "1",
@@ -130,6 +137,7 @@ def environment() -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TOKENIZERS_PARALLELISM": "false",
         "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT": str(DEFERRED_KV_RELEASE_SECS),
+        **NO_CRASH_DIAGNOSTICS,
     }
     return env
 
