@@ -10,10 +10,11 @@ runs. When the venv is missing or the machine has
 too little memory for the servers, the tests skip and say why.
 
 A server is one ``python -m sglang.launch_server`` (or ``server_patch.launch_server``) process
-group with the CPU flags of :data:`CPU_FLAGS`; PD servers run mooncake's TCP transport on
-loopback and each has its own bootstrap port (with ``--enable-pd-role-switch`` every instance
-runs a bootstrap server, decodes too). Servers die with the test process (``PR_SET_PDEATHSIG``)
-and are stopped as a process group.
+group with the CPU flags of :data:`CPU_FLAGS`, forked from one process that imported SGLang once
+(:class:`ForkServer`); PD servers run mooncake's TCP transport on loopback and each has its own
+bootstrap port (with ``--enable-pd-role-switch`` every instance runs a bootstrap server, decodes
+too). Servers die with the test process (``PR_SET_PDEATHSIG``) and are stopped as a process
+group.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import json
 import os
 import signal
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -149,6 +151,58 @@ def _die_with_parent() -> None:
     libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def running_pid(pid: int) -> bool:
+    """Whether process ``pid`` runs: it exists and is not a zombie its parent has yet to reap."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+class ForkServer:
+    """tests/sglang_cpu/forkserver.py: one process of SGLang's venv that imports SGLang once and
+    forks every server from there. A server's start on the CPU is mostly its imports, the same
+    for every server; forked, the fleet of six pays them once (test support only, like the rest
+    of tests/sglang_cpu/). It dies with the test process, its servers with it."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self._log = (log_dir / "forkserver.log").open("wb")
+        self.process = subprocess.Popen(
+            [str(VENV / "bin" / "python"), str(SUPPORT / "forkserver.py")], cwd=log_dir,
+            env=environment(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        self.log_path = log_dir / "forkserver.log"
+
+    def launch(self, module: str, args: Sequence[str], log: Path, cwd: Path) -> int:
+        """``python -m MODULE ARGS`` with its output on ``log``, in a process group of its own;
+        its pid. The first call waits until the fork server has imported SGLang."""
+        assert self.process.stdin is not None and self.process.stdout is not None
+        log.write_bytes(b"")  # there to be read from now on, written by the server once forked
+        request = {"module": module, "args": list(args), "log": str(log), "cwd": str(cwd)}
+        with contextlib.suppress(BrokenPipeError):  # a fork server gone says so below
+            self.process.stdin.write(json.dumps(request).encode() + b"\n")
+            self.process.stdin.flush()
+        line = self.process.stdout.readline()
+        if not line:
+            log_text = self.log_path.read_text(errors="replace")[-4000:]
+            raise RuntimeError(f"SGLang's fork server exited:\n{log_text}")
+        return int(json.loads(line)["pid"])
+
+    def close(self) -> None:
+        """Ends the fork server (its servers are stopped before)."""
+        assert self.process.stdin is not None
+        with contextlib.suppress(BrokenPipeError):
+            self.process.stdin.close()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self._log.close()
+
+
 @dataclass
 class SGLangServer:
     """One real SGLang server: ``mode`` prefill, decode or None (colocated, no PD)."""
@@ -159,37 +213,37 @@ class SGLangServer:
     bootstrap_port: int | None
     patched: bool = False
     extra: Sequence[str] = ()
-    process: subprocess.Popen[bytes] | None = None
+    pid: int | None = None
     log_path: Path | None = None
-    _log: object = field(default=None, repr=False)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def command(self, model: Path) -> list[str]:
-        entry = "server_patch.launch_server" if self.patched else "sglang.launch_server"
-        args = [str(VENV / "bin" / "python"), "-m", entry, "--model-path", str(model)]
-        args += ["--host", "127.0.0.1", "--port", str(self.port), *CPU_FLAGS]
+    @property
+    def entry(self) -> str:
+        """The module run as ``python -m``."""
+        return "server_patch.launch_server" if self.patched else "sglang.launch_server"
+
+    def arguments(self, model: Path) -> list[str]:
+        """The command line after ``python -m ENTRY``."""
+        args = ["--model-path", str(model), "--host", "127.0.0.1", "--port", str(self.port)]
+        args += CPU_FLAGS
         if self.mode is not None:
             args += ["--disaggregation-mode", self.mode, *PD_FLAGS]
             args += ["--disaggregation-bootstrap-port", str(self.bootstrap_port)]
         return args + list(self.extra)
 
-    def start(self, model: Path, log_dir: Path) -> SGLangServer:
+    def start(self, model: Path, log_dir: Path, forks: ForkServer) -> SGLangServer:
         self.log_path = log_dir / f"{self.name}.log"
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(
-            self.command(model), cwd=log_dir, env=environment(), stdout=self._log,
-            stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-        )  # fmt: skip
+        self.pid = forks.launch(self.entry, self.arguments(model), self.log_path, log_dir)
         return self
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path else ""
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        return self.pid is not None and running_pid(self.pid)
 
     def port_taken(self) -> bool:
         return PORT_TAKEN in self.log_text()
@@ -204,23 +258,21 @@ class SGLangServer:
 
     def send(self, sig: int) -> None:
         """``sig`` to the whole process group (the launcher, its scheduler and detokenizer)."""
-        if self.process is not None:
+        if self.pid is not None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
+                os.killpg(self.pid, sig)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:
         """Stops the whole process group: ``sig``, then SIGKILL after ``timeout``."""
-        if self.process is None:
+        if self.pid is None:
             return
         self.send(sig)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.send(signal.SIGKILL)
-            self.process.wait()
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
         self.send(signal.SIGKILL)
-        if self._log is not None:
-            self._log.close()
+        while self.alive():
+            time.sleep(0.05)
 
     def kill(self) -> None:
         """SIGKILL to the whole group, as a crash or an OOM kill would end it."""
@@ -284,16 +336,18 @@ def running(servers: Sequence[SGLangServer]) -> Iterator[list[SGLangServer]]:
     model = tiny_model()
     log_dir = Path(tempfile.mkdtemp(prefix="sglang-"))
 
+    forks = ForkServer(log_dir)
+
     def restart(s: SGLangServer) -> None:
         s.kill()
         s.port = free_port()
         if s.bootstrap_port is not None:
             s.bootstrap_port = free_port()
-        s.start(model, log_dir)
+        s.start(model, log_dir, forks)
 
     try:
         for s in servers:
-            s.start(model, log_dir)
+            s.start(model, log_dir, forks)
         wait_ready(servers, restart)
         yield list(servers)
     finally:
@@ -301,6 +355,7 @@ def running(servers: Sequence[SGLangServer]) -> Iterator[list[SGLangServer]]:
             s.send(signal.SIGTERM)
         for s in servers:
             s.stop()
+        forks.close()
 
 
 def pd_args(prefill: Sequence[SGLangServer], decode: Sequence[SGLangServer]) -> list[str]:
@@ -383,8 +438,9 @@ class Fleet:
 
 @pytest.fixture(scope="session")
 def sglang_fleet() -> Iterator[Fleet]:
-    """Six real SGLang servers for the whole session (about 80 s to start on 2 cores, their
-    schedulers forked: tests/sglang_cpu/cpu_shim/sitecustomize.py)."""
+    """Six real SGLang servers for the whole session (about 30 s to start on 2 cores, each
+    forked from one process that imported SGLang, their schedulers forked too:
+    tests/sglang_cpu/forkserver.py, tests/sglang_cpu/cpu_shim/sitecustomize.py)."""
     reference = server("colocated", None, extra=NO_RADIX)
     prefill = [server("p0", "prefill", extra=NO_RADIX), server("p1", "prefill", patched=True)]
     decode = [server("d0", "decode", extra=NO_RADIX), server("d1", "decode", patched=True)]
