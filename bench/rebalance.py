@@ -349,16 +349,18 @@ class Configuration:
 
 def default_autopilot(speed: float, slo: Slo) -> str:
     """``[autopilot]`` in mode auto with the benchmark's SLOs, its sampling, window, sustain,
-    cooldown, peak horizon and flip guard scaled like the trace (1, 3, 1.5, 2, 10 and 60 modeled
+    cooldown, peak horizon and flip guard scaled like the trace (1, 3, 1.5, 2, 30 and 60 modeled
     seconds: a phase of a minute must be met within seconds; production phases last longer and
-    take the defaults): the router measures wall time, so every duration it is given is a
+    take the defaults; the peak horizon is three minutes of an Azure trace compressed 6x, where
+    one minute let single bursts decide: docs/PERFORMANCE.md, "The donor's peak over three
+    minutes of trace"): the router measures wall time, so every duration it is given is a
     modeled one times ``speed``."""
     keys = {
         "interval_secs": 1 * speed,
         "window_secs": 3 * speed,
         "sustain_secs": 1.5 * speed,
         "cooldown_secs": 2 * speed,
-        "peak_secs": 10 * speed,
+        "peak_secs": 30 * speed,
         "flip_guard_secs": 60 * speed,
         "ttft_slo_ms": slo.ttft_secs * 1000 * speed,
         "tpot_slo_ms": slo.tpot_secs * 1000 * speed,

@@ -69,6 +69,10 @@ FAR_OVER = 2.0
 # The share of the TTFT SLO that the prefills' standing queue may cost on the prefills a move
 # keeps.
 QUEUE_WAIT_SHARE = 0.5
+# A donor's peak need is this quantile of its needs over ``peak_secs``. The highest one is a
+# burst's flush: on the Azure trace in the fleet simulator it held servers a split needed and
+# let a quiet ten seconds move them (docs/autopilot.md, rule 2).
+PEAK_QUANTILE = 0.8
 
 
 @dataclass(frozen=True)
@@ -322,9 +326,14 @@ class AutopilotPolicy:
             self._peaks.popleft()
 
     def _peak(self, role: str) -> float:
-        """The highest need of ``role`` in the last ``peak_secs`` (0 when none was reckoned)."""
+        """The need ``role`` reached or passed in ``1 - PEAK_QUANTILE`` of the samples of the
+        last ``peak_secs`` (0 when none was reckoned): a level its demand keeps coming back
+        to, not the single highest sample, which a burst's flush sets."""
         column = 1 if role == PREFILL else 2
-        return max((entry[column] for entry in self._peaks), default=0.0)
+        needs = sorted(entry[column] for entry in self._peaks)
+        if not needs:
+            return 0.0
+        return needs[min(len(needs) - 1, int(PEAK_QUANTILE * len(needs)))]
 
     def _needs(self) -> Needs | None:
         """Both pools' needs from capacity over the window (None: a speed is unknown)."""
