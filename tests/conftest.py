@@ -84,8 +84,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     (timing-sensitive ones included) for as long as the session keeps them. Those that kill
     servers of the shared fleet run after every other. A real-SGLang test without a timeout
     of its own gets :data:`REAL_SGLANG_TIMEOUT_SECS`: the shared fleet starts inside the first
-    one's setup (162 s in a clean-clone run, 79 s since its schedulers are forked, against the
-    suite's 180 s)."""
+    one's setup (162 s in a clean-clone run, 26-31 s here since its servers and their
+    schedulers are forked, against the suite's 180 s)."""
     for item in items:
         if item.get_closest_marker("real_sglang") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(REAL_SGLANG_TIMEOUT_SECS))
