@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO))
 
 from fleet_model import Fleet, FleetResult  # noqa: E402
 from rebalance import (  # noqa: E402
+    TRACE_PEAK_SECS,
     Outcome,
     Slo,
     Workload,
@@ -177,7 +178,8 @@ def fleet_timing(batch_cap: int, decode_step_ms: float | None = None) -> TimingM
 
 def autopilot_config(slo: Slo) -> AutopilotConfig:
     """The ``[autopilot]`` section bench/rebalance.py gives the router (modeled seconds)."""
-    return build_autopilot(tomllib.loads(default_autopilot(1.0, slo))["autopilot"])
+    toml = default_autopilot(1.0, slo, TRACE_PEAK_SECS)
+    return build_autopilot(tomllib.loads(toml)["autopilot"])
 
 
 def simulate(

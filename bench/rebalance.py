@@ -347,20 +347,26 @@ class Configuration:
         return bool(self.router_toml)
 
 
-def default_autopilot(speed: float, slo: Slo) -> str:
+# The donor's peak horizon (modeled s): a sixth of the synthetic trace's 60 s phases, three
+# minutes of a real trace compressed 6x (docs/PERFORMANCE.md, "The donor's peak over three
+# minutes of trace": a minute there let single bursts decide; 30 s on the synthetic phases
+# carried the last phase's need through half of the next, 0.91x of the best static split).
+SYNTHETIC_PEAK_SECS = 10.0
+TRACE_PEAK_SECS = 30.0
+
+
+def default_autopilot(speed: float, slo: Slo, peak_secs: float) -> str:
     """``[autopilot]`` in mode auto with the benchmark's SLOs, its sampling, window, sustain,
-    cooldown, peak horizon and flip guard scaled like the trace (1, 3, 1.5, 2, 30 and 60 modeled
-    seconds: a phase of a minute must be met within seconds; production phases last longer and
-    take the defaults; the peak horizon is three minutes of an Azure trace compressed 6x, where
-    one minute let single bursts decide: docs/PERFORMANCE.md, "The donor's peak over three
-    minutes of trace"): the router measures wall time, so every duration it is given is a
-    modeled one times ``speed``."""
+    cooldown, peak horizon and flip guard scaled like the trace (1, 3, 1.5, 2, ``peak_secs``
+    and 60 modeled seconds: a phase of a minute must be met within seconds; production phases
+    last longer and take the defaults): the router measures wall time, so every duration it
+    is given is a modeled one times ``speed``."""
     keys = {
         "interval_secs": 1 * speed,
         "window_secs": 3 * speed,
         "sustain_secs": 1.5 * speed,
         "cooldown_secs": 2 * speed,
-        "peak_secs": 30 * speed,
+        "peak_secs": peak_secs * speed,
         "flip_guard_secs": 60 * speed,
         "ttft_slo_ms": slo.ttft_secs * 1000 * speed,
         "tpot_slo_ms": slo.tpot_secs * 1000 * speed,
@@ -917,7 +923,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     autopilot_toml = (
         args.autopilot_config.read_text()
         if args.autopilot_config
-        else default_autopilot(args.speed, slo)
+        else default_autopilot(
+            args.speed, slo, TRACE_PEAK_SECS if args.trace else SYNTHETIC_PEAK_SECS
+        )
     )
     trace = work.trace
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
