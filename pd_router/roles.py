@@ -6,6 +6,8 @@ from __future__ import annotations
 from enum import StrEnum
 from urllib.parse import urlsplit
 
+from pd_protocol.cluster import record_role
+
 # The KV bootstrap port of a prefill that does not say its own (SGLang's default).
 DEFAULT_BOOTSTRAP_PORT = 8998
 
@@ -36,11 +38,8 @@ def worker_role(value: object) -> Role | None:
     names a regular server's mode ``null``."""
     if not isinstance(value, str):
         return None
-    name = value.lower()
-    if name == "null":
-        return Role.REGULAR
     try:
-        return Role(name)
+        return Role(record_role(value.lower()))
     except ValueError:
         return None
 

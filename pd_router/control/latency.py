@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
 
 RING_SIZE = 4096
 
@@ -77,10 +78,12 @@ def percentile_ms(
 ) -> float | None:
     """The ``quantile`` of the samples taken at or after ``since``, in ms (None: no sample)."""
     values = sorted(value for at, value in ring if at >= since)
-    if not values:
-        return None
-    index = min(len(values) - 1, int(quantile * len(values)))
-    return 1000.0 * values[index]
+    return 1000.0 * quantile_of(values, quantile) if values else None
+
+
+def quantile_of(ordered: Sequence[float], quantile: float) -> float:
+    """The ``quantile`` of ``ordered`` (sorted, not empty): the value at ``quantile`` x n."""
+    return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))]
 
 
 def ttft_attained(recorder: LatencyRecorder, since: float, slo_ms: float) -> float | None:

@@ -54,6 +54,7 @@ from typing import Any
 
 from pd_router.control.autopilot.capacity import CapacityModel, Needs
 from pd_router.control.autopilot.signals import DECODE, PREFILL, ROLES, Sample, WorkerSignals
+from pd_router.control.latency import quantile_of
 
 MODES = ("off", "recommend", "auto")
 HOLD = "hold"
@@ -331,9 +332,7 @@ class AutopilotPolicy:
         to, not the single highest sample, which a burst's flush sets."""
         column = 1 if role == PREFILL else 2
         needs = sorted(entry[column] for entry in self._peaks)
-        if not needs:
-            return 0.0
-        return needs[min(len(needs) - 1, int(PEAK_QUANTILE * len(needs)))]
+        return quantile_of(needs, PEAK_QUANTILE) if needs else 0.0
 
     def _needs(self) -> Needs | None:
         """Both pools' needs from capacity over the window (None: a speed is unknown)."""
